@@ -1,0 +1,39 @@
+// Errors that tell the user what to do.
+//
+// A UserError is a mistake in flags, files or environment: it carries a plain
+// sentence and a hint and is printed as one line, without a stack trace. Any
+// other exception is an internal fault and keeps its file:line (TORCH_CHECK).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace ddp {
+
+class UserError : public std::runtime_error {
+ public:
+  UserError(const std::string& what, const std::string& hint = "")
+      : std::runtime_error(hint.empty() ? what : what + " Hint: " + hint) {}
+};
+
+/// A collective failed or timed out; names the rank and the collective.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Throws UserError(what, hint) unless cond holds. Use for user input only.
+inline void check_user(bool cond, const std::string& what, const std::string& hint = "") {
+  if (!cond) throw UserError(what, hint);
+}
+
+/// Exit codes shared by the launcher, the workers and the tests.
+namespace exit_code {
+constexpr int kOk = 0;
+constexpr int kFailure = 1;     // internal fault or collective failure
+constexpr int kUsage = 2;       // bad flag or bad input (UserError)
+constexpr int kPreempted = 75;  // stopped by SIGTERM/SIGINT after saving (EX_TEMPFAIL)
+constexpr int kNonFinite = 3;   // loss became NaN or Inf
+}  // namespace exit_code
+
+}  // namespace ddp

@@ -1,0 +1,40 @@
+// Starting worker processes on one node and watching them.
+//
+// `ddptrain --size N` re-executes its own binary N times with RANK,
+// LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set,
+// the way mp.spawn + env:// or torchrun do. The launcher forwards SIGINT and
+// SIGTERM, and when one worker fails (non-zero exit or a signal) it stops the
+// others within a grace period and reports which rank died and how. With
+// max_restarts it starts the whole group again, like torchrun's elastic agent.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace ddp {
+
+struct LaunchOptions {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;              // 0: choose a free port (single node only)
+  std::vector<std::string> visible; // CUDA_VISIBLE_DEVICES entries; empty: leave as is
+  std::vector<std::string> argv;    // the worker command line; argv[0] is the program
+  int max_restarts = 0;
+  double grace_seconds = 5.0;       // SIGTERM -> SIGKILL delay for survivors
+};
+
+/// Runs the workers to completion; returns the exit code for the launcher.
+int launch_workers(const LaunchOptions& options);
+
+/// A TCP port on this machine that nothing listens on right now.
+int find_free_port();
+
+/// "rank 1 exited with code 3", "rank 0 was killed by signal 9 (SIGKILL)".
+std::string describe_exit(int rank, int wait_status);
+
+/// Path of the running executable (/proc/self/exe).
+std::string self_executable();
+
+}  // namespace ddp

@@ -1,0 +1,174 @@
+// BatchNorm with optional global-batch statistics and its exact backward.
+#include "ddp/sync_batchnorm.h"
+
+#include "ddp/error.h"
+
+namespace ddp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Shape {1, C, 1, ...} to broadcast a per-channel vector against the input.
+std::vector<int64_t> channel_shape(const torch::Tensor& x) {
+  std::vector<int64_t> s(static_cast<size_t>(x.dim()), 1);
+  s[1] = x.size(1);
+  return s;
+}
+
+std::vector<int64_t> reduce_dims(const torch::Tensor& x) {
+  std::vector<int64_t> d{0};
+  for (int64_t i = 2; i < x.dim(); ++i) d.push_back(i);
+  return d;
+}
+
+// Forward: each rank contributes (count, mean, M2) per channel; they are
+// combined with Chan's parallel formula, which stays accurate when the mean
+// is large against the spread (sum/sum-of-squares would cancel). Gathering is
+// an all-reduce of a zero matrix in which each rank fills its own row.
+// Backward: the two per-channel sums the input gradient needs are summed over
+// ranks; the weight and bias gradients stay local, because gradient sync
+// averages them afterwards, like every other parameter's.
+struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor bias, torch::Tensor running_mean,
+                               torch::Tensor running_var, double eps, double momentum,
+                               World* world) {
+    const auto dims = reduce_dims(x);
+    const int64_t C = x.size(1);
+    auto xf = x.to(torch::kFloat);
+    const double n_local = static_cast<double>(x.numel() / std::max<int64_t>(C, 1));
+    auto row = torch::zeros({2 * C + 1}, xf.options());
+    if (n_local > 0) {
+      auto mean_l = xf.mean(dims);
+      auto m2_l = (xf - mean_l.view(channel_shape(x))).pow(2).sum(dims);
+      row[0] = n_local;
+      row.narrow(0, 1, C).copy_(mean_l);
+      row.narrow(0, 1 + C, C).copy_(m2_l);
+    }
+    auto table = torch::zeros({world->size(), 2 * C + 1}, xf.options());
+    table[world->rank()].copy_(row);
+    world->all_reduce(table, "SyncBatchNorm statistics");
+    auto counts = table.select(1, 0).unsqueeze(1);  // W x 1
+    auto means = table.narrow(1, 1, C);
+    auto m2s = table.narrow(1, 1 + C, C);
+    auto n = counts.sum();
+    const double n_total = n.item<double>();
+    TORCH_CHECK(n_total > 0, "SyncBatchNorm: the global batch is empty");
+    auto mean = (counts * means).sum(0) / n;
+    auto m2 = (m2s + counts * (means - mean).pow(2)).sum(0);
+    auto var = m2 / n;
+    auto invstd = (var + eps).rsqrt();
+
+    if (running_mean.defined()) {
+      running_mean.mul_(1 - momentum).add_(mean.to(running_mean.scalar_type()), momentum);
+      auto unbiased = n_total > 1 ? m2 / (n_total - 1) : var;
+      running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
+    }
+
+    auto shape = channel_shape(x);
+    auto xhat = (xf - mean.view(shape)) * invstd.view(shape);
+    auto y = xhat;
+    if (weight.defined()) y = y * weight.to(torch::kFloat).view(shape) + bias.to(torch::kFloat).view(shape);
+    ctx->save_for_backward({x, weight, mean, invstd});
+    ctx->saved_data["n"] = n_total;
+    ctx->saved_data["world"] = reinterpret_cast<int64_t>(world);
+    return y.to(x.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
+    auto* world = reinterpret_cast<World*>(ctx->saved_data["world"].toInt());
+    const double n = ctx->saved_data["n"].toDouble();
+    const auto dims = reduce_dims(x);
+    const auto shape = channel_shape(x);
+    const int64_t C = x.size(1);
+
+    auto dy = grads[0].to(torch::kFloat);
+    auto xhat = (x.to(torch::kFloat) - mean.view(shape)) * invstd.view(shape);
+    auto sum_dy = dy.sum(dims);
+    auto sum_dy_xhat = (dy * xhat).sum(dims);
+    auto both = torch::cat({sum_dy, sum_dy_xhat});
+    world->all_reduce(both, "SyncBatchNorm backward");
+    auto g_sum_dy = both.narrow(0, 0, C), g_sum_dy_xhat = both.narrow(0, C, C);
+
+    auto scale = weight.defined() ? invstd * weight.to(torch::kFloat) : invstd;
+    auto dx = scale.view(shape) *
+              (dy - (g_sum_dy / n).view(shape) - xhat * (g_sum_dy_xhat / n).view(shape));
+    torch::Tensor dw, db;
+    if (weight.defined()) {
+      dw = sum_dy_xhat.to(weight.scalar_type());
+      db = sum_dy.to(weight.scalar_type());
+    }
+    return {dx.to(x.scalar_type()), dw, db, torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+BatchNormImpl::BatchNormImpl(BatchNormOptions options_) : options(std::move(options_)) { reset(); }
+
+void BatchNormImpl::reset() {
+  const int64_t c = options.num_features();
+  if (options.affine()) {
+    weight = register_parameter("weight", torch::ones({c}));
+    bias = register_parameter("bias", torch::zeros({c}));
+  } else {
+    weight = register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
+    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = register_buffer("running_mean", torch::zeros({c}));
+    running_var = register_buffer("running_var", torch::ones({c}));
+    num_batches_tracked = register_buffer("num_batches_tracked", torch::zeros({}, torch::kLong));
+  }
+}
+
+void BatchNormImpl::pretty_print(std::ostream& stream) const {
+  stream << "ddp::BatchNorm" << options.dim() << "d(" << options.num_features()
+         << ", eps=" << options.eps() << ", momentum=" << options.momentum()
+         << (synced() ? ", synced" : "") << ")";
+}
+
+torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
+  const int d = options.dim();
+  const bool rank_ok = d == 1 ? (input.dim() == 2 || input.dim() == 3) : input.dim() == d + 2;
+  check_user(rank_ok, "BatchNorm" + std::to_string(d) + "d got a " + std::to_string(input.dim()) +
+                          "-D input " + c10::str(input.sizes()) + ".",
+             "the layer before it produces the wrong shape; check the model's input size.");
+  check_user(input.size(1) == options.num_features(),
+             "BatchNorm expected " + std::to_string(options.num_features()) + " channels, got " +
+                 std::to_string(input.size(1)) + " (input " + c10::str(input.sizes()) + ").",
+             "the model's channel counts do not match its data.");
+  const bool use_batch_stats = is_training() || !options.track_running_stats();
+  if (is_training() && options.track_running_stats()) num_batches_tracked.add_(1);
+  if (use_batch_stats && synced()) {
+    return SyncBatchNormFn::apply(input, weight, bias,
+                                  is_training() ? running_mean : torch::Tensor(),
+                                  is_training() ? running_var : torch::Tensor(), options.eps(),
+                                  options.momentum(), world_);
+  }
+  return torch::batch_norm(input, weight, bias, running_mean, running_var, use_batch_stats,
+                           options.momentum(), options.eps(), at::globalContext().userEnabledCuDNN());
+}
+
+int convert_sync_batchnorm(torch::nn::Module& module, World& world) {
+  int converted = 0;
+  for (const auto& item : module.named_modules()) {
+    auto& m = *item.value();
+    if (auto* bn = dynamic_cast<BatchNormImpl*>(&m)) {
+      bn->set_world(&world);
+      ++converted;
+    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m) ||
+               dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m) ||
+               dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) {
+      throw UserError("module '" + item.key() + "' is a torch::nn::BatchNorm, which cannot be synchronised in place.",
+                      "build the model with ddp::BatchNorm2d (same parameters and names), or pass --sync-bn false.");
+    }
+  }
+  return converted;
+}
+
+}  // namespace ddp

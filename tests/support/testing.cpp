@@ -1,0 +1,87 @@
+// Process and filesystem helpers for tests.
+#include "support/testing.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace ddp::testing {
+
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env, double timeout_seconds) {
+  ProcessResult r;
+  auto t0 = std::chrono::steady_clock::now();
+  char tmpl[] = "/tmp/ddp_test_outXXXXXX";
+  int fd = mkstemp(tmpl);
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    for (const auto& [k, v] : env) {
+      if (v.empty()) unsetenv(k.c_str());
+      else setenv(k.c_str(), v.c_str(), 1);
+    }
+    std::vector<char*> a;
+    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    execvp(a[0], a.data());
+    _exit(127);
+  }
+  int st = 0;
+  bool done = false;
+  while (!done) {
+    pid_t w = waitpid(pid, &st, WNOHANG);
+    if (w == pid) { done = true; break; }
+    double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (el > timeout_seconds) {
+      kill(-pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      done = true;
+      r.output = "[test harness: killed after timeout]\n";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Whatever the process group left behind goes too.
+  kill(-pid, SIGKILL);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  close(fd);
+  r.output += read_file(tmpl);
+  unlink(tmpl);
+  return r;
+}
+
+std::string temp_dir(const std::string& tag) {
+  auto base = std::filesystem::temp_directory_path() /
+              ("ddp_" + tag + "_" + std::to_string(getpid()) + "_" +
+               std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
+  std::filesystem::create_directories(base);
+  return base.string();
+}
+
+std::string fashion_mnist_root() {
+  const char* over = std::getenv("DDP_FASHION_MNIST");
+  std::string root = over ? over : "/usr/share/datasets/fashion-mnist";
+  return std::filesystem::exists(root + "/train-images-idx3-ubyte.gz") ||
+                 std::filesystem::exists(root + "/train-images-idx3-ubyte")
+             ? root
+             : "";
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return "";
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace ddp::testing

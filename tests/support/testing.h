@@ -1,0 +1,39 @@
+// Shared helpers for the test suite: running real processes, temporary
+// directories, and skipping tests whose hardware is absent.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ddp::testing {
+
+struct ProcessResult {
+  int exit_code = -1;   // 128 + signal when killed by a signal
+  std::string output;   // stdout and stderr together
+  double seconds = 0;
+};
+
+/// Runs `argv` with extra environment `env`, killing it after
+/// `timeout_seconds`; returns its exit code and combined output.
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env = {},
+                          double timeout_seconds = 300);
+
+/// A fresh empty directory under the system temp dir, removed at exit.
+std::string temp_dir(const std::string& tag);
+
+/// Where the real Fashion-MNIST lives, or "" if it is not installed.
+std::string fashion_mnist_root();
+
+/// Reads a whole file; "" if it does not exist.
+std::string read_file(const std::string& path);
+
+}  // namespace ddp::testing
+
+/// GPU tests end in _CUDA and skip cleanly where there is no GPU.
+#define DDP_SKIP_UNLESS_CUDA() \
+  do { if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA GPU here"; } while (0)
