@@ -233,7 +233,6 @@ void World::wait(const c10::intrusive_ptr<compat::Work>& work, const std::string
 }
 
 void World::all_reduce(torch::Tensor& t, const std::string& what, c10d::ReduceOp op) {
-  if (where_.world_size == 1) return;
   try {
     std::vector<torch::Tensor> v{t};
     c10d::AllreduceOptions o;
@@ -245,7 +244,6 @@ void World::all_reduce(torch::Tensor& t, const std::string& what, c10d::ReduceOp
 }
 
 void World::broadcast(torch::Tensor& t, int root, const std::string& what) {
-  if (where_.world_size == 1) return;
   try {
     std::vector<torch::Tensor> v{t};
     c10d::BroadcastOptions o;
@@ -257,13 +255,11 @@ void World::broadcast(torch::Tensor& t, int root, const std::string& what) {
 }
 
 void World::barrier(const std::string& what) {
-  if (where_.world_size == 1) return;
   auto t = torch::zeros({1}, torch::TensorOptions().device(device_));
   all_reduce(t, "barrier: " + what);
 }
 
 std::string World::share_string(const std::string& key, const std::string& value_on_root, int root) {
-  if (where_.world_size == 1) return value_on_root;
   const std::string k = "ddp/share/" + key + "/" + std::to_string(share_counter_++);
   try {
     if (where_.rank == root) {

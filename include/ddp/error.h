@@ -22,6 +22,16 @@ class CollectiveError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// The loss became NaN or Inf: training stops, earlier checkpoints stay.
+class NonFiniteLoss : public std::runtime_error {
+ public:
+  NonFiniteLoss(long long epoch, long long step, double value, const std::string& run_dir)
+      : std::runtime_error("the training loss became " + std::to_string(value) + " at epoch " +
+                           std::to_string(epoch) + ", step " + std::to_string(step) +
+                           "; stopped without saving, earlier checkpoints in " + run_dir +
+                           " are intact. Hint: lower --lr, set --clip-grad-norm, or check the data.") {}
+};
+
 /// Throws UserError(what, hint) unless cond holds. Use for user input only.
 inline void check_user(bool cond, const std::string& what, const std::string& hint = "") {
   if (!cond) throw UserError(what, hint);

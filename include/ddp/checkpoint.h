@@ -1,0 +1,53 @@
+// Checkpoints: the whole training state, written so that a crash never
+// leaves a broken file behind.
+//
+// A checkpoint holds the model's parameters and buffers, the optimizer
+// state, the counters (epoch, step, best accuracy), the CPU random state and
+// a JSON header with a format version, the architecture and the config. It
+// is written to a temporary file, fsync'ed and renamed over the target: a
+// kill at any moment leaves either the old file or the new one, never half.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+namespace ddp {
+
+constexpr int kCheckpointFormat = 1;
+
+struct TrainState {
+  int64_t epoch = 0;    // epochs completed
+  int64_t step = 0;     // optimizer steps completed
+  double best_acc = 0;  // best test accuracy so far
+};
+
+struct CheckpointMeta {
+  TrainState state;
+  std::string arch;         // e.g. "resnet18/small/1x28x28/10"
+  nlohmann::json config;
+};
+
+/// Writes atomically; throws UserError if the directory is not writable.
+void save_checkpoint(const std::string& path, const torch::nn::Module& model,
+                     const torch::optim::Optimizer* optimizer, const CheckpointMeta& meta);
+
+/// Reads a checkpoint into `model` (and `optimizer` if given), placing
+/// tensors on `device`. Throws UserError naming the file for a missing,
+/// corrupt, wrong-version or wrong-architecture checkpoint.
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
+                               torch::optim::Optimizer* optimizer, const torch::Device& device,
+                               const std::string& expected_arch);
+
+/// True if `path` opens as a ddptrain checkpoint (format header present).
+bool is_checkpoint(const std::string& path);
+
+/// The newest complete checkpoint (epoch_*.pt) under `dir` and its run
+/// subdirectories, or "" when there is none.
+std::string find_latest_checkpoint(const std::string& dir);
+
+/// Writes `text` to `path` atomically (temp file, fsync, rename).
+void write_file_atomic(const std::string& path, const std::string& text);
+
+}  // namespace ddp

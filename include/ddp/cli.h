@@ -1,0 +1,90 @@
+// The command line: one table drives parsing, --help and the printed config.
+//
+// Every flag is one row of flag_table(): its names, help text, the Config
+// field it writes and, where it has them, its allowed values. CLI11 parses
+// from the table, --help is CLI11's rendering of it, and print/json walk the
+// same rows, so the three cannot drift apart.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace ddp {
+
+struct Config {
+  // The seed template's flags, same names and meanings.
+  int port = 0;                     // 0: a free port on one node
+  int size = 0;                     // ranks on this node; 0: every visible GPU, else 2 CPU ranks
+  std::string visible;              // GPUs, e.g. "0,1"; "": all
+  std::string address = "127.0.0.1";
+  int epochs = 3;
+  int batch = 64;                   // per rank
+  std::string pretrain;
+  std::string save_path = "./checkpoint";
+  int save_epoch = 10;
+  std::string data_root = "/usr/share/datasets/fashion-mnist";
+  // Data.
+  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic
+  int train_samples = 0;            // 0: all
+  int test_samples = 0;
+  std::string augment = "standard";
+  int workers = 1;
+  // Model and optimisation.
+  std::string model = "cnn";
+  std::string stem = "auto";
+  std::string optimizer = "adamw";
+  double lr = 0;                    // 0 until resolved: per-optimizer default
+  double weight_decay = -1;         // -1 until resolved
+  double momentum = 0.9;
+  std::string schedule = "onecycle";
+  double warmup_epochs = 0.3;
+  std::string loss = "cross-entropy";
+  double label_smoothing = 0.0;
+  double clip_grad_norm = 0.0;      // 0: off
+  int accum_steps = 1;
+  int seed = 0;
+  std::string sync_bn = "auto";     // auto | on | off
+  // Distributed.
+  std::string backend = "auto";
+  int nnodes = 1;
+  int node_rank = 0;
+  double timeout = 300;             // seconds, for every collective
+  double bucket_cap_mb = 25;
+  // Output.
+  std::string progress = "auto";    // auto | bar | plain | none
+  int log_every = 50;
+  int keep_last = 3;
+  std::string resume;               // "" | auto | PATH
+  int max_restarts = 0;
+
+  /// Values the user set explicitly (by flag name without dashes).
+  std::vector<std::string> given;
+  bool was_given(const std::string& name) const;
+};
+
+using FlagTarget = std::variant<int*, double*, std::string*>;
+
+struct Flag {
+  std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"
+  std::string help;
+  FlagTarget target;
+  std::vector<std::string> choices;  // empty: any value of the type
+  std::string group;
+  /// The key used in the printed config and config.json (first long name).
+  std::string key() const;
+};
+
+std::vector<Flag> flag_table(Config& config);
+
+/// Parses argv into a Config. Throws UserError for bad flags or values;
+/// prints --help and exits 0 for --help.
+Config parse_cli(int argc, const char* const* argv);
+
+nlohmann::json config_to_json(const Config& config);
+void print_config(const Config& config, std::ostream& out);
+
+}  // namespace ddp

@@ -1,0 +1,63 @@
+// The training loop: one readable fit() that every run goes through.
+//
+// Set-up happens in a fixed order (device, SyncBatchNorm, gradient sync,
+// optimizer, schedule, run directory, resume), then fit() loops over epochs:
+// train, evaluate on a sharded test set, log, checkpoint. Everything the loop
+// needs beyond that lives in its own module.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "ddp/checkpoint.h"
+#include "ddp/cli.h"
+#include "ddp/data/dataset.h"
+#include "ddp/grad_sync.h"
+#include "ddp/loss.h"
+#include "ddp/metrics.h"
+#include "ddp/models/net.h"
+#include "ddp/optim.h"
+#include "ddp/world.h"
+
+namespace ddp {
+
+/// What a run trains: the model, its data, and a name for its architecture
+/// (checked when resuming).
+struct Parts {
+  std::shared_ptr<Net> model;
+  data::Splits data;
+  std::string arch = "custom";
+};
+
+class Trainer {
+ public:
+  Trainer(Config config, World& world, Parts parts);
+  ~Trainer();
+
+  /// Trains every epoch and returns the last epoch's metrics.
+  EpochMetrics fit();
+
+  const std::string& run_dir() const { return run_dir_; }
+
+ private:
+  double train_epoch(int64_t epoch, int64_t& samples_seen);
+  std::pair<double, double> evaluate();  // test loss, test accuracy
+  void save(int64_t epoch, double test_acc);
+  void resume();
+  void make_run_dir();
+
+  Config config_;
+  World& world_;
+  Parts parts_;
+  std::unique_ptr<GradSync> sync_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<LrSchedule> schedule_;
+  LossOptions loss_;
+  TrainState state_;
+  std::string run_dir_;
+  std::unique_ptr<MetricsLog> metrics_;
+  int64_t steps_per_epoch_ = 0;
+  bool is_bar_ = false;
+};
+
+}  // namespace ddp

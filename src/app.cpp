@@ -1,0 +1,156 @@
+// Entry point shared by ddptrain and the template.
+#include "ddp/app.h"
+
+#include <csignal>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+
+#include "ddp/data/idx.h"
+#include "ddp/data/synthetic.h"
+#include "ddp/error.h"
+#include "ddp/launch.h"
+#include "ddp/models/registry.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+namespace {
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+int gpu_count() {
+#ifdef DDP_WITH_CUDA
+  return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+#else
+  return 0;
+#endif
+}
+
+// The parent side: decide how many local ranks, then start them.
+int launch(const Config& c, int argc, char** argv) {
+  const int gpus = c.backend == "gloo" ? 0 : gpu_count();
+  auto visible = split_commas(c.visible);
+  for (const auto& v : visible) {
+    bool ok = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) < gpus;
+    check_user(gpus == 0 || ok, "--visible names GPU '" + v + "', but this machine has " + std::to_string(gpus) + " GPU(s) (0.." +
+                                    std::to_string(gpus - 1) + ").",
+               "list existing GPU indices, e.g. --visible 0,1 (see nvidia-smi).");
+  }
+  const int usable = visible.empty() ? gpus : static_cast<int>(visible.size());
+  LaunchOptions lo;
+  lo.nproc_per_node = c.size > 0 ? c.size : (usable > 0 ? usable : 2);
+  check_user(usable == 0 || lo.nproc_per_node <= usable,
+             "--size " + std::to_string(lo.nproc_per_node) + " asks for more ranks than the " + std::to_string(usable) +
+                 " GPU(s) available.",
+             "use --size " + std::to_string(usable) + " or fewer (one rank per GPU), or --backend gloo for CPU ranks.");
+  lo.nnodes = c.nnodes;
+  lo.node_rank = c.node_rank;
+  lo.master_addr = c.address == "localhost" ? "127.0.0.1" : c.address;
+  lo.master_port = c.port;
+  lo.visible = visible;
+  lo.max_restarts = c.max_restarts;
+  lo.argv.push_back(self_executable());
+  for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
+  return launch_workers(lo);
+}
+
+int run_worker(const Config& c, Placement where, const PartsFactory& make_parts) {
+  if (!where.launched()) {
+    where.master_addr = c.address == "localhost" ? "127.0.0.1" : c.address;
+    where.master_port = c.port;
+  }
+  WorldOptions wo;
+  wo.backend = c.backend;
+  wo.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout * 1000));
+  World world(where, wo);
+  if (!world.device().is_cuda()) {
+    // Ranks that share a CPU split its cores instead of oversubscribing them.
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    torch::set_num_threads(std::max(1, cores / std::max(1, where.local_world_size)));
+  }
+  DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
+             where.source.c_str(), world.backend_name().c_str());
+  torch::manual_seed(c.seed);
+  Parts parts = make_parts(c, world);
+  Trainer trainer(c, world, std::move(parts));
+  trainer.fit();
+  return exit_code::kOk;
+}
+
+}  // namespace
+
+data::Splits load_data(const Config& c, bool verbose) {
+  const bool want_files = c.dataset != "synthetic";
+  const bool have_files = fs::exists(fs::path(c.data_root) / "train-images-idx3-ubyte.gz") ||
+                          fs::exists(fs::path(c.data_root) / "train-images-idx3-ubyte");
+  if (want_files && (have_files || c.dataset != "auto")) {
+    const std::string name = c.dataset == "mnist" ? "mnist" : "fashion-mnist";
+    return data::load_mnist_like(c.data_root, name, c.train_samples, c.test_samples);
+  }
+  if (c.dataset == "auto" && verbose)
+    std::fprintf(stderr,
+                 "ddptrain: Fashion-MNIST not found in --data_root '%s' (install it with: apt-get install "
+                 "dataset-fashion-mnist, or pass --data_root DIR). Falling back to the built-in SYNTHETIC dataset.\n",
+                 c.data_root.c_str());
+  const int64_t n_train = c.train_samples > 0 ? c.train_samples : 60000;
+  const int64_t n_test = c.test_samples > 0 ? c.test_samples : 10000;
+  return data::make_synthetic(n_train, n_test, static_cast<uint64_t>(c.seed));
+}
+
+Parts default_parts(const Config& c, World& world) {
+  Parts p;
+  p.data = load_data(c, world.is_main());
+  models::ModelSpec spec;
+  spec.name = c.model;
+  spec.stem = c.stem;
+  const auto shape = p.data.train->input_shape();
+  check_user(shape.size() == 3, "the built-in models need C x H x W images; the dataset gives " +
+                                    c10::str(c10::IntArrayRef(shape)) + ".");
+  spec.in_channels = shape[0];
+  spec.input_hw = {shape[1], shape[2]};
+  spec.num_classes = p.data.train->num_classes();
+  p.model = models::make_model(spec);
+  p.arch = c.model + "/" + c.stem + "/" + std::to_string(shape[0]) + "x" + std::to_string(shape[1]) + "x" +
+           std::to_string(shape[2]) + "/" + std::to_string(spec.num_classes);
+  return p;
+}
+
+int main(int argc, char** argv, const PartsFactory& make_parts) {
+  const char* rank = std::getenv("RANK");
+  const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
+  try {
+    Config c = parse_cli(argc, argv);
+    Placement where = placement_from_env();
+    if (!where.launched()) {
+      const int gpus = c.backend == "gloo" ? 0 : gpu_count();
+      const int local = c.size > 0 ? c.size : (gpus > 0 ? (c.visible.empty() ? gpus : static_cast<int>(split_commas(c.visible).size())) : 2);
+      if (local > 1 || c.nnodes > 1 || !c.visible.empty()) return launch(c, argc, argv);
+    }
+    return run_worker(c, where, make_parts);
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
+    return exit_code::kUsage;
+  } catch (const NonFiniteLoss& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
+    return exit_code::kNonFinite;
+  } catch (const CollectiveError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
+    return exit_code::kFailure;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", who.c_str(), e.what_without_backtrace());
+    return exit_code::kFailure;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: internal error: %s\n", who.c_str(), e.what());
+    return exit_code::kFailure;
+  }
+}
+
+}  // namespace ddp

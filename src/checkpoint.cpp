@@ -1,0 +1,181 @@
+// Atomic checkpoint files with a versioned header.
+#include "ddp/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "ddp/error.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+namespace {
+
+void fsync_path(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+// Moves tmp over path, then makes the rename itself durable.
+void commit(const std::string& tmp, const std::string& path) {
+  fsync_path(tmp);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw UserError("cannot write " + path + ": " + why + ".", "check that --save_path is writable and has space.");
+  }
+  fsync_path(fs::path(path).parent_path().string());
+}
+
+std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, const std::string& text) {
+  const auto tmp = tmp_name(path);
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    check_user(static_cast<bool>(f), "cannot write " + path + ": " + std::strerror(errno) + ".",
+               "check that --save_path is writable.");
+    f << text;
+  }
+  commit(tmp, path);
+}
+
+void save_checkpoint(const std::string& path, const torch::nn::Module& model,
+                     const torch::optim::Optimizer* optimizer, const CheckpointMeta& meta) {
+  torch::serialize::OutputArchive archive;
+  nlohmann::json header = {{"format", kCheckpointFormat}, {"arch", meta.arch},
+                           {"epoch", meta.state.epoch},   {"step", meta.state.step},
+                           {"best_acc", meta.state.best_acc}, {"config", meta.config}};
+  archive.write("ddptrain", c10::IValue(header.dump()));
+  torch::serialize::OutputArchive model_archive;
+  for (const auto& p : model.named_parameters()) model_archive.write(p.key(), p.value().detach().cpu());
+  for (const auto& b : model.named_buffers()) model_archive.write(b.key(), b.value().detach().cpu(), true);
+  archive.write("model", model_archive);
+  if (optimizer) {
+    torch::serialize::OutputArchive opt_archive;
+    optimizer->save(opt_archive);
+    archive.write("optimizer", opt_archive);
+  }
+  archive.write("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
+  const auto tmp = tmp_name(path);
+  try {
+    archive.save_to(tmp);
+  } catch (const std::exception& e) {
+    std::remove(tmp.c_str());
+    throw UserError("cannot write checkpoint " + path + ".", "check that --save_path is writable and has space.");
+  }
+  commit(tmp, path);
+}
+
+bool is_checkpoint(const std::string& path) {
+  try {
+    torch::serialize::InputArchive a;
+    a.load_from(path);
+    c10::IValue v;
+    return a.try_read("ddptrain", v);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
+                               torch::optim::Optimizer* optimizer, const torch::Device& device,
+                               const std::string& expected_arch) {
+  check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path given to --resume/--pretrain.");
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path, device);
+  } catch (const std::exception&) {
+    throw UserError("checkpoint " + path + " is corrupt or not a ddptrain/LibTorch file.",
+                    "use another checkpoint (the previous epoch's, or best.pt).");
+  }
+  c10::IValue hv;
+  check_user(archive.try_read("ddptrain", hv), "checkpoint " + path + " has no ddptrain header.",
+             "it was not written by ddptrain; pass PyTorch weights with --pretrain instead.");
+  CheckpointMeta meta;
+  nlohmann::json h;
+  try {
+    h = nlohmann::json::parse(hv.toStringRef());
+  } catch (const std::exception&) {
+    throw UserError("checkpoint " + path + " has a damaged header.", "use another checkpoint.");
+  }
+  const int format = h.value("format", 0);
+  check_user(format == kCheckpointFormat,
+             "checkpoint " + path + " has format version " + std::to_string(format) + "; this ddptrain reads version " +
+                 std::to_string(kCheckpointFormat) + ".",
+             "load it with the ddptrain version that wrote it, or start without --resume.");
+  meta.arch = h.value("arch", "");
+  check_user(expected_arch.empty() || meta.arch == expected_arch,
+             "checkpoint " + path + " is for model '" + meta.arch + "', but this run builds '" + expected_arch + "'.",
+             "pass the same --model/--stem/data as the run that wrote it.");
+  meta.state.epoch = h.value("epoch", 0);
+  meta.state.step = h.value("step", 0);
+  meta.state.best_acc = h.value("best_acc", 0.0);
+  meta.config = h.value("config", nlohmann::json::object());
+
+  torch::serialize::InputArchive model_archive;
+  archive.read("model", model_archive);
+  torch::NoGradGuard no_grad;
+  auto load_into = [&](const std::string& name, torch::Tensor& dst, bool buffer) {
+    torch::Tensor src;
+    check_user(model_archive.try_read(name, src, buffer), "checkpoint " + path + " lacks '" + name + "'.",
+               "it was written for a different model.");
+    check_user(src.sizes() == dst.sizes(),
+               "checkpoint " + path + ": '" + name + "' has shape " + c10::str(src.sizes()) + ", the model expects " +
+                   c10::str(dst.sizes()) + ".",
+               "pass the same --model/--stem/data as the run that wrote it.");
+    dst.copy_(src.to(dst.device()));
+  };
+  for (auto& p : model.named_parameters()) load_into(p.key(), p.value(), false);
+  for (auto& b : model.named_buffers()) load_into(b.key(), b.value(), true);
+  if (optimizer) {
+    torch::serialize::InputArchive opt_archive;
+    // The archive was mapped to `device`, so optimizer state lands next to
+    // the parameters on every rank (never all on GPU 0).
+    if (archive.try_read("optimizer", opt_archive)) optimizer->load(opt_archive);
+  }
+  torch::Tensor rng;
+  if (archive.try_read("rng/cpu", rng)) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    gen.set_state(rng.cpu());
+  }
+  return meta;
+}
+
+std::string find_latest_checkpoint(const std::string& dir) {
+  if (!fs::exists(dir)) return "";
+  static const std::regex name(R"(epoch_(\d+)\.pt)");
+  std::string best;
+  fs::file_time_type best_time;
+  long best_epoch = -1;
+  for (const auto& e : fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied)) {
+    if (!e.is_regular_file()) continue;
+    std::smatch m;
+    const std::string fname = e.path().filename().string();
+    if (!std::regex_match(fname, m, name)) continue;
+    if (!is_checkpoint(e.path().string())) continue;  // skip damaged files
+    auto t = e.last_write_time();
+    long ep = std::stol(m[1]);
+    if (best.empty() || t > best_time || (t == best_time && ep > best_epoch)) {
+      best = e.path().string();
+      best_time = t;
+      best_epoch = ep;
+    }
+  }
+  return best;
+}
+
+}  // namespace ddp

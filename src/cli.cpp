@@ -1,0 +1,157 @@
+// Flag table, CLI11 wiring, validation and printing of the configuration.
+#include "ddp/cli.h"
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "ddp/error.h"
+
+namespace ddp {
+
+bool Config::was_given(const std::string& name) const {
+  return std::find(given.begin(), given.end(), name) != given.end();
+}
+
+std::string Flag::key() const {
+  std::string first = names.substr(0, names.find(','));
+  return first.substr(first.find_first_not_of('-'));
+}
+
+std::vector<Flag> flag_table(Config& c) {
+  return {
+      // group "seed": the seed template's flags, unchanged in name and meaning.
+      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch"},
+      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 2 CPU ranks", &c.size, {}, "launch"},
+      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch"},
+      {"--address", "address of the master node (node 0)", &c.address, {}, "launch"},
+      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch"},
+      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch"},
+      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch"},
+      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch"},
+      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch"},
+
+      {"--data_root,--data-root", "dataset directory (IDX files of Fashion-MNIST or MNIST)", &c.data_root, {}, "data"},
+      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic"}, "data"},
+      {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
+      {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
+      {"--augment", "training augmentation (random crop with padding + horizontal flip)", &c.augment, {"standard", "none"}, "data"},
+      {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data"},
+
+      {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
+      {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
+      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch state_dict file", &c.pretrain, {}, "model"},
+      {"--sync-bn", "SyncBatchNorm; auto: on when the world size is above 1", &c.sync_bn, {"auto", "on", "off"}, "model"},
+
+      {"--epochs", "training epochs", &c.epochs, {}, "train"},
+      {"--batch", "batch size per rank (global batch = batch x ranks x accum-steps)", &c.batch, {}, "train"},
+      {"--optimizer", "optimizer", &c.optimizer, {"sgd", "adam", "adamw"}, "train"},
+      {"--lr", "peak learning rate; default: 0.1 (sgd), 2e-3 (adam, adamw)", &c.lr, {}, "train"},
+      {"--weight-decay", "weight decay; default: 5e-4 (sgd), 0 (adam), 0.05 (adamw)", &c.weight_decay, {}, "train"},
+      {"--momentum", "SGD momentum", &c.momentum, {}, "train"},
+      {"--schedule", "learning-rate schedule after warmup", &c.schedule, {"constant", "step", "cosine", "onecycle"}, "train"},
+      {"--warmup-epochs", "linear warmup length in epochs (may be fractional)", &c.warmup_epochs, {}, "train"},
+      {"--loss", "loss; mse and l1 need targets shaped like the outputs", &c.loss, {"cross-entropy", "mse", "l1"}, "train"},
+      {"--label-smoothing", "label smoothing for cross-entropy", &c.label_smoothing, {}, "train"},
+      {"--clip-grad-norm", "clip the global gradient norm to this value (0: off)", &c.clip_grad_norm, {}, "train"},
+      {"--accum-steps", "micro-batches per optimizer step (gradient accumulation)", &c.accum_steps, {}, "train"},
+      {"--seed", "seed for initialisation, shuffling and augmentation", &c.seed, {}, "train"},
+      {"--bucket-cap-mb", "gradient all-reduce bucket size in MiB", &c.bucket_cap_mb, {}, "train"},
+
+      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output"},
+      {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output"},
+      {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output"},
+      {"--resume", "continue from a checkpoint: auto (newest in --save_path) or a file", &c.resume, {}, "output"},
+      {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output"},
+      {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output"},
+  };
+}
+
+namespace {
+
+void validate(const Config& c) {
+  auto positive = [](const std::string& flag, double v, const std::string& hint) {
+    std::ostringstream os;
+    os << flag << " must be positive, got " << v << ".";
+    check_user(v > 0, os.str(), hint);
+  };
+  positive("--epochs", c.epochs, "train for at least one epoch, e.g. --epochs 3.");
+  positive("--batch", c.batch, "give the per-rank batch size, e.g. --batch 64.");
+  if (c.was_given("lr")) positive("--lr", c.lr, "e.g. --lr 0.1 for sgd, --lr 1e-3 for adamw.");
+  positive("--save_epoch", c.save_epoch, "e.g. --save_epoch 1 to save every epoch.");
+  positive("--accum-steps", c.accum_steps, "1 means no accumulation.");
+  positive("--timeout", c.timeout, "seconds, e.g. --timeout 300.");
+  positive("--bucket-cap-mb", c.bucket_cap_mb, "PyTorch's default is 25.");
+  positive("--log-every", c.log_every, "e.g. --log-every 50.");
+  check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
+  check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
+             "use 1024-65535, or omit it to pick a free one.");
+  check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
+  check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");
+  check_user(c.label_smoothing >= 0 && c.label_smoothing < 1,
+             "--label-smoothing must be in [0, 1), got " + std::to_string(c.label_smoothing) + ".");
+  check_user(c.clip_grad_norm >= 0, "--clip-grad-norm must be 0 (off) or positive.");
+  check_user(c.warmup_epochs >= 0, "--warmup-epochs must not be negative.");
+  check_user(c.keep_last >= 0, "--keep-last must be 0 (keep all) or positive.");
+  check_user(c.max_restarts >= 0, "--max-restarts must be 0 or positive.");
+  check_user(c.nnodes >= 1, "--nnodes must be at least 1.");
+  check_user(c.node_rank >= 0 && c.node_rank < c.nnodes,
+             "--node-rank " + std::to_string(c.node_rank) + " is outside [0, " + std::to_string(c.nnodes) + ").");
+}
+
+void resolve_defaults(Config& c) {
+  if (!c.was_given("lr")) c.lr = c.optimizer == "sgd" ? 0.1 : 2e-3;
+  if (!c.was_given("weight-decay")) c.weight_decay = c.optimizer == "sgd" ? 5e-4 : (c.optimizer == "adamw" ? 0.05 : 0.0);
+}
+
+}  // namespace
+
+Config parse_cli(int argc, const char* const* argv) {
+  Config c;
+  CLI::App app{
+      "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
+      "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or 2 CPU ranks)."};
+  app.set_help_flag("-h,--help", "print this help and exit");
+  app.get_formatter()->column_width(34);
+  auto table = flag_table(c);
+  for (auto& f : table) {
+    CLI::Option* o = std::visit([&](auto* p) { return app.add_option(f.names, *p, f.help); }, f.target);
+    o->capture_default_str()->group(f.group);
+    if (!f.choices.empty()) o->check(CLI::IsMember(f.choices));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::ParseError& e) {
+    throw UserError(std::string(e.what()) + ".", "run 'ddptrain --help' to see every flag and its values.");
+  }
+  for (auto& f : table)
+    if (app.count(f.names.substr(0, f.names.find(','))) > 0) c.given.push_back(f.key());
+  validate(c);
+  resolve_defaults(c);
+  return c;
+}
+
+nlohmann::json config_to_json(const Config& config) {
+  Config c = config;
+  nlohmann::json j = nlohmann::json::object();
+  for (auto& f : flag_table(c)) std::visit([&](auto* p) { j[f.key()] = *p; }, f.target);
+  return j;
+}
+
+void print_config(const Config& config, std::ostream& out) {
+  Config c = config;
+  out << "config:\n";
+  for (auto& f : flag_table(c)) {
+    std::ostringstream v;
+    std::visit([&](auto* p) { v << *p; }, f.target);
+    out << "  " << std::left << std::setw(16) << f.key() << " " << v.str()
+        << (config.was_given(f.key()) ? "" : "  (default)") << "\n";
+  }
+}
+
+}  // namespace ddp

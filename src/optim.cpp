@@ -1,0 +1,50 @@
+// Optimizer factory and learning-rate schedules.
+#include "ddp/optim.h"
+
+#include <cmath>
+
+#include "ddp/error.h"
+
+namespace ddp {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& params,
+                                                        const OptimizerOptions& o) {
+  if (o.name() == "sgd")
+    return std::make_unique<torch::optim::SGD>(
+        params, torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
+  if (o.name() == "adam")
+    return std::make_unique<torch::optim::Adam>(
+        params, torch::optim::AdamOptions(o.lr()).betas({0.9, 0.999}).weight_decay(o.weight_decay()));
+  if (o.name() == "adamw")
+    return std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(o.lr()).betas({0.9, 0.999}).weight_decay(o.weight_decay()));
+  throw UserError("optimizer '" + o.name() + "' is not known.", "use sgd, adam or adamw.");
+}
+
+void set_lr(torch::optim::Optimizer& optimizer, double lr) {
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
+}
+
+LrSchedule::LrSchedule(LrScheduleOptions options) : o_(std::move(options)) {
+  const auto& k = o_.kind();
+  check_user(k == "constant" || k == "step" || k == "cosine" || k == "onecycle",
+             "schedule '" + k + "' is not known.", "use constant, step, cosine or onecycle.");
+  if (o_.total_steps() < 1) o_.total_steps(1);
+  o_.warmup_steps(std::min(std::max<int64_t>(o_.warmup_steps(), 0), o_.total_steps()));
+}
+
+double LrSchedule::at(int64_t step) const {
+  const double peak = o_.peak_lr();
+  const int64_t warm = o_.warmup_steps(), total = o_.total_steps();
+  // One-cycle starts from peak/25, as in the usual one-cycle policy; the
+  // others warm up linearly from near zero.
+  const double start = o_.kind() == "onecycle" ? peak / 25 : 0.0;
+  if (step < warm) return start + (peak - start) * static_cast<double>(step + 1) / static_cast<double>(warm);
+  const double t = total > warm ? static_cast<double>(step - warm) / static_cast<double>(total - warm) : 1.0;
+  if (o_.kind() == "constant") return peak;
+  if (o_.kind() == "step") return peak * (t < 0.5 ? 1.0 : (t < 0.75 ? 0.1 : 0.01));
+  // cosine and onecycle anneal to zero over the remaining steps.
+  return 0.5 * peak * (1.0 + std::cos(M_PI * std::min(t, 1.0)));
+}
+
+}  // namespace ddp

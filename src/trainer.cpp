@@ -1,0 +1,264 @@
+// Trainer: set-up in a fixed order, then the epoch loop.
+#include "ddp/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+
+#include "ddp/data/loader.h"
+#include "ddp/data/transforms.h"
+#include "ddp/error.h"
+#include "ddp/progress.h"
+#include "ddp/sampler.h"
+#include "ddp/sync_batchnorm.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string timestamp() {
+  std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d_%H-%M-%S", std::localtime(&t));
+  return buf;
+}
+
+}  // namespace
+
+Trainer::Trainer(Config config, World& world, Parts parts)
+    : config_(std::move(config)), world_(world), parts_(std::move(parts)) {
+  auto& model = *parts_.model;
+  model.to(world_.device());
+  const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
+  if (sync_bn) convert_sync_batchnorm(model, world_);
+  sync_ = std::make_unique<GradSync>(model, world_, GradSyncOptions().bucket_cap_mb(config_.bucket_cap_mb));
+  optimizer_ = make_optimizer(model.parameters(), OptimizerOptions()
+                                                      .name(config_.optimizer)
+                                                      .lr(config_.lr)
+                                                      .weight_decay(config_.weight_decay)
+                                                      .momentum(config_.momentum));
+  const int64_t per_rank = DistributedSampler({parts_.data.train->size(), world_.size(), world_.rank()}).num_samples();
+  const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
+  steps_per_epoch_ = (batches + config_.accum_steps - 1) / config_.accum_steps;
+  check_user(steps_per_epoch_ > 0, "the training set is empty.", "check --data_root and --train-samples.");
+  schedule_ = std::make_unique<LrSchedule>(
+      LrScheduleOptions()
+          .kind(config_.schedule)
+          .peak_lr(config_.lr)
+          .total_steps(steps_per_epoch_ * config_.epochs)
+          .warmup_steps(static_cast<int64_t>(std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_)))));
+  loss_.kind(config_.loss).label_smoothing(config_.label_smoothing);
+  is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
+  make_run_dir();
+  if (!config_.resume.empty()) resume();
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::make_run_dir() {
+  std::string dir;
+  if (world_.is_main()) {
+    try {
+      fs::create_directories(config_.save_path);
+      dir = (fs::path(config_.save_path) / ("train_" + timestamp())).string();
+      for (int i = 1; fs::exists(dir); ++i)
+        dir = (fs::path(config_.save_path) / ("train_" + timestamp() + "_" + std::to_string(i))).string();
+      fs::create_directories(dir);
+    } catch (const fs::filesystem_error& e) {
+      throw UserError("cannot create the run directory under --save_path '" + config_.save_path + "': " +
+                          e.code().message() + ".",
+                      "pass a writable --save_path.");
+    }
+  }
+  run_dir_ = world_.share_string("run_dir", dir);
+  metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
+  if (world_.is_main()) write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
+}
+
+void Trainer::resume() {
+  std::string path = config_.resume;
+  if (path == "auto") {
+    path = world_.share_string("resume_path", world_.is_main() ? find_latest_checkpoint(config_.save_path) : "");
+    if (path.empty()) {
+      DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
+      return;
+    }
+  }
+  auto meta = load_checkpoint(path, *parts_.model, optimizer_.get(), world_.device(), parts_.arch);
+  state_ = meta.state;
+  // Continue in the checkpoint's own run directory, so metrics.jsonl goes on.
+  if (world_.is_main()) {
+    std::error_code ec;
+    fs::remove_all(run_dir_, ec);
+  }
+  run_dir_ = fs::path(path).parent_path().string();
+  metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
+  metrics_->truncate_to(state_.epoch);
+  DDP_PRINT0(world_, "resume: %s (epoch %lld, step %lld)\n", path.c_str(), static_cast<long long>(state_.epoch),
+             static_cast<long long>(state_.step));
+}
+
+EpochMetrics Trainer::fit() {
+  if (world_.is_main()) {
+    std::ostringstream os;
+    print_config(config_, os);
+    std::printf("%s", os.str().c_str());
+    std::printf("world: %d rank(s), backend %s, device %s; data: %s (%lld train, %lld test); model %s; run dir %s\n",
+                world_.size(), world_.backend_name().c_str(), world_.device().str().c_str(),
+                parts_.data.train->name().c_str(), static_cast<long long>(parts_.data.train->size()),
+                static_cast<long long>(parts_.data.test->size()), parts_.arch.c_str(), run_dir_.c_str());
+    std::fflush(stdout);
+  }
+  EpochMetrics last;
+  for (int64_t epoch = state_.epoch + 1; epoch <= config_.epochs; ++epoch) {
+    auto t0 = Clock::now();
+    int64_t samples = 0;
+    const double train_loss = train_epoch(epoch, samples);
+    const double train_seconds = seconds_since(t0);
+    auto [test_loss, test_acc] = evaluate();
+    last.epoch = epoch;
+    last.train_loss = train_loss;
+    last.test_loss = test_loss;
+    last.test_acc = test_acc;
+    last.lr = schedule_->at(std::max<int64_t>(state_.step - 1, 0));
+    last.epoch_seconds = seconds_since(t0);
+    last.samples_per_second = static_cast<double>(samples) / std::max(train_seconds, 1e-9);
+    state_.epoch = epoch;
+    metrics_->append(last);
+    DDP_PRINT0(world_, "epoch %lld/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  %.1f s  %.0f samples/s\n",
+               static_cast<long long>(epoch), config_.epochs, train_loss, test_loss, 100 * test_acc,
+               last.epoch_seconds, last.samples_per_second);
+    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs) save(epoch, test_acc);
+  }
+  world_.barrier("end of training");
+  return last;
+}
+
+double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
+  auto& model = *parts_.model;
+  model.train();
+  DistributedSampler sampler({parts_.data.train->size(), world_.size(), world_.rank(), true,
+                              static_cast<uint64_t>(config_.seed), false});
+  sampler.set_epoch(epoch - 1);  // the order changes every epoch
+  auto loader_options = data::LoaderOptions(config_.batch)
+                            .workers(config_.workers)
+                            .prefetch(std::max(2, 2 * config_.workers))
+                            .pin_memory(world_.device().is_cuda())
+                            .seed(static_cast<uint64_t>(config_.seed))
+                            .epoch(epoch - 1)
+                            .rank(world_.rank());
+  if (config_.augment == "standard") loader_options.transform(data::make_augment(data::AugmentOptions()));
+  data::Loader loader(parts_.data.train, sampler.indices(), loader_options);
+
+  const int64_t micro_batches = loader.num_batches();
+  const int64_t display_every = is_bar_ ? std::max(1, config_.log_every / 10) : config_.log_every;
+  Progress progress(world_.is_main() ? resolve_progress_mode(is_bar_ ? "bar" : config_.progress) : ProgressMode::kNone,
+                    static_cast<int>(epoch), config_.epochs, micro_batches);
+  const auto dev = world_.device();
+  // Loss sum and count stay on the device: no host sync per step.
+  auto loss_sum = torch::zeros({2}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  auto t0 = Clock::now();
+  double lr = schedule_->at(state_.step);
+  int64_t micro = 0;
+
+  sync_->zero_grad();
+  while (auto batch = loader.next()) {
+    auto x = batch->input.to(dev, /*non_blocking=*/true);
+    auto y = batch->target.to(dev, /*non_blocking=*/true);
+    const bool last_micro = (micro + 1) % config_.accum_steps == 0 || micro + 1 == micro_batches;
+    // ---- one micro-step: forward, loss, backward (sync only on the last) ----
+    torch::Tensor loss;
+    {
+      std::optional<GradSync::NoSync> no_sync;
+      if (!last_micro) no_sync.emplace(*sync_);
+      loss = compute_loss(model.forward(x), y, loss_);
+      (loss / config_.accum_steps).backward();
+    }
+    loss_sum[0] += loss.detach().to(torch::kDouble);
+    loss_sum[1] += 1;
+    ++micro;
+    samples_seen += x.size(0) * world_.size();
+    if (!dev.is_cuda() && !std::isfinite(loss.item<double>()))
+      throw NonFiniteLoss(epoch, state_.step, loss.item<double>(), run_dir_);
+    // ---- optimizer step: wait for gradients, clip, set lr, step ----
+    if (last_micro) {
+      sync_->finish();
+      if (config_.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model.parameters(), config_.clip_grad_norm);
+      lr = schedule_->at(state_.step);
+      set_lr(*optimizer_, lr);
+      optimizer_->step();
+      sync_->zero_grad();
+      ++state_.step;
+    }
+    if (micro % display_every == 0 || micro == micro_batches) {
+      auto mean = loss_sum.clone();
+      world_.all_reduce(mean, "train loss");
+      const double avg = mean[0].item<double>() / std::max(1.0, mean[1].item<double>());
+      if (!std::isfinite(avg)) throw NonFiniteLoss(epoch, state_.step, avg, run_dir_);
+      progress.update(micro, avg, lr, static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9));
+    }
+  }
+  progress.close();
+  auto total = loss_sum.clone();
+  world_.all_reduce(total, "epoch train loss");
+  return total[0].item<double>() / std::max(1.0, total[1].item<double>());
+}
+
+std::pair<double, double> Trainer::evaluate() {
+  auto& model = *parts_.model;
+  model.eval();
+  torch::NoGradGuard no_grad;
+  const auto& test = parts_.data.test;
+  // Each test sample is seen by exactly one rank: no padding duplicates.
+  data::Loader loader(test, shard_without_padding(test->size(), world_.rank(), world_.size()),
+                      data::LoaderOptions(config_.batch * 2).workers(config_.workers).pin_memory(world_.device().is_cuda()));
+  const auto dev = world_.device();
+  auto sums = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(dev));  // loss, correct, count
+  const bool classify = test->num_classes() > 0;
+  LossOptions plain = LossOptions().kind(loss_.kind());
+  while (auto batch = loader.next()) {
+    auto x = batch->input.to(dev, true), y = batch->target.to(dev, true);
+    auto out = model.forward(x);
+    const double n = static_cast<double>(x.size(0));
+    sums[0] += compute_loss(out, y, plain).to(torch::kDouble) * n;
+    if (classify) sums[1] += out.argmax(1).eq(y).sum().to(torch::kDouble);
+    sums[2] += n;
+  }
+  world_.all_reduce(sums, "evaluation totals");
+  const double count = std::max(1.0, sums[2].item<double>());
+  return {sums[0].item<double>() / count, sums[1].item<double>() / count};
+}
+
+void Trainer::save(int64_t epoch, double test_acc) {
+  if (!world_.is_main()) return;
+  CheckpointMeta meta{state_, parts_.arch, config_to_json(config_)};
+  const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
+  if (test_acc > state_.best_acc) {
+    state_.best_acc = test_acc;
+    meta.state = state_;
+    save_checkpoint(run_dir_ + "/best.pt", *parts_.model, optimizer_.get(), meta);
+  }
+  save_checkpoint(path, *parts_.model, optimizer_.get(), meta);
+  std::printf("saved %s\n", path.c_str());
+  if (config_.keep_last > 0) {
+    // Drop the oldest epoch checkpoints beyond --keep-last.
+    std::vector<std::pair<int64_t, std::string>> found;
+    for (const auto& e : fs::directory_iterator(run_dir_)) {
+      const auto name = e.path().filename().string();
+      if (name.rfind("epoch_", 0) == 0 && name.size() > 9 && name.substr(name.size() - 3) == ".pt")
+        found.emplace_back(std::stoll(name.substr(6, name.size() - 9)), e.path().string());
+    }
+    std::sort(found.begin(), found.end());
+    for (size_t i = 0; i + static_cast<size_t>(config_.keep_last) < found.size(); ++i) fs::remove(found[i].second);
+  }
+}
+
+}  // namespace ddp

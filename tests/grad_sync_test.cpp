@@ -1,0 +1,110 @@
+// Gradient synchronisation and SyncBatchNorm, proven with real processes over
+// a real Gloo group on loopback, started by the real launcher.
+#include "support/testing.h"
+
+namespace {
+
+using ddp::testing::run_process;
+
+torch::Tensor load(const std::string& path) {
+  torch::Tensor t;
+  torch::load(t, path);
+  return t;
+}
+
+// Relative agreement, scaled by the magnitude of the reference.
+void expect_close(const torch::Tensor& a, const torch::Tensor& b, double rtol, const std::string& what) {
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  double diff = (a - b).abs().max().item<double>();
+  double scale = std::max(1.0, b.abs().max().item<double>());
+  EXPECT_LE(diff, rtol * scale) << what << ": max abs diff " << diff;
+}
+
+ddp::testing::ProcessResult run_workers(int n, const std::vector<std::string>& args,
+                                        std::map<std::string, std::string> env = {}) {
+  std::vector<std::string> argv{DDP_TESTWORKER, "--launch", std::to_string(n)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, env, 120);
+}
+
+class Equivalence : public ::testing::TestWithParam<int> {};
+
+// 2 ranks x 8 samples with SyncBatchNorm == 1 rank x 16 samples: same
+// parameters and running statistics after 5 SGD steps (with momentum).
+TEST_P(Equivalence, TwoRanksEqualOneRankOnTheGlobalBatch) {
+  const int accum = GetParam();
+  auto one = ddp::testing::temp_dir("eq1"), two = ddp::testing::temp_dir("eq2");
+  auto r1 = run_workers(1, {"equivalence", one, std::to_string(accum)});
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  auto r2 = run_workers(2, {"equivalence", two, std::to_string(accum)});
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  auto ref = load(one + "/state_rank0.pt");
+  auto a = load(two + "/state_rank0.pt"), b = load(two + "/state_rank1.pt");
+  expect_close(a, ref, 1e-5, "rank 0 vs single rank");
+  expect_close(b, ref, 1e-5, "rank 1 vs single rank");
+  EXPECT_TRUE(torch::equal(a, b)) << "ranks must end bit-identical";
+  // The run must have moved the parameters at all, or the test proves nothing.
+  EXPECT_GT(ref.abs().sum().item<double>(), 0);
+}
+
+// The control: without SyncBatchNorm each rank normalises over its own 8
+// samples, so the result must differ. This shows the test above can fail.
+TEST(GradSync, LocalBatchNormIsNotEquivalent) {
+  auto one = ddp::testing::temp_dir("ctl1"), two = ddp::testing::temp_dir("ctl2");
+  ASSERT_EQ(run_workers(1, {"equivalence", one, "1"}).exit_code, 0);
+  auto r = run_workers(2, {"equivalence", two, "1", "local-bn"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto diff = (load(two + "/state_rank0.pt") - load(one + "/state_rank0.pt")).abs().max().item<double>();
+  EXPECT_GT(diff, 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Accumulation, Equivalence, ::testing::Values(1, 2),
+                         [](const auto& info) { return "accum" + std::to_string(info.param); });
+
+TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
+  auto dir = ddp::testing::temp_dir("overlap");
+  auto r = run_workers(2, {"overlap", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::istringstream in(ddp::testing::read_file(dir + "/overlap_rank" + std::to_string(rank) + ".txt"));
+    size_t during = 0, buckets = 0;
+    in >> during >> buckets;
+    EXPECT_GE(buckets, 6u);
+    EXPECT_GE(during, 1u) << "no bucket was launched inside backward";
+  }
+}
+
+TEST(GradSync, UnusedParametersDoNotHangAndAgree) {
+  auto dir = ddp::testing::temp_dir("unused");
+  auto r = run_workers(2, {"unused", dir}, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30);
+  auto a = load(dir + "/grads_rank0.pt"), b = load(dir + "/grads_rank1.pt");
+  EXPECT_TRUE(torch::equal(a, b));
+  // fc1 is used on rank 0 only, so the averaged gradient is half of rank 0's
+  // and not zero; fc2 is used nowhere, so its gradient is exactly zero.
+  const int64_t fc = 4 * 4 + 4;
+  EXPECT_GT(a.narrow(0, fc, fc).abs().sum().item<double>(), 0);
+  EXPECT_EQ(a.narrow(0, 2 * fc, fc).abs().sum().item<double>(), 0);
+}
+
+TEST(Launcher, WorkerExceptionStopsAllAndNamesTheRank) {
+  auto dir = ddp::testing::temp_dir("throw");
+  auto r = run_workers(2, {"throw", dir}, {{"DDP_TEST_TIMEOUT_MS", "60000"}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.seconds, 10) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("injected failure on rank 1"), std::string::npos) << r.output;
+}
+
+TEST(Launcher, StalledRankIsReportedAfterTimeout) {
+  auto dir = ddp::testing::temp_dir("stall");
+  auto r = run_workers(2, {"stall", dir}, {{"DDP_TEST_TIMEOUT_MS", "3000"}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.seconds, 15) << r.output;
+  EXPECT_NE(r.output.find("rank 0 of 2: collective 'waiting for the stalled rank' failed"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0 exited with code 1"), std::string::npos) << r.output;
+}
+
+}  // namespace

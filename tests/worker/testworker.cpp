@@ -1,0 +1,178 @@
+// ddp_testworker: the program multi-process tests start through the real
+// launcher. `ddp_testworker --launch N SCENARIO OUTDIR [ARGS...]` spawns N
+// ranks of itself with ddp::launch_workers; each rank joins a real Gloo group
+// over TCP loopback and runs SCENARIO, writing its results under OUTDIR.
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "ddp/error.h"
+#include "ddp/grad_sync.h"
+#include "ddp/launch.h"
+#include "ddp/sync_batchnorm.h"
+#include "ddp/world.h"
+
+namespace {
+
+using namespace ddp;
+
+// Conv -> BatchNorm -> ReLU -> pool -> Linear: small, but it exercises every
+// path of SyncBatchNorm and gradient sync.
+struct TinyNetImpl : torch::nn::Module {
+  TinyNetImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)))),
+        bn(register_module("bn", BatchNorm2d(4))),
+        fc(register_module("fc", torch::nn::Linear(64, 3))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(bn(conv(x)));
+    x = torch::avg_pool2d(x, 2).flatten(1);
+    return fc(x);
+  }
+  torch::nn::Conv2d conv;
+  BatchNorm bn;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(TinyNet);
+
+torch::Tensor flat_state(torch::nn::Module& m) {
+  std::vector<torch::Tensor> parts;
+  for (auto& p : m.parameters()) parts.push_back(p.detach().flatten().to(torch::kDouble));
+  for (auto& b : m.buffers()) parts.push_back(b.detach().flatten().to(torch::kDouble));
+  return torch::cat(parts);
+}
+
+void save(const torch::Tensor& t, const std::string& path) { torch::save(t, path); }
+
+// 5 SGD steps on a global batch of 16 per step, split into `accum`
+// micro-batches, each micro-batch split evenly across ranks.
+void equivalence(World& world, const std::string& out, int accum, bool sync_bn) {
+  torch::manual_seed(100 + world.rank());  // different on purpose: the broadcast must fix it
+  TinyNet net;
+  if (sync_bn) convert_sync_batchnorm(*net, world);
+  GradSync sync(*net, world);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  const int64_t G = 16, W = world.size(), micro = G / accum, per_rank = micro / W;
+  for (int step = 0; step < 5; ++step) {
+    torch::manual_seed(1234 + step);
+    auto x = torch::randn({G, 3, 8, 8}) * 2 + 0.5;
+    auto y = torch::randint(0, 3, {G}, torch::kLong);
+    sync.zero_grad();
+    for (int m = 0; m < accum; ++m) {
+      const int64_t start = m * micro + world.rank() * per_rank;
+      auto xb = x.narrow(0, start, per_rank), yb = y.narrow(0, start, per_rank);
+      auto run = [&] {
+        auto loss = torch::nll_loss(torch::log_softmax(net->forward(xb), 1), yb) / accum;
+        loss.backward();
+      };
+      if (m + 1 < accum) {
+        auto guard = sync.no_sync();
+        run();
+      } else {
+        run();
+      }
+    }
+    sync.finish();
+    opt.step();
+  }
+  save(flat_state(*net), out + "/state_rank" + std::to_string(world.rank()) + ".pt");
+}
+
+struct DeepLinearImpl : torch::nn::Module {
+  DeepLinearImpl() {
+    for (int i = 0; i < 6; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(64, 64)));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& l : layers) x = torch::tanh(l(x));
+    return x;
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(DeepLinear);
+
+void overlap(World& world, const std::string& out) {
+  DeepLinear net;
+  GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.01));
+  sync.zero_grad();
+  net->forward(torch::randn({32, 64})).sum().backward();
+  const size_t during = sync.launched_during_backward();
+  sync.finish();
+  std::FILE* f = std::fopen((out + "/overlap_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%zu %zu\n", during, sync.num_buckets());
+  std::fclose(f);
+}
+
+// fc2 is never used; fc1 only on rank 0. Nothing may hang, and the gradients
+// must agree across ranks (the unused ones contribute zeros).
+struct TwoHeadsImpl : torch::nn::Module {
+  TwoHeadsImpl()
+      : fc0(register_module("fc0", torch::nn::Linear(4, 4))),
+        fc1(register_module("fc1", torch::nn::Linear(4, 4))),
+        fc2(register_module("fc2", torch::nn::Linear(4, 4))) {}
+  torch::nn::Linear fc0, fc1, fc2;
+};
+TORCH_MODULE(TwoHeads);
+
+void unused(World& world, const std::string& out) {
+  torch::manual_seed(7);
+  TwoHeads net;
+  GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.0001));
+  for (int step = 0; step < 3; ++step) {
+    sync.zero_grad();
+    auto h = net->fc0(torch::ones({2, 4}));
+    if (world.rank() == 0) h = net->fc1(h);
+    h.sum().backward();
+    sync.finish();
+  }
+  std::vector<torch::Tensor> g;
+  for (auto& p : net->parameters()) g.push_back(p.grad().flatten().to(torch::kDouble));
+  save(torch::cat(g), out + "/grads_rank" + std::to_string(world.rank()) + ".pt");
+}
+
+int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
+  WorldOptions wo;
+  wo.use_cuda = false;
+  if (const char* t = std::getenv("DDP_TEST_TIMEOUT_MS")) wo.timeout = std::chrono::milliseconds(std::atoi(t));
+  World world(placement_from_env(), wo);
+  if (scenario == "equivalence") {
+    equivalence(world, out, argc > 0 ? std::atoi(argv[0]) : 1, !(argc > 1 && std::string(argv[1]) == "local-bn"));
+  } else if (scenario == "overlap") {
+    overlap(world, out);
+  } else if (scenario == "unused") {
+    unused(world, out);
+  } else if (scenario == "throw") {
+    if (world.rank() == 1) throw std::runtime_error("injected failure on rank 1");
+    auto t = torch::ones({1});
+    world.all_reduce(t, "waiting for rank 1");
+  } else if (scenario == "stall") {
+    if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::hours(1));
+    auto t = torch::ones({1});
+    world.all_reduce(t, "waiting for the stalled rank");
+  } else {
+    throw std::runtime_error("unknown scenario " + scenario);
+  }
+  world.barrier("end of scenario");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc >= 4 && std::strcmp(argv[1], "--launch") == 0) {
+      LaunchOptions lo;
+      lo.nproc_per_node = std::atoi(argv[2]);
+      lo.argv.push_back(self_executable());
+      for (int i = 3; i < argc; ++i) lo.argv.push_back(argv[i]);
+      return launch_workers(lo);
+    }
+    if (argc < 3) {
+      std::fprintf(stderr, "usage: ddp_testworker [--launch N] SCENARIO OUTDIR [ARGS...]\n");
+      return 2;
+    }
+    return run_scenario(argv[1], argv[2], argc - 3, argv + 3);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ddp_testworker rank %s: error: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "0", e.what());
+    return 1;
+  }
+}
