@@ -143,7 +143,7 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
     return exit_code::kNonFinite;
   } catch (const CollectiveError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
-    return exit_code::kFailure;
+    return exit_code::kPeerFailed;
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "%s: internal error: %s\n", who.c_str(), e.what_without_backtrace());
     return exit_code::kFailure;

@@ -119,7 +119,9 @@ Config parse_cli(int argc, const char* const* argv) {
   auto table = flag_table(c);
   for (auto& f : table) {
     CLI::Option* o = std::visit([&](auto* p) { return app.add_option(f.names, *p, f.help); }, f.target);
-    o->capture_default_str()->group(f.group);
+    // A later value overrides an earlier one (flags after a config file, or
+    // a script's defaults followed by the user's own).
+    o->capture_default_str()->group(f.group)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     if (!f.choices.empty()) o->check(CLI::IsMember(f.choices));
   }
   try {

@@ -29,6 +29,7 @@ struct Worker {
   pid_t pid = -1;
   bool running = false;
   int status = 0;
+  std::chrono::steady_clock::time_point exited_at;
 };
 
 pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
@@ -65,12 +66,18 @@ pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
   _exit(127);
 }
 
+bool any_running(const std::vector<Worker>& ws) {
+  for (const auto& w : ws)
+    if (w.running) return true;
+  return false;
+}
+
 void signal_all(std::vector<Worker>& ws, int sig) {
   for (auto& w : ws)
     if (w.running) kill(w.pid, sig);
 }
 
-// Reaps exited workers; returns the index of the first failure, or -1.
+// Reaps exited workers; returns the index of a newly failed one, or -1.
 int reap(std::vector<Worker>& ws) {
   int failed = -1;
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -81,6 +88,7 @@ int reap(std::vector<Worker>& ws) {
     if (r == w.pid) {
       w.running = false;
       w.status = st;
+      w.exited_at = std::chrono::steady_clock::now();
       bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
       if (!ok && failed < 0) failed = static_cast<int>(i);
     }
@@ -88,10 +96,22 @@ int reap(std::vector<Worker>& ws) {
   return failed;
 }
 
-bool any_running(const std::vector<Worker>& ws) {
-  for (const auto& w : ws)
-    if (w.running) return true;
-  return false;
+// When one rank dies, its peers fail in their collectives a moment later
+// (exit code kPeerFailed). Wait briefly for the dust to settle, then blame a
+// rank that failed for its own reasons if there is one.
+int root_cause(std::vector<Worker>& ws, int first) {
+  auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (any_running(ws) && std::chrono::steady_clock::now() < until) {
+    reap(ws);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto own_fault = [](const Worker& w) {
+    return !w.running && !(WIFEXITED(w.status) && (WEXITSTATUS(w.status) == 0 || WEXITSTATUS(w.status) == exit_code::kPeerFailed));
+  };
+  int best = own_fault(ws[first]) ? first : -1;
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (own_fault(ws[i]) && (best < 0 || ws[i].exited_at < ws[best].exited_at)) best = static_cast<int>(i);
+  return best < 0 ? first : best;
 }
 
 void stop_survivors(std::vector<Worker>& ws, double grace_seconds) {
@@ -132,6 +152,7 @@ int run_once(const LaunchOptions& o, int port, int attempt, std::string& why, bo
     }
     int failed = reap(ws);
     if (failed >= 0) {
+      failed = root_cause(ws, failed);
       why = describe_exit(ws[failed].rank, ws[failed].status);
       if (any_running(ws)) {
         std::fprintf(stderr, "ddptrain: %s; stopping the other ranks.\n", why.c_str());

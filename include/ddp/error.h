@@ -44,6 +44,7 @@ constexpr int kFailure = 1;     // internal fault or collective failure
 constexpr int kUsage = 2;       // bad flag or bad input (UserError)
 constexpr int kPreempted = 75;  // stopped by SIGTERM/SIGINT after saving (EX_TEMPFAIL)
 constexpr int kNonFinite = 3;   // loss became NaN or Inf
+constexpr int kPeerFailed = 4;  // a collective failed, usually because another rank died
 }  // namespace exit_code
 
 }  // namespace ddp

@@ -171,6 +171,9 @@ int main(int argc, char** argv) {
       return 2;
     }
     return run_scenario(argv[1], argv[2], argc - 3, argv + 3);
+  } catch (const ddp::CollectiveError& e) {
+    std::fprintf(stderr, "ddp_testworker rank %s: error: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "0", e.what());
+    return ddp::exit_code::kPeerFailed;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ddp_testworker rank %s: error: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "0", e.what());
     return 1;
