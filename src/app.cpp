@@ -1,6 +1,8 @@
 // Entry point shared by ddptrain and the template.
 #include "ddp/app.h"
 
+#include <malloc.h>
+
 #include <csignal>
 #include <filesystem>
 #include <iostream>
@@ -123,7 +125,20 @@ Parts default_parts(const Config& c, World& world) {
   return p;
 }
 
+// LibTorch's CPU allocator uses malloc. glibc serves blocks above 128 KiB
+// with mmap and unmaps them on free, so every training step faults in and
+// zeroes its activations afresh: measured 4x slower (610 vs 2474 samples/s
+// for the CNN on one core, most of it system time). Keeping freed memory in
+// the heap makes the steady state allocation-free, as a caching allocator
+// would. This must happen before the first large allocation.
+void keep_freed_memory_in_heap() {
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TOP_PAD, 256 << 20);
+}
+
 int main(int argc, char** argv, const PartsFactory& make_parts) {
+  keep_freed_memory_in_heap();
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
   try {

@@ -26,27 +26,29 @@ std::vector<int64_t> reduce_dims(const torch::Tensor& x) {
 // combined with Chan's parallel formula, which stays accurate when the mean
 // is large against the spread (sum/sum-of-squares would cancel). Gathering is
 // an all-reduce of a zero matrix in which each rank fills its own row.
-// Backward: the two per-channel sums the input gradient needs are summed over
-// ranks; the weight and bias gradients stay local, because gradient sync
-// averages them afterwards, like every other parameter's.
+// Statistics accumulate in double, as LibTorch's own CPU batch norm does, so
+// that N ranks track one rank's arithmetic as closely as summation order
+// allows. Backward: the two per-channel sums the input gradient needs are
+// summed over ranks; the weight and bias gradients stay local, because
+// gradient sync averages them afterwards, like every other parameter's.
 struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
                                torch::Tensor bias, torch::Tensor running_mean,
                                torch::Tensor running_var, double eps, double momentum,
                                World* world) {
     const auto dims = reduce_dims(x);
+    const auto shape = channel_shape(x);
     const int64_t C = x.size(1);
-    auto xf = x.to(torch::kFloat);
+    auto xd = x.to(torch::kDouble);
     const double n_local = static_cast<double>(x.numel() / std::max<int64_t>(C, 1));
-    auto row = torch::zeros({2 * C + 1}, xf.options());
+    auto row = torch::zeros({2 * C + 1}, xd.options());
     if (n_local > 0) {
-      auto mean_l = xf.mean(dims);
-      auto m2_l = (xf - mean_l.view(channel_shape(x))).pow(2).sum(dims);
+      auto mean_l = xd.mean(dims);
       row[0] = n_local;
       row.narrow(0, 1, C).copy_(mean_l);
-      row.narrow(0, 1 + C, C).copy_(m2_l);
+      row.narrow(0, 1 + C, C).copy_((xd - mean_l.view(shape)).pow(2).sum(dims));
     }
-    auto table = torch::zeros({world->size(), 2 * C + 1}, xf.options());
+    auto table = torch::zeros({world->size(), 2 * C + 1}, xd.options());
     table[world->rank()].copy_(row);
     world->all_reduce(table, "SyncBatchNorm statistics");
     auto counts = table.select(1, 0).unsqueeze(1);  // W x 1
@@ -57,23 +59,23 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     TORCH_CHECK(n_total > 0, "SyncBatchNorm: the global batch is empty");
     auto mean = (counts * means).sum(0) / n;
     auto m2 = (m2s + counts * (means - mean).pow(2)).sum(0);
-    auto var = m2 / n;
-    auto invstd = (var + eps).rsqrt();
+    auto invstd = (m2 / n + eps).rsqrt();
 
     if (running_mean.defined()) {
+      torch::NoGradGuard no_grad;
       running_mean.mul_(1 - momentum).add_(mean.to(running_mean.scalar_type()), momentum);
-      auto unbiased = n_total > 1 ? m2 / (n_total - 1) : var;
+      auto unbiased = n_total > 1 ? m2 / (n_total - 1) : m2 / n;
       running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
     }
 
-    auto shape = channel_shape(x);
-    auto xhat = (xf - mean.view(shape)) * invstd.view(shape);
-    auto y = xhat;
-    if (weight.defined()) y = y * weight.to(torch::kFloat).view(shape) + bias.to(torch::kFloat).view(shape);
+    // y = x * alpha + beta, per channel.
+    auto alpha = weight.defined() ? invstd * weight.to(torch::kDouble) : invstd;
+    auto beta = (weight.defined() ? bias.to(torch::kDouble) : torch::zeros_like(mean)) - mean * alpha;
+    auto y = x * alpha.to(x.scalar_type()).view(shape) + beta.to(x.scalar_type()).view(shape);
     ctx->save_for_backward({x, weight, mean, invstd});
     ctx->saved_data["n"] = n_total;
     ctx->saved_data["world"] = reinterpret_cast<int64_t>(world);
-    return y.to(x.scalar_type());
+    return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -85,15 +87,15 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     const auto shape = channel_shape(x);
     const int64_t C = x.size(1);
 
-    auto dy = grads[0].to(torch::kFloat);
-    auto xhat = (x.to(torch::kFloat) - mean.view(shape)) * invstd.view(shape);
+    auto dy = grads[0].to(torch::kDouble);
+    auto xhat = (x.to(torch::kDouble) - mean.view(shape)) * invstd.view(shape);
     auto sum_dy = dy.sum(dims);
     auto sum_dy_xhat = (dy * xhat).sum(dims);
     auto both = torch::cat({sum_dy, sum_dy_xhat});
     world->all_reduce(both, "SyncBatchNorm backward");
     auto g_sum_dy = both.narrow(0, 0, C), g_sum_dy_xhat = both.narrow(0, C, C);
 
-    auto scale = weight.defined() ? invstd * weight.to(torch::kFloat) : invstd;
+    auto scale = weight.defined() ? invstd * weight.to(torch::kDouble) : invstd;
     auto dx = scale.view(shape) *
               (dy - (g_sum_dy / n).view(shape) - xhat * (g_sum_dy_xhat / n).view(shape));
     torch::Tensor dw, db;

@@ -56,12 +56,12 @@ struct MyModelImpl : ddp::Net {
         bn1(register_module("bn1", ddp::BatchNorm2d(16))),
         conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
         bn2(register_module("bn2", ddp::BatchNorm2d(32))),
-        fc(register_module("fc", torch::nn::Linear(32, classes))) {}
+        fc(register_module("fc", torch::nn::Linear(32 * 4 * 4, classes))) {}
 
   torch::Tensor forward(torch::Tensor x) override {
     x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
     x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
-    return fc(torch::adaptive_avg_pool2d(x, 1).flatten(1));
+    return fc(torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1));  // keeps where things are
   }
 
   torch::nn::Conv2d conv1;
