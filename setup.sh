@@ -33,7 +33,10 @@ PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev l
       zlib1g-dev libpng-dev libjpeg-dev)
 [[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist)
 missing=()
-if command -v dpkg-query >/dev/null; then
+have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h; do [[ -f /usr/include/$h ]] || return 1; done; }
+if [[ -n "$TORCH_PREFIX" ]] && have_headers; then
+  say "CUDA LibTorch and the header-only libraries are present; no packages needed"
+elif command -v dpkg-query >/dev/null; then
   for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
