@@ -151,6 +151,9 @@ World::World(const Placement& where, const WorldOptions& options)
 #endif
   }
   backend_name_ = want_cuda ? "nccl" : "gloo";
+  check_user(backend_name_ != "gloo" || compat::kHasGloo,
+             "this ddptrain was built without the Gloo backend, which CPU ranks need.",
+             "the CUDA LibTorch wheel ships no Gloo headers: use GPUs (--backend nccl), or build against Debian's libtorch-dev for CPU ranks.");
 
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(where_.master_port);
@@ -180,6 +183,7 @@ World::World(const Placement& where, const WorldOptions& options)
     pg_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, where_.rank, where_.world_size, opts);
   }
 #endif
+#ifdef DDP_WITH_GLOO
   if (backend_name_ == "gloo") {
     auto opts = c10d::ProcessGroupGloo::Options::create(options_.timeout);
     if (const char* ifname = env("GLOO_SOCKET_IFNAME")) {
@@ -199,6 +203,7 @@ World::World(const Placement& where, const WorldOptions& options)
                       "all ranks must start within --timeout; set GLOO_SOCKET_IFNAME to the interface that connects the nodes.");
     }
   }
+#endif
 }
 
 World::~World() { shutdown(); }

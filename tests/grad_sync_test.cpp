@@ -32,6 +32,7 @@ class Equivalence : public ::testing::TestWithParam<int> {};
 // 2 ranks x 8 samples with SyncBatchNorm == 1 rank x 16 samples: same
 // parameters and running statistics after 5 SGD steps (with momentum).
 TEST_P(Equivalence, TwoRanksEqualOneRankOnTheGlobalBatch) {
+  DDP_SKIP_UNLESS_GLOO();
   const int accum = GetParam();
   auto one = ddp::testing::temp_dir("eq1"), two = ddp::testing::temp_dir("eq2");
   auto r1 = run_workers(1, {"equivalence", one, std::to_string(accum)});
@@ -50,6 +51,7 @@ TEST_P(Equivalence, TwoRanksEqualOneRankOnTheGlobalBatch) {
 // The control: without SyncBatchNorm each rank normalises over its own 8
 // samples, so the result must differ. This shows the test above can fail.
 TEST(GradSync, LocalBatchNormIsNotEquivalent) {
+  DDP_SKIP_UNLESS_GLOO();
   auto one = ddp::testing::temp_dir("ctl1"), two = ddp::testing::temp_dir("ctl2");
   ASSERT_EQ(run_workers(1, {"equivalence", one, "1"}).exit_code, 0);
   auto r = run_workers(2, {"equivalence", two, "1", "local-bn"});
@@ -62,6 +64,7 @@ INSTANTIATE_TEST_SUITE_P(Accumulation, Equivalence, ::testing::Values(1, 2),
                          [](const auto& info) { return "accum" + std::to_string(info.param); });
 
 TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("overlap");
   auto r = run_workers(2, {"overlap", dir});
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -75,6 +78,7 @@ TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
 }
 
 TEST(GradSync, UnusedParametersDoNotHangAndAgree) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("unused");
   auto r = run_workers(2, {"unused", dir}, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -89,6 +93,7 @@ TEST(GradSync, UnusedParametersDoNotHangAndAgree) {
 }
 
 TEST(Launcher, WorkerExceptionStopsAllAndNamesTheRank) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("throw");
   auto r = run_workers(2, {"throw", dir}, {{"DDP_TEST_TIMEOUT_MS", "60000"}});
   EXPECT_NE(r.exit_code, 0);
@@ -98,6 +103,7 @@ TEST(Launcher, WorkerExceptionStopsAllAndNamesTheRank) {
 }
 
 TEST(Launcher, StalledRankIsReportedAfterTimeout) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("stall");
   auto r = run_workers(2, {"stall", dir}, {{"DDP_TEST_TIMEOUT_MS", "3000"}});
   EXPECT_NE(r.exit_code, 0);

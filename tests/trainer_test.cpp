@@ -52,6 +52,7 @@ std::vector<std::string> small_run(const std::string& save_path, std::vector<std
 // The equivalence a user can rely on: the same global batch on 1 or 2 ranks
 // gives the same metrics.
 TEST(Trainer, OneRankBatch64EqualsTwoRanksBatch32) {
+  DDP_SKIP_UNLESS_GLOO();
   if (ddp::testing::fashion_mnist_root().empty()) GTEST_SKIP() << "Fashion-MNIST not installed";
   auto one = ddp::testing::temp_dir("one"), two = ddp::testing::temp_dir("two");
   // Plain SGD: summation order differs between 1 and 2 ranks (float sums of
@@ -89,6 +90,7 @@ TEST(Trainer, OneRankBatch64EqualsTwoRanksBatch32) {
 }
 
 TEST(Trainer, TwoRanksLearnFashionMnist) {
+  DDP_SKIP_UNLESS_GLOO();
   if (ddp::testing::fashion_mnist_root().empty()) GTEST_SKIP() << "Fashion-MNIST not installed";
   auto dir = ddp::testing::temp_dir("e2e");
   auto r = run_process(small_run(dir, {"--size", "2", "--epochs", "2", "--train-samples", "12000", "--test-samples", "2000"}));
@@ -100,6 +102,7 @@ TEST(Trainer, TwoRanksLearnFashionMnist) {
 }
 
 TEST(Trainer, ShapeGuardStopsTheSeedBug) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("guard");
   auto r = run_process(small_run(dir, {"--size", "1", "--loss", "mse", "--train-samples", "256", "--test-samples", "64"}));
   EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -107,6 +110,7 @@ TEST(Trainer, ShapeGuardStopsTheSeedBug) {
 }
 
 TEST(Trainer, MissingDataFallsBackToSyntheticAndSaysSo) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("synth");
   auto r = run_process(small_run(dir, {"--size", "1", "--data_root", "/nonexistent/fm", "--train-samples", "2000",
                                        "--test-samples", "500"}));
@@ -121,6 +125,7 @@ TEST(Trainer, MissingDataFallsBackToSyntheticAndSaysSo) {
 
 // (f) Under torchrun's variables the process is that worker and spawns nothing.
 TEST(Trainer, TorchrunVariablesMeanNoSpawn) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("env1");
   const std::string port = std::to_string(ddp::find_free_port());
   auto r = run_process(small_run(dir, {"--size", "2", "--train-samples", "256", "--test-samples", "64"}),
@@ -133,6 +138,7 @@ TEST(Trainer, TorchrunVariablesMeanNoSpawn) {
 // torchrun --no-python --nproc-per-node 2 ddptrain: two processes that only
 // have the environment to go by form one job.
 TEST(Trainer, TwoProcessesStartedLikeTorchrunFormOneJob) {
+  DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("env2");
   const std::string port = std::to_string(ddp::find_free_port());
   auto start = [&](int rank) {
@@ -166,6 +172,7 @@ TEST(Trainer, ResNetOnOneGpu_CUDA) {
 
 // The copyable template builds against this build tree and trains.
 TEST(Template, BuildsAndTrainsOneEpoch) {
+  DDP_SKIP_UNLESS_GLOO();
   auto build = ddp::testing::temp_dir("template");
   auto cfg = run_process({"cmake", "-S", std::string(DDP_SOURCE_DIR) + "/template", "-B", build,
                           "-DCMAKE_BUILD_TYPE=Release", std::string("-Dddptrain_DIR=") + DDP_BINARY_DIR,

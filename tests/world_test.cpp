@@ -100,6 +100,7 @@ TEST(Placement, SlurmHostList) {
 }
 
 TEST(World, SingleRankGroupOverRealStore) {
+  DDP_SKIP_UNLESS_GLOO();
   ddp::Placement p;
   p.source = "test";
   ddp::WorldOptions o;

@@ -13,7 +13,9 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#ifdef DDP_WITH_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
 #ifdef DDP_WITH_CUDA
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <ATen/cuda/CUDAContext.h>
@@ -32,6 +34,14 @@ using Backend = ::c10d::Backend;
 using Backend = ::c10d::ProcessGroup;
 #endif
 using Work = ::c10d::Work;
+
+/// Whether this build has the Gloo backend (CPU ranks). PyTorch's CUDA
+/// wheels ship no Gloo headers, so builds against them are NCCL-only.
+#ifdef DDP_WITH_GLOO
+constexpr bool kHasGloo = true;
+#else
+constexpr bool kHasGloo = false;
+#endif
 
 /// Version string, e.g. "1.13.0".
 inline std::string torch_version() { return TORCH_VERSION; }

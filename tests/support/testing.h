@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "ddp/compat.h"
+
 #include <map>
 #include <string>
 #include <vector>
@@ -33,6 +35,10 @@ std::string fashion_mnist_root();
 std::string read_file(const std::string& path);
 
 }  // namespace ddp::testing
+
+/// Tests that need CPU ranks (Gloo) skip in NCCL-only builds.
+#define DDP_SKIP_UNLESS_GLOO() \
+  do { if (!ddp::compat::kHasGloo) GTEST_SKIP() << "built without Gloo (CUDA wheel LibTorch)"; } while (0)
 
 /// GPU tests end in _CUDA and skip cleanly where there is no GPU.
 #define DDP_SKIP_UNLESS_CUDA() \
