@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <iostream>
 #include <thread>
+#include <atomic>
+#include <unistd.h>
 
 #include "ddp/data/idx.h"
 #include "ddp/data/synthetic.h"
@@ -64,7 +66,25 @@ int launch(const Config& c, int argc, char** argv) {
   return launch_workers(lo);
 }
 
-int run_worker(const Config& c, Placement where, const PartsFactory& make_parts) {
+// First SIGTERM/SIGINT: checkpoint at the next agreed step and stop.
+// Second: stop at once.
+std::atomic<int> g_signals{0};
+void on_stop_signal(int sig) {
+  if (g_signals.fetch_add(1) >= 1) _exit(128 + sig);
+  request_stop();
+}
+
+int run_worker(Config c, Placement where, const PartsFactory& make_parts) {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+  // After a failure the launcher restarts the group (--max-restarts): pick
+  // up from the newest checkpoint, as torchrun's elastic agent would.
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (attempt && std::atoi(attempt) > 0 && c.resume.empty()) c.resume = "auto";
+
   if (!where.launched()) {
     where.master_addr = c.address == "localhost" ? "127.0.0.1" : c.address;
     where.master_port = c.port;
@@ -153,6 +173,9 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;
+  } catch (const Preempted& e) {
+    if (!rank || std::string(rank) == "0") std::fprintf(stderr, "ddptrain: %s\n", e.what());
+    return exit_code::kPreempted;
   } catch (const NonFiniteLoss& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kNonFinite;

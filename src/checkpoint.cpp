@@ -58,7 +58,10 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
   torch::serialize::OutputArchive archive;
   nlohmann::json header = {{"format", kCheckpointFormat}, {"arch", meta.arch},
                            {"epoch", meta.state.epoch},   {"step", meta.state.step},
-                           {"best_acc", meta.state.best_acc}, {"config", meta.config}};
+                           {"best_acc", meta.state.best_acc}, {"config", meta.config},
+                           {"batch_in_epoch", meta.state.batch_in_epoch},
+                           {"epoch_loss_sum", meta.state.epoch_loss_sum},
+                           {"epoch_loss_count", meta.state.epoch_loss_count}};
   archive.write("ddptrain", c10::IValue(header.dump()));
   torch::serialize::OutputArchive model_archive;
   for (const auto& p : model.named_parameters()) model_archive.write(p.key(), p.value().detach().cpu());
@@ -124,6 +127,9 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   meta.state.epoch = h.value("epoch", 0);
   meta.state.step = h.value("step", 0);
   meta.state.best_acc = h.value("best_acc", 0.0);
+  meta.state.batch_in_epoch = h.value("batch_in_epoch", int64_t{0});
+  meta.state.epoch_loss_sum = h.value("epoch_loss_sum", 0.0);
+  meta.state.epoch_loss_count = h.value("epoch_loss_count", 0.0);
   meta.config = h.value("config", nlohmann::json::object());
 
   torch::serialize::InputArchive model_archive;
@@ -157,7 +163,7 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
 
 std::string find_latest_checkpoint(const std::string& dir) {
   if (!fs::exists(dir)) return "";
-  static const std::regex name(R"(epoch_(\d+)\.pt)");
+  static const std::regex name(R"((?:epoch_(\d+)|preempt)\.pt)");
   std::string best;
   fs::file_time_type best_time;
   long best_epoch = -1;
@@ -168,7 +174,7 @@ std::string find_latest_checkpoint(const std::string& dir) {
     if (!std::regex_match(fname, m, name)) continue;
     if (!is_checkpoint(e.path().string())) continue;  // skip damaged files
     auto t = e.last_write_time();
-    long ep = std::stol(m[1]);
+    long ep = m[1].matched ? std::stol(m[1]) : 0;
     if (best.empty() || t > best_time || (t == best_time && ep > best_epoch)) {
       best = e.path().string();
       best_time = t;

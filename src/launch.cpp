@@ -53,6 +53,12 @@ pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   setenv("DDPTRAIN_LAUNCHER", "1", 1);
   setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
+  // Ranks on one machine share its cores: give each its slice for the BLAS
+  // and OpenMP pools, which size themselves when the library loads, before
+  // main() could change them. A value the user set wins.
+  const std::string threads = std::to_string(std::max(1u, std::thread::hardware_concurrency() / static_cast<unsigned>(o.nproc_per_node)));
+  setenv("OMP_NUM_THREADS", threads.c_str(), 0);
+  setenv("OPENBLAS_NUM_THREADS", threads.c_str(), 0);
   if (!o.visible.empty()) {
     std::string v;
     for (const auto& d : o.visible) v += (v.empty() ? "" : ",") + d;

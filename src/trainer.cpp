@@ -1,6 +1,7 @@
 // Trainer: set-up in a fixed order, then the epoch loop.
 #include "ddp/trainer.h"
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <ctime>
@@ -31,12 +32,26 @@ std::string timestamp() {
   return buf;
 }
 
+std::atomic<int> g_stop{0};
+
 }  // namespace
+
+void request_stop() { g_stop.store(1); }
+bool stop_requested() { return g_stop.load() != 0; }
 
 Trainer::Trainer(Config config, World& world, Parts parts)
     : config_(std::move(config)), world_(world), parts_(std::move(parts)) {
   auto& model = *parts_.model;
   model.to(world_.device());
+  if (!config_.pretrain.empty()) {
+    // Every rank reads onto its own device; rank 0's copy is broadcast by
+    // GradSync below anyway, so all ranks start identical.
+    check_user(is_checkpoint(config_.pretrain),
+               "--pretrain " + config_.pretrain + " is missing, corrupt or not a ddptrain checkpoint.",
+               "pass a checkpoint that ddptrain wrote (epoch_N.pt, best.pt); PyTorch state_dict files are not read yet.");
+    load_checkpoint(config_.pretrain, model, nullptr, world_.device(), parts_.arch);
+    DDP_PRINT0(world_, "pretrain: loaded %s\n", config_.pretrain.c_str());
+  }
   const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
   if (sync_bn) convert_sync_batchnorm(model, world_);
   sync_ = std::make_unique<GradSync>(model, world_, GradSyncOptions().bucket_cap_mb(config_.bucket_cap_mb));
@@ -59,6 +74,10 @@ Trainer::Trainer(Config config, World& world, Parts parts)
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
   make_run_dir();
   if (!config_.resume.empty()) resume();
+  const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  if (fail && (!attempt || std::atoi(attempt) == 0) && std::sscanf(fail, "%d:%ld", &fail_rank_, &fail_step_) != 2)
+    fail_rank_ = -1;
 }
 
 Trainer::~Trainer() = default;
@@ -136,7 +155,10 @@ EpochMetrics Trainer::fit() {
     DDP_PRINT0(world_, "epoch %lld/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  %.1f s  %.0f samples/s\n",
                static_cast<long long>(epoch), config_.epochs, train_loss, test_loss, 100 * test_acc,
                last.epoch_seconds, last.samples_per_second);
-    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs) save(epoch, test_acc);
+    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_) save(epoch, test_acc);
+    if (stop_after_epoch_ && epoch < config_.epochs)
+      throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
+                      ". Resume with --resume auto --save_path " + config_.save_path + ".");
   }
   world_.barrier("end of training");
   return last;
@@ -154,7 +176,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
                             .pin_memory(world_.device().is_cuda())
                             .seed(static_cast<uint64_t>(config_.seed))
                             .epoch(epoch - 1)
-                            .rank(world_.rank());
+                            .rank(world_.rank())
+                            .start_batch(state_.batch_in_epoch);
   if (config_.augment == "standard") loader_options.transform(data::make_augment(data::AugmentOptions()));
   data::Loader loader(parts_.data.train, sampler.indices(), loader_options);
 
@@ -164,10 +187,18 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
                     static_cast<int>(epoch), config_.epochs, micro_batches);
   const auto dev = world_.device();
   // Loss sum and count stay on the device: no host sync per step.
-  auto loss_sum = torch::zeros({2}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  // [loss sum, loss count, stop flag]; a resumed epoch starts from the saved
+  // global sums (held by rank 0 alone, so the all-reduce counts them once).
+  auto loss_sum = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  if (state_.batch_in_epoch > 0 && world_.is_main()) {
+    loss_sum[0] = state_.epoch_loss_sum;
+    loss_sum[1] = state_.epoch_loss_count;
+  }
+  int64_t micro = state_.batch_in_epoch;
+  state_.batch_in_epoch = 0;
+  state_.epoch_loss_sum = state_.epoch_loss_count = 0;
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
-  int64_t micro = 0;
 
   sync_->zero_grad();
   while (auto batch = loader.next()) {
@@ -197,13 +228,29 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
       optimizer_->step();
       sync_->zero_grad();
       ++state_.step;
+      if (world_.rank() == fail_rank_ && state_.step == fail_step_)
+        throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(fail_step_));
     }
     if (micro % display_every == 0 || micro == micro_batches) {
+      // The stop flag rides on the loss all-reduce, so every rank stops at
+      // the same step boundary.
       auto mean = loss_sum.clone();
+      mean[2] = stop_requested() ? 1.0 : 0.0;
       world_.all_reduce(mean, "train loss");
       const double avg = mean[0].item<double>() / std::max(1.0, mean[1].item<double>());
       if (!std::isfinite(avg)) throw NonFiniteLoss(epoch, state_.step, avg, run_dir_);
       progress.update(micro, avg, lr, static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9));
+      if (mean[2].item<double>() > 0 && last_micro) {
+        if (micro < micro_batches) {
+          progress.close();
+          state_.batch_in_epoch = micro;
+          state_.epoch_loss_sum = mean[0].item<double>();
+          state_.epoch_loss_count = mean[1].item<double>();
+          state_.epoch = epoch - 1;
+          save_and_stop(run_dir_ + "/preempt.pt");
+        }
+        stop_after_epoch_ = true;
+      }
     }
   }
   progress.close();
@@ -235,6 +282,15 @@ std::pair<double, double> Trainer::evaluate() {
   world_.all_reduce(sums, "evaluation totals");
   const double count = std::max(1.0, sums[2].item<double>());
   return {sums[0].item<double>() / count, sums[1].item<double>() / count};
+}
+
+void Trainer::save_and_stop(const std::string& path) {
+  if (world_.is_main()) {
+    save_checkpoint(path, *parts_.model, optimizer_.get(), CheckpointMeta{state_, parts_.arch, config_to_json(config_)});
+  }
+  world_.barrier("checkpoint before stopping");
+  throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
+                  ". Resume with --resume auto --save_path " + config_.save_path + ".");
 }
 
 void Trainer::save(int64_t epoch, double test_acc) {

@@ -21,6 +21,12 @@ struct TrainState {
   int64_t epoch = 0;    // epochs completed
   int64_t step = 0;     // optimizer steps completed
   double best_acc = 0;  // best test accuracy so far
+  // Where an interrupted epoch stopped (all zero when a checkpoint ends an
+  // epoch): micro-batches done, and the train-loss sum and count over all
+  // ranks so far, so that the resumed epoch reports the same mean.
+  int64_t batch_in_epoch = 0;
+  double epoch_loss_sum = 0;
+  double epoch_loss_count = 0;
 };
 
 struct CheckpointMeta {

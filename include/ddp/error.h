@@ -32,6 +32,12 @@ class NonFiniteLoss : public std::runtime_error {
                            " are intact. Hint: lower --lr, set --clip-grad-norm, or check the data.") {}
 };
 
+/// SIGTERM/SIGINT: the run saved a checkpoint and stops (exit kPreempted).
+class Preempted : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 /// Throws UserError(what, hint) unless cond holds. Use for user input only.
 inline void check_user(bool cond, const std::string& what, const std::string& hint = "") {
   if (!cond) throw UserError(what, hint);

@@ -29,6 +29,11 @@ struct Parts {
   std::string arch = "custom";
 };
 
+/// Asks every Trainer in this process to checkpoint and stop at the next
+/// step boundary that all ranks agree on (called from signal handlers).
+void request_stop();
+bool stop_requested();
+
 class Trainer {
  public:
   Trainer(Config config, World& world, Parts parts);
@@ -43,6 +48,7 @@ class Trainer {
   double train_epoch(int64_t epoch, int64_t& samples_seen);
   std::pair<double, double> evaluate();  // test loss, test accuracy
   void save(int64_t epoch, double test_acc);
+  [[noreturn]] void save_and_stop(const std::string& path);
   void resume();
   void make_run_dir();
 
@@ -58,6 +64,11 @@ class Trainer {
   std::unique_ptr<MetricsLog> metrics_;
   int64_t steps_per_epoch_ = 0;
   bool is_bar_ = false;
+  bool stop_after_epoch_ = false;
+  // Fault injection for tests of restarts: fail on this rank at this step,
+  // in the first attempt only (DDPTRAIN_FAIL_AT_STEP=rank:step).
+  int fail_rank_ = -1;
+  int64_t fail_step_ = -1;
 };
 
 }  // namespace ddp

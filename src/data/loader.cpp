@@ -31,6 +31,8 @@ Loader::Loader(DatasetPtr dataset, std::vector<int64_t> indices, LoaderOptions o
   const auto n = static_cast<int64_t>(indices_.size());
   const int64_t b = options_.batch_size();
   num_batches_ = options_.drop_last() ? n / b : (n + b - 1) / b;
+  check_user(options_.start_batch() >= 0, "loader start batch " + std::to_string(options_.start_batch()) + " is negative.");
+  next_batch_ = next_claim_ = std::min(options_.start_batch(), num_batches_);
 
   const int64_t threads = std::min(options_.workers(), num_batches_);
   if (threads == 0) return;

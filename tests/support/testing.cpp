@@ -59,6 +59,59 @@ ProcessResult run_process(const std::vector<std::string>& argv,
   return r;
 }
 
+Child start_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+  Child c;
+  char tmpl[] = "/tmp/ddp_test_childXXXXXX";
+  int fd = mkstemp(tmpl);
+  c.log = tmpl;
+  pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    for (const auto& [k, v] : env) setenv(k.c_str(), v.c_str(), 1);
+    std::vector<char*> a;
+    for (const auto& s : argv) a.push_back(const_cast<char*>(s.c_str()));
+    a.push_back(nullptr);
+    execvp(a[0], a.data());
+    _exit(127);
+  }
+  close(fd);
+  c.pid = pid;
+  return c;
+}
+
+ProcessResult finish_process(Child& c, double timeout_seconds) {
+  ProcessResult r;
+  auto t0 = std::chrono::steady_clock::now();
+  int st = 0;
+  while (true) {
+    if (waitpid(c.pid, &st, WNOHANG) == c.pid) break;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > timeout_seconds) {
+      kill(-c.pid, SIGKILL);
+      waitpid(c.pid, &st, 0);
+      r.output = "[test harness: killed after timeout]\n";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(-c.pid, SIGKILL);
+  r.exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  r.output += read_file(c.log);
+  unlink(c.log.c_str());
+  return r;
+}
+
+bool wait_for_output(const Child& c, const std::string& text, double timeout_seconds) {
+  auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < timeout_seconds) {
+    if (read_file(c.log).find(text) != std::string::npos) return true;
+    if (kill(c.pid, 0) != 0) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 std::string temp_dir(const std::string& tag) {
   auto base = std::filesystem::temp_directory_path() /
               ("ddp_" + tag + "_" + std::to_string(getpid()) + "_" +

@@ -25,6 +25,17 @@ ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env = {},
                           double timeout_seconds = 300);
 
+/// A process running in the background, its output going to `log`.
+struct Child {
+  int pid = -1;
+  std::string log;
+};
+Child start_process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {});
+/// Waits for `child` (killing it after the timeout); returns like run_process.
+ProcessResult finish_process(Child& child, double timeout_seconds = 300);
+/// Waits until `child`'s output contains `text`; false on timeout or exit.
+bool wait_for_output(const Child& child, const std::string& text, double timeout_seconds = 120);
+
 /// A fresh empty directory under the system temp dir, removed at exit.
 std::string temp_dir(const std::string& tag);
 

@@ -43,6 +43,9 @@ struct LoaderOptions {
   TORCH_ARG(uint64_t, seed) = 0;
   TORCH_ARG(int64_t, epoch) = 0;
   TORCH_ARG(int64_t, rank) = 0;
+  /// Batches to skip: resuming in the middle of an epoch starts here, with
+  /// the same indices and augmentation draws as an uninterrupted run.
+  TORCH_ARG(int64_t, start_batch) = 0;
   /// Applied to every batch after it is gathered, e.g. make_augment(...).
   TORCH_ARG(Transform, transform) = nullptr;
 };

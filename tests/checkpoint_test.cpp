@@ -1,0 +1,257 @@
+// Checkpoints, resume, preemption, restarts and bad input, with the real
+// binary and real processes.
+#include <signal.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/checkpoint.h"
+#include "ddp/error.h"
+#include "ddp/launch.h"
+#include "ddp/models/registry.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ddp::testing::run_process;
+
+std::vector<std::string> run_args(const std::string& save_path, std::vector<std::string> extra) {
+  std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--save_path", save_path, "--progress", "plain",
+                             "--log-every", "5", "--timeout", "60", "--backend", "gloo"};
+  const auto root = ddp::testing::fashion_mnist_root();
+  a.insert(a.end(), {"--data_root", root.empty() ? std::string("/nonexistent") : root});
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::string find_file(const std::string& dir, const std::string& name) {
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.path().filename() == name) return e.path().string();
+  return "";
+}
+
+std::vector<nlohmann::json> metrics(const std::string& dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(find_file(dir, "metrics.jsonl"));
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+std::vector<torch::Tensor> weights(const std::string& checkpoint) {
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  ddp::load_checkpoint(checkpoint, *model, nullptr, torch::kCPU, "");
+  std::vector<torch::Tensor> out;
+  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
+  for (auto& b : model->buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+void expect_bit_equal(const std::string& a, const std::string& b) {
+  auto wa = weights(a), wb = weights(b);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(torch::equal(wa[i], wb[i])) << "tensor " << i;
+}
+
+const std::vector<std::string> kSmall{"--size", "2", "--epochs", "2", "--train-samples", "3000", "--test-samples", "500"};
+
+// SIGTERM mid-epoch: every rank stops at the same step, a checkpoint is
+// written, the exit status says so, and --resume auto finishes the run with
+// weights bit-identical to an uninterrupted run (augmentation on).
+TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto straight = ddp::testing::temp_dir("straight"), split = ddp::testing::temp_dir("split");
+  auto a = run_process(run_args(straight, kSmall));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+
+  auto child = ddp::testing::start_process(run_args(split, kSmall));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "epoch 1/2 step 10/")) << "training never started";
+  kill(child.pid, SIGTERM);
+  auto b1 = ddp::testing::finish_process(child, 60);
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  EXPECT_NE(b1.output.find("stopped by a signal"), std::string::npos) << b1.output;
+  ASSERT_FALSE(find_file(split, "preempt.pt").empty());
+
+  auto b2 = run_process(run_args(split, [] { auto v = kSmall; v.insert(v.end(), {"--resume", "auto"}); return v; }()));
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("resume: "), std::string::npos);
+  expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(split, "epoch_2.pt"));
+  auto ma = metrics(straight), mb = metrics(split);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t e = 0; e < 2; ++e) {
+    EXPECT_NEAR(ma[e]["train_loss"].get<double>(), mb[e]["train_loss"].get<double>(), 1e-12);
+    EXPECT_EQ(ma[e]["test_loss"], mb[e]["test_loss"]);
+    EXPECT_EQ(ma[e]["test_acc"], mb[e]["test_acc"]);
+    EXPECT_EQ(ma[e]["lr"], mb[e]["lr"]);
+  }
+}
+
+// A worker that fails is restarted with the group, from the last checkpoint.
+TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto straight = ddp::testing::temp_dir("straight2"), restarted = ddp::testing::temp_dir("restarted");
+  auto a = run_process(run_args(straight, kSmall));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  // 3000 samples / 2 ranks / batch 64 = 24 steps per epoch: fail in epoch 2.
+  auto args = kSmall;
+  args.insert(args.end(), {"--save_epoch", "1", "--max-restarts", "1"});
+  auto r = run_process(run_args(restarted, args), {{"DDPTRAIN_FAIL_AT_STEP", "1:30"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 1; restart 1 of 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("injected failure"), std::string::npos);
+  expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(restarted, "epoch_2.pt"));
+  EXPECT_EQ(metrics(restarted).size(), 2u);
+}
+
+// kill -9 at any moment leaves every checkpoint under its final name loadable.
+TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
+  DDP_SKIP_UNLESS_GLOO();
+  bool hit_mid_write = false;
+  for (int attempt = 0; attempt < 12 && !hit_mid_write; ++attempt) {
+    auto dir = ddp::testing::temp_dir("kill9");
+    // ResNet-18 checkpoints (~130 MB with Adam state) take a while to write.
+    auto child = ddp::testing::start_process(
+        {DDPTRAIN_EXE, "--model", "resnet18", "--size", "1", "--backend", "gloo", "--epochs", "100", "--save_epoch", "1",
+         "--train-samples", "32", "--test-samples", "32", "--batch", "32", "--keep-last", "0", "--save_path", dir,
+         "--progress", "none", "--data_root", "/nonexistent"});
+    ASSERT_TRUE(ddp::testing::wait_for_output(child, "saved ", 120));
+    usleep(static_cast<useconds_t>(50000 * (attempt % 6)));
+    kill(-child.pid, SIGKILL);
+    ddp::testing::finish_process(child, 10);
+    int finals = 0;
+    for (const auto& e : fs::recursive_directory_iterator(dir)) {
+      const auto name = e.path().filename().string();
+      if (name.find(".tmp.") != std::string::npos) hit_mid_write = true;
+      else if (e.path().extension() == ".pt") {
+        ++finals;
+        EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";
+      }
+    }
+    EXPECT_GE(finals, 1);
+  }
+  EXPECT_TRUE(hit_mid_write) << "no kill landed during a write; the test proved nothing";
+}
+
+TEST(Checkpoint, VersionAndArchitectureMismatchAreClearErrors) {
+  auto dir = ddp::testing::temp_dir("ckpt");
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  ddp::CheckpointMeta meta;
+  meta.arch = "cnn/auto/1x28x28/10";
+  ddp::save_checkpoint(dir + "/a.pt", *model, nullptr, meta);
+  EXPECT_NO_THROW(ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, torch::kCPU, meta.arch));
+  try {
+    ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, torch::kCPU, "resnet18/small/1x28x28/10");
+    FAIL();
+  } catch (const ddp::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("is for model 'cnn/auto/1x28x28/10'"), std::string::npos) << e.what();
+  }
+  std::ofstream(dir + "/junk.pt") << "not a checkpoint";
+  EXPECT_THROW(ddp::load_checkpoint(dir + "/junk.pt", *model, nullptr, torch::kCPU, ""), ddp::UserError);
+  EXPECT_FALSE(ddp::is_checkpoint(dir + "/junk.pt"));
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");  // neither name matches epoch_N.pt
+}
+
+// ---- bad input: one line naming the value and the fix, exit 2, fast ----
+
+struct BadCase {
+  std::string name;
+  std::vector<std::string> args;
+  std::string expect;
+  int code = ddp::exit_code::kUsage;
+};
+
+class BadInput : public ::testing::TestWithParam<BadCase> {};
+
+std::string write_bad_dataset(const std::string& kind) {
+  auto dir = ddp::testing::temp_dir("bad_" + kind);
+  auto put = [&](const std::string& name, std::vector<uint8_t> bytes) {
+    std::ofstream f(dir + "/" + name, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  };
+  auto be32 = [](uint32_t v) { return std::vector<uint8_t>{uint8_t(v >> 24), uint8_t(v >> 16), uint8_t(v >> 8), uint8_t(v)}; };
+  auto images = [&](uint32_t magic, uint32_t n, size_t pixels) {
+    std::vector<uint8_t> b = be32(magic);
+    for (uint32_t v : {n, 28u, 28u}) { auto x = be32(v); b.insert(b.end(), x.begin(), x.end()); }
+    b.resize(b.size() + pixels, 7);
+    return b;
+  };
+  auto labels = [&](uint32_t n, uint8_t value) {
+    std::vector<uint8_t> b = be32(2049);
+    auto x = be32(n);
+    b.insert(b.end(), x.begin(), x.end());
+    b.resize(b.size() + n, value);
+    return b;
+  };
+  const bool wrong_magic = kind == "magic", truncated = kind == "truncated", bad_label = kind == "label";
+  put("train-images-idx3-ubyte", images(wrong_magic ? 1234 : 2051, 10, truncated ? 100 : 10 * 784));
+  put("train-labels-idx1-ubyte", labels(10, bad_label ? 12 : 1));
+  put("t10k-images-idx3-ubyte", images(2051, 10, 10 * 784));
+  put("t10k-labels-idx1-ubyte", labels(kind == "count" ? 9 : 10, 1));
+  return dir;
+}
+
+TEST_P(BadInput, OneLineErrorAndExitCode) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto& c = GetParam();
+  auto dir = ddp::testing::temp_dir("bad");
+  std::vector<std::string> argv{DDPTRAIN_EXE, "--size", "1", "--backend", "gloo", "--epochs", "1",
+                                "--train-samples", "64", "--test-samples", "64", "--save_path", dir, "--progress", "none"};
+  argv.insert(argv.end(), c.args.begin(), c.args.end());
+  auto r = run_process(argv, {}, 30);
+  EXPECT_EQ(r.exit_code, c.code) << r.output;
+  EXPECT_LT(r.seconds, 10);
+  EXPECT_NE(r.output.find(c.expect), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("terminate called"), std::string::npos);
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace leaked";
+}
+
+std::string busy_port_holder() {
+  // A listening socket kept open for the whole test binary's life.
+  static int fd = -1;
+  static int port = 0;
+  if (fd < 0) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    ::listen(fd, 1);
+    socklen_t len = sizeof(a);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+  }
+  return std::to_string(port);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadInput,
+    ::testing::Values(
+        BadCase{"MissingDataset", {"--dataset", "fashion-mnist", "--data_root", "/nonexistent/fm"}, "apt-get install dataset-fashion-mnist"},
+        BadCase{"WrongMagic", {"--dataset", "mnist", "--data_root", write_bad_dataset("magic")}, "magic number 1234"},
+        BadCase{"TruncatedImages", {"--dataset", "mnist", "--data_root", write_bad_dataset("truncated")}, "truncated"},
+        BadCase{"CountsDisagree", {"--dataset", "mnist", "--data_root", write_bad_dataset("count")}, "t10k-labels-idx1-ubyte"},
+        BadCase{"LabelOutOfRange", {"--dataset", "mnist", "--data_root", write_bad_dataset("label")}, "label 12"},
+        BadCase{"InputTooSmallForModel", {"--dataset", "synthetic", "--model", "resnet18", "--stem", "imagenet"}, "--stem small"},
+        BadCase{"ShapesDoNotMatch", {"--dataset", "synthetic", "--loss", "l1"}, "would broadcast output [64, 10] and target [64]"},
+        BadCase{"NonFiniteLoss", {"--dataset", "synthetic", "--optimizer", "sgd", "--lr", "1e30", "--schedule", "constant", "--warmup-epochs", "0", "--train-samples", "640"}, "the training loss became", ddp::exit_code::kNonFinite},
+        BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "pass a free --port"},
+        BadCase{"UnwritableSavePath", {"--dataset", "synthetic", "--save_path", "/proc/ddp_forbidden"}, "pass a writable --save_path"},
+        BadCase{"CorruptCheckpoint", {"--dataset", "synthetic", "--resume", "/etc/hostname"}, "corrupt or not a ddptrain"},
+        BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is missing, corrupt"},
+        BadCase{"ZeroBatch", {"--batch", "0"}, "--batch must be positive, got 0."},
+        BadCase{"NegativeEpochs", {"--epochs", "-2"}, "--epochs must be positive, got -2."},
+        BadCase{"ZeroLr", {"--lr", "0"}, "--lr must be positive, got 0."}),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace
