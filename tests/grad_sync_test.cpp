@@ -63,6 +63,22 @@ TEST(GradSync, LocalBatchNormIsNotEquivalent) {
 INSTANTIATE_TEST_SUITE_P(Accumulation, Equivalence, ::testing::Values(1, 2),
                          [](const auto& info) { return "accum" + std::to_string(info.param); });
 
+TEST(SyncBatchNorm, UnequalRankBatchesMatchOneBigBatch) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("unequal");
+  auto r = run_workers(2, {"syncbn_unequal", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::istringstream in(ddp::testing::read_file(dir + "/unequal_rank" + std::to_string(rank) + ".txt"));
+    double dy = 1, dx = 1, dm = 1, dv = 1;
+    in >> dy >> dx >> dm >> dv;
+    EXPECT_LT(dy, 1e-5) << "forward, rank " << rank;
+    EXPECT_LT(dx, 1e-5) << "input gradient, rank " << rank;
+    EXPECT_LT(dm, 1e-5) << "running mean, rank " << rank;
+    EXPECT_LT(dv, 1e-5) << "running var, rank " << rank;
+  }
+}
+
 TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("overlap");

@@ -129,6 +129,33 @@ void unused(World& world, const std::string& out) {
   save(torch::cat(g), out + "/grads_rank" + std::to_string(world.rank()) + ".pt");
 }
 
+// Ranks hold 5 and 11 samples: the forward output, the input gradient and
+// the running statistics must equal plain batch norm over all 16 samples,
+// which every rank can compute itself as the reference.
+void syncbn_unequal(World& world, const std::string& out) {
+  torch::manual_seed(5);
+  auto x_all = torch::randn({16, 4, 5, 5}) * 3 + 1;
+  auto w_all = torch::randn({16, 4, 5, 5});  // fixed upstream gradient
+  const int64_t start = world.rank() == 0 ? 0 : 5, count = world.rank() == 0 ? 5 : 11;
+  auto bn = BatchNorm2d(4);
+  convert_sync_batchnorm(*bn, world);
+  auto x = x_all.narrow(0, start, count).clone().requires_grad_();
+  auto y = bn->forward(x);
+  (y * w_all.narrow(0, start, count)).sum().backward();
+
+  auto ref_bn = BatchNorm2d(4);
+  auto xr = x_all.clone().requires_grad_();
+  auto yr = ref_bn->forward(xr);
+  (yr * w_all).sum().backward();
+  const double dy = (y - yr.narrow(0, start, count)).abs().max().item<double>();
+  const double dx = (x.grad() - xr.grad().narrow(0, start, count)).abs().max().item<double>();
+  const double dm = (bn->running_mean - ref_bn->running_mean).abs().max().item<double>();
+  const double dv = (bn->running_var - ref_bn->running_var).abs().max().item<double>();
+  std::FILE* f = std::fopen((out + "/unequal_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%.3g %.3g %.3g %.3g\n", dy, dx, dm, dv);
+  std::fclose(f);
+}
+
 int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
   WorldOptions wo;
   wo.use_cuda = false;
@@ -136,6 +163,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
   World world(placement_from_env(), wo);
   if (scenario == "equivalence") {
     equivalence(world, out, argc > 0 ? std::atoi(argv[0]) : 1, !(argc > 1 && std::string(argv[1]) == "local-bn"));
+  } else if (scenario == "syncbn_unequal") {
+    syncbn_unequal(world, out);
   } else if (scenario == "overlap") {
     overlap(world, out);
   } else if (scenario == "unused") {
