@@ -2,6 +2,7 @@
 #include "ddp/checkpoint.h"
 
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 
 #include "ddp/error.h"
@@ -159,6 +161,97 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
     gen.set_state(rng.cpu());
   }
   return meta;
+}
+
+namespace {
+
+std::string strip_prefixes(std::string name) {
+  for (bool again = true; again;) {
+    again = false;
+    for (const char* p : {"module.", "_orig_mod."}) {
+      if (name.rfind(p, 0) == 0) {
+        name = name.substr(std::strlen(p));
+        again = true;
+      }
+    }
+  }
+  return name;
+}
+
+// name -> tensor from either file kind.
+std::map<std::string, torch::Tensor> read_weights(const std::string& path) {
+  std::map<std::string, torch::Tensor> out;
+  if (is_checkpoint(path)) {
+    torch::serialize::InputArchive archive, model;
+    archive.load_from(path, torch::kCPU);
+    archive.read("model", model);
+    for (const auto& key : model.keys()) {
+      torch::Tensor t;
+      if (model.try_read(key, t, false) || model.try_read(key, t, true)) out[key] = t;
+    }
+    return out;
+  }
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  c10::IValue v;
+  try {
+    v = torch::pickle_load(bytes);
+  } catch (const std::exception&) {
+    throw UserError("--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file.",
+                    "save weights in Python with torch.save(model.state_dict(), path).");
+  }
+  check_user(v.isGenericDict(), "--pretrain " + path + " holds a " + v.tagKind() + ", not a state_dict.",
+             "save model.state_dict(), not the model object.");
+  for (const auto& kv : v.toGenericDict()) {
+    if (kv.key().isString() && kv.value().isTensor()) out[strip_prefixes(kv.key().toStringRef())] = kv.value().toTensor();
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string PretrainReport::summary() const {
+  auto list = [](const std::vector<std::string>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size() && i < 5; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > 5) s += ", ... (" + std::to_string(v.size()) + " in all)";
+    return s;
+  };
+  std::string s = std::to_string(loaded.size()) + " tensors loaded";
+  if (!skipped.empty()) s += "; skipped: " + list(skipped);
+  if (!missing.empty()) s += "; missing: " + list(missing);
+  if (!unexpected.empty()) s += "; unexpected: " + list(unexpected);
+  if (!mismatched.empty()) s += "; shape mismatch: " + list(mismatched);
+  return s;
+}
+
+PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
+                               const std::string& skip) {
+  check_user(fs::exists(path), "--pretrain " + path + " does not exist.", "check the path.");
+  auto weights = read_weights(path);
+  PretrainReport r;
+  auto skipped = [&](const std::string& name) { return !skip.empty() && fnmatch(skip.c_str(), name.c_str(), 0) == 0; };
+  std::map<std::string, torch::Tensor> targets;
+  for (auto& p : model.named_parameters()) targets[p.key()] = p.value();
+  for (auto& b : model.named_buffers()) targets[b.key()] = b.value();
+  torch::NoGradGuard no_grad;
+  for (auto& [name, dst] : targets) {
+    if (skipped(name)) { r.skipped.push_back(name); continue; }
+    auto it = weights.find(name);
+    if (it == weights.end()) { r.missing.push_back(name); continue; }
+    if (it->second.sizes() != dst.sizes()) {
+      r.mismatched.push_back(name + " " + c10::str(it->second.sizes()) + " vs " + c10::str(dst.sizes()));
+      continue;
+    }
+    r.loaded.push_back(name);
+  }
+  for (const auto& [name, t] : weights)
+    if (!targets.count(name) && !skipped(name)) r.unexpected.push_back(name);
+  check_user(r.missing.empty() && r.unexpected.empty() && r.mismatched.empty(),
+             "--pretrain " + path + " does not fit the model: " + r.summary() + ".",
+             "pass --pretrain-skip 'fc.*' to keep a new head, or the --model/--stem/data that made the weights.");
+  for (const auto& name : r.loaded) targets[name].copy_(weights[name].to(device));
+  return r;
 }
 
 std::string find_latest_checkpoint(const std::string& dir) {

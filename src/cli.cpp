@@ -43,7 +43,8 @@ std::vector<Flag> flag_table(Config& c) {
 
       {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
-      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch state_dict file", &c.pretrain, {}, "model"},
+      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model"},
+      {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model"},
       {"--sync-bn", "SyncBatchNorm; auto: on when the world size is above 1", &c.sync_bn, {"auto", "on", "off"}, "model"},
 
       {"--epochs", "training epochs", &c.epochs, {}, "train"},

@@ -44,13 +44,10 @@ Trainer::Trainer(Config config, World& world, Parts parts)
   auto& model = *parts_.model;
   model.to(world_.device());
   if (!config_.pretrain.empty()) {
-    // Every rank reads onto its own device; rank 0's copy is broadcast by
-    // GradSync below anyway, so all ranks start identical.
-    check_user(is_checkpoint(config_.pretrain),
-               "--pretrain " + config_.pretrain + " is missing, corrupt or not a ddptrain checkpoint.",
-               "pass a checkpoint that ddptrain wrote (epoch_N.pt, best.pt); PyTorch state_dict files are not read yet.");
-    load_checkpoint(config_.pretrain, model, nullptr, world_.device(), parts_.arch);
-    DDP_PRINT0(world_, "pretrain: loaded %s\n", config_.pretrain.c_str());
+    // Every rank reads onto its own device (never all onto GPU 0); GradSync
+    // then broadcasts rank 0's copy, so all ranks start identical.
+    auto report = load_pretrained(config_.pretrain, model, world_.device(), config_.pretrain_skip);
+    DDP_PRINT0(world_, "pretrain: %s: %s\n", config_.pretrain.c_str(), report.summary().c_str());
   }
   const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
   if (sync_bn) convert_sync_batchnorm(model, world_);

@@ -14,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/launch.h"
 #include "ddp/models/registry.h"
+#include "ddp/sync_batchnorm.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
@@ -162,6 +163,58 @@ TEST(Checkpoint, VersionAndArchitectureMismatchAreClearErrors) {
   EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");  // neither name matches epoch_N.pt
 }
 
+// A state_dict written by PyTorch (Python) with DDP's "module." prefix loads
+// into the same architecture built in C++ and gives the same outputs.
+struct TinyImpl : ddp::Net {
+  TinyImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)))),
+        bn(register_module("bn", ddp::BatchNorm2d(4))),
+        fc(register_module("fc", torch::nn::Linear(64, 3))) {}
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::relu(bn(conv(x)));
+    return fc(torch::avg_pool2d(x, 2).flatten(1));
+  }
+  torch::nn::Conv2d conv;
+  ddp::BatchNorm bn;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Tiny);
+
+TEST(Pretrain, PyTorchStateDictLoadsAndMatchesPythonOutputs) {
+  const std::string data = DDP_TEST_DATA_DIR;
+  Tiny model;
+  auto report = ddp::load_pretrained(data + "/tiny_state_dict.pt", *model, torch::kCPU);
+  EXPECT_EQ(report.loaded.size(), 9u) << report.summary();  // 6 parameters + 3 BN buffers
+  model->eval();
+  auto x = torch::arange(2 * 3 * 8 * 8, torch::kFloat).reshape({2, 3, 8, 8}) / 100.0;
+  auto y = model->forward(x).flatten();
+  std::ifstream f(data + "/tiny_state_dict_expected.json");
+  auto expected = nlohmann::json::parse(f)["output"].get<std::vector<double>>();
+  ASSERT_EQ(y.numel(), static_cast<int64_t>(expected.size()));
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_NEAR(y[i].item<double>(), expected[i], 1e-5) << i;
+  EXPECT_EQ(model->bn->num_batches_tracked.item<int64_t>(), 7);
+}
+
+TEST(Pretrain, SkipKeepsANewHeadAndStrictNamesTheRest) {
+  const std::string path = std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt";
+  Tiny model;
+  auto before = model->fc->weight.clone();
+  auto report = ddp::load_pretrained(path, *model, torch::kCPU, "fc.*");
+  EXPECT_EQ(report.skipped.size(), 2u);
+  EXPECT_TRUE(torch::equal(before, model->fc->weight));
+  ddp::models::ModelSpec spec;  // the CNN: nothing fits
+  auto cnn = ddp::models::make_model(spec);
+  try {
+    ddp::load_pretrained(path, *cnn, torch::kCPU);
+    FAIL();
+  } catch (const ddp::UserError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("missing: "), std::string::npos) << m;
+    EXPECT_NE(m.find("unexpected: "), std::string::npos) << m;
+    EXPECT_NE(m.find("--pretrain-skip"), std::string::npos) << m;
+  }
+}
+
 // ---- bad input: one line naming the value and the fix, exit 2, fast ----
 
 struct BadCase {
@@ -248,7 +301,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "pass a free --port"},
         BadCase{"UnwritableSavePath", {"--dataset", "synthetic", "--save_path", "/proc/ddp_forbidden"}, "pass a writable --save_path"},
         BadCase{"CorruptCheckpoint", {"--dataset", "synthetic", "--resume", "/etc/hostname"}, "corrupt or not a ddptrain"},
-        BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is missing, corrupt"},
+        BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is neither a ddptrain checkpoint nor a PyTorch"},
+        BadCase{"MismatchedPretrain", {"--dataset", "synthetic", "--pretrain", std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt"}, "does not fit the model"},
         BadCase{"ZeroBatch", {"--batch", "0"}, "--batch must be positive, got 0."},
         BadCase{"NegativeEpochs", {"--epochs", "-2"}, "--epochs must be positive, got -2."},
         BadCase{"ZeroLr", {"--lr", "0"}, "--lr must be positive, got 0."}),

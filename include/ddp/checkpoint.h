@@ -9,6 +9,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -45,6 +46,20 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
                                torch::optim::Optimizer* optimizer, const torch::Device& device,
                                const std::string& expected_arch);
+
+/// What load_pretrained() matched and what it did not.
+struct PretrainReport {
+  std::vector<std::string> loaded, missing, unexpected, mismatched, skipped;
+  std::string summary() const;
+};
+
+/// Loads weights into `model` from a ddptrain checkpoint or from a PyTorch
+/// `torch.save(model.state_dict())` file, onto `device`. DDP's "module." and
+/// torch.compile's "_orig_mod." prefixes are stripped. Names matching the
+/// glob `skip` (e.g. "fc.*") are left as initialised. Strict: any missing,
+/// unexpected or shape-mismatched name is a UserError listing them.
+PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
+                               const std::string& skip = "");
 
 /// True if `path` opens as a ddptrain checkpoint (format header present).
 bool is_checkpoint(const std::string& path);

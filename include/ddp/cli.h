@@ -24,6 +24,7 @@ struct Config {
   int epochs = 3;
   int batch = 64;                   // per rank
   std::string pretrain;
+  std::string pretrain_skip;        // glob of names to leave as initialised
   std::string save_path = "./checkpoint";
   int save_epoch = 10;
   std::string data_root = "/usr/share/datasets/fashion-mnist";
