@@ -3,10 +3,12 @@
 
 #include "ddp/error.h"
 
-// GCC 13 reports a false -Warray-bounds inside libstdc++'s vector<bool>, as
-// inlined from torch::autograd::Function::apply below (GCC bug 107852).
+// GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
+// libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
+// below (GCC bug 107852).
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
 #pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
 #endif
 
 namespace ddp {
