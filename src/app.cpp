@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "ddp/data/idx.h"
+#include "ddp/doctor.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
 #include "ddp/launch.h"
@@ -74,7 +75,7 @@ void on_stop_signal(int sig) {
   request_stop();
 }
 
-int run_worker(Config c, Placement where, const PartsFactory& make_parts) {
+int run_worker(Config c, Placement where, const PartsFactory& make_parts, bool doctor) {
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -98,6 +99,7 @@ int run_worker(Config c, Placement where, const PartsFactory& make_parts) {
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     torch::set_num_threads(std::max(1, cores / std::max(1, where.local_world_size)));
   }
+  if (doctor) return run_doctor(world);
   DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
@@ -162,14 +164,18 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
   try {
-    Config c = parse_cli(argc, argv);
+    // `ddptrain doctor [flags]`: the self-check instead of training.
+    const bool doctor = argc > 1 && std::string(argv[1]) == "doctor";
+    std::vector<char*> args(argv, argv + argc);
+    if (doctor) args.erase(args.begin() + 1);
+    Config c = parse_cli(static_cast<int>(args.size()), args.data());
     Placement where = placement_from_env();
     if (!where.launched()) {
       const int gpus = c.backend == "gloo" ? 0 : gpu_count();
       const int local = c.size > 0 ? c.size : (gpus > 0 ? (c.visible.empty() ? gpus : static_cast<int>(split_commas(c.visible).size())) : 2);
       if (local > 1 || c.nnodes > 1 || !c.visible.empty()) return launch(c, argc, argv);
     }
-    return run_worker(c, where, make_parts);
+    return run_worker(c, where, make_parts, doctor);
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;
