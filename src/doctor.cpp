@@ -38,7 +38,10 @@ Check bandwidth(World& world) {
   const double w = world.size();
   const double busbw = static_cast<double>(n * 4) * 2 * (w - 1) / w / s / 1e9;
   char buf[128];
-  std::snprintf(buf, sizeof(buf), "%.2f GB/s bus bandwidth (64 MiB, %.2f ms per all-reduce)", busbw, s * 1e3);
+  if (world.size() == 1)
+    std::snprintf(buf, sizeof(buf), "n/a with one rank (64 MiB all-reduce took %.2f ms)", s * 1e3);
+  else
+    std::snprintf(buf, sizeof(buf), "%.2f GB/s bus bandwidth (64 MiB, %.2f ms per all-reduce)", busbw, s * 1e3);
   return {"all-reduce bandwidth", s > 0, buf};
 }
 
