@@ -39,7 +39,20 @@ int gpu_count() {
 #endif
 }
 
-// The parent side: decide how many local ranks, then start them.
+// GPUs this node may use: the --visible list, else every visible GPU (0 on CPU).
+int usable_gpus(const Config& c) {
+  const auto visible = split_commas(c.visible);
+  if (!visible.empty()) return static_cast<int>(visible.size());
+  return c.backend == "gloo" ? 0 : gpu_count();
+}
+
+// Ranks to run on this node: --size, else one per usable GPU, else 2 CPU ranks.
+int local_ranks(const Config& c) {
+  const int usable = usable_gpus(c);
+  return c.size > 0 ? c.size : (usable > 0 ? usable : 2);
+}
+
+// The parent side: check the GPU request, then start the local ranks.
 int launch(const Config& c, int argc, char** argv) {
   const int gpus = c.backend == "gloo" ? 0 : gpu_count();
   auto visible = split_commas(c.visible);
@@ -49,9 +62,9 @@ int launch(const Config& c, int argc, char** argv) {
                                     std::to_string(gpus - 1) + ").",
                "list existing GPU indices, e.g. --visible 0,1 (see nvidia-smi).");
   }
-  const int usable = visible.empty() ? gpus : static_cast<int>(visible.size());
+  const int usable = usable_gpus(c);
   LaunchOptions lo;
-  lo.nproc_per_node = c.size > 0 ? c.size : (usable > 0 ? usable : 2);
+  lo.nproc_per_node = local_ranks(c);
   check_user(usable == 0 || lo.nproc_per_node <= usable,
              "--size " + std::to_string(lo.nproc_per_node) + " asks for more ranks than the " + std::to_string(usable) +
                  " GPU(s) available.",
@@ -170,11 +183,8 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
     if (doctor) args.erase(args.begin() + 1);
     Config c = parse_cli(static_cast<int>(args.size()), args.data());
     Placement where = placement_from_env();
-    if (!where.launched()) {
-      const int gpus = c.backend == "gloo" ? 0 : gpu_count();
-      const int local = c.size > 0 ? c.size : (gpus > 0 ? (c.visible.empty() ? gpus : static_cast<int>(split_commas(c.visible).size())) : 2);
-      if (local > 1 || c.nnodes > 1 || !c.visible.empty()) return launch(c, argc, argv);
-    }
+    if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty()))
+      return launch(c, argc, argv);
     return run_worker(c, where, make_parts, doctor);
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
