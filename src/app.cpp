@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include "ddp/data/idx.h"
+#include "ddp/bench.h"
+#include "ddp/checkpoint.h"
 #include "ddp/doctor.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
@@ -88,7 +90,7 @@ void on_stop_signal(int sig) {
   request_stop();
 }
 
-int run_worker(Config c, Placement where, const PartsFactory& make_parts, bool doctor) {
+int run_worker(Config c, Placement where, const PartsFactory& make_parts, const std::string& command) {
   struct sigaction sa {};
   sa.sa_handler = on_stop_signal;
   sigemptyset(&sa.sa_mask);
@@ -112,7 +114,8 @@ int run_worker(Config c, Placement where, const PartsFactory& make_parts, bool d
     const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     torch::set_num_threads(std::max(1, cores / std::max(1, where.local_world_size)));
   }
-  if (doctor) return run_doctor(world);
+  if (command == "doctor") return run_doctor(world);
+  if (command == "bench") return run_bench(c, world);
   DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
@@ -177,15 +180,26 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
   try {
-    // `ddptrain doctor [flags]`: the self-check instead of training.
-    const bool doctor = argc > 1 && std::string(argv[1]) == "doctor";
+    // Subcommands: `ddptrain doctor|bench [flags]` run instead of training;
+    // `ddptrain export CHECKPOINT OUT.pt` needs no ranks at all.
     std::vector<char*> args(argv, argv + argc);
-    if (doctor) args.erase(args.begin() + 1);
+    std::string command;
+    if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench")) {
+      command = argv[1];
+      args.erase(args.begin() + 1);
+    }
+    if (argc > 1 && std::string(argv[1]) == "export") {
+      check_user(argc == 4, "usage: ddptrain export CHECKPOINT OUT.pt",
+                 "e.g. ddptrain export checkpoint/train_<time>/best.pt resnet18.pt");
+      export_weights(argv[2], argv[3]);
+      std::printf("wrote %s (a PyTorch state_dict: torch.load it and call load_state_dict)\n", argv[3]);
+      return exit_code::kOk;
+    }
     Config c = parse_cli(static_cast<int>(args.size()), args.data());
     Placement where = placement_from_env();
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty()))
       return launch(c, argc, argv);
-    return run_worker(c, where, make_parts, doctor);
+    return run_worker(c, where, make_parts, command);
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;

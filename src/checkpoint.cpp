@@ -56,7 +56,7 @@ void write_file_atomic(const std::string& path, const std::string& text) {
 }
 
 void save_checkpoint(const std::string& path, const torch::nn::Module& model,
-                     const torch::optim::Optimizer* optimizer, const CheckpointMeta& meta) {
+                     const Stateful* optimizer, const CheckpointMeta& meta) {
   torch::serialize::OutputArchive archive;
   nlohmann::json header = {{"format", kCheckpointFormat}, {"arch", meta.arch},
                            {"epoch", meta.state.epoch},   {"step", meta.state.step},
@@ -97,7 +97,7 @@ bool is_checkpoint(const std::string& path) {
 }
 
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
-                               torch::optim::Optimizer* optimizer, const torch::Device& device,
+                               Stateful* optimizer, const torch::Device& device,
                                const std::string& expected_arch) {
   check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path given to --resume/--pretrain.");
   torch::serialize::InputArchive archive;
@@ -196,8 +196,10 @@ std::map<std::string, torch::Tensor> read_weights(const std::string& path) {
   c10::IValue v;
   try {
     v = torch::pickle_load(bytes);
-  } catch (const std::exception&) {
-    throw UserError("--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file.",
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    why = why.substr(0, why.find('\n'));
+    throw UserError("--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file (" + why + ").",
                     "save weights in Python with torch.save(model.state_dict(), path).");
   }
   check_user(v.isGenericDict(), "--pretrain " + path + " holds a " + v.tagKind() + ", not a state_dict.",
@@ -209,6 +211,30 @@ std::map<std::string, torch::Tensor> read_weights(const std::string& path) {
 }
 
 }  // namespace
+
+namespace {
+
+void write_state_dict(const std::vector<std::pair<std::string, torch::Tensor>>& named, const std::string& path) {
+  c10::Dict<std::string, torch::Tensor> dict;
+  for (const auto& [name, t] : named) dict.insert(name, t.detach().cpu().contiguous());
+  const auto bytes = torch::pickle_save(c10::IValue(dict));
+  write_file_atomic(path, std::string(bytes.begin(), bytes.end()));
+}
+
+}  // namespace
+
+void export_state_dict(const torch::nn::Module& model, const std::string& path) {
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  for (const auto& p : model.named_parameters()) named.emplace_back(p.key(), p.value());
+  for (const auto& b : model.named_buffers()) named.emplace_back(b.key(), b.value());
+  write_state_dict(named, path);
+}
+
+void export_weights(const std::string& checkpoint, const std::string& path) {
+  check_user(fs::exists(checkpoint), "checkpoint " + checkpoint + " does not exist.", "pass a file such as <run>/best.pt.");
+  const auto weights = read_weights(checkpoint);
+  write_state_dict({weights.begin(), weights.end()}, path);
+}
 
 std::string PretrainReport::summary() const {
   auto list = [](const std::vector<std::string>& v) {

@@ -7,6 +7,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <type_traits>
 
 #include "ddp/error.h"
 
@@ -62,6 +63,14 @@ std::vector<Flag> flag_table(Config& c) {
       {"--seed", "seed for initialisation, shuffling and augmentation", &c.seed, {}, "train"},
       {"--bucket-cap-mb", "gradient all-reduce bucket size in MiB", &c.bucket_cap_mb, {}, "train"},
 
+      {"--amp", "mixed precision: bf16, or fp16 with dynamic loss scaling (CUDA)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
+      {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed"},
+      {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed"},
+      {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed"},
+      {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off)", &c.stop_at_acc, {}, "train"},
+      {"--image-size", "ddptrain bench: input height and width (3 channels, 1000 classes)", &c.image_size, {}, "bench"},
+      {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench"},
+
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output"},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output"},
       {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output"},
@@ -98,6 +107,10 @@ void validate(const Config& c) {
   check_user(c.warmup_epochs >= 0, "--warmup-epochs must not be negative.");
   check_user(c.keep_last >= 0, "--keep-last must be 0 (keep all) or positive.");
   check_user(c.max_restarts >= 0, "--max-restarts must be 0 or positive.");
+  check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
+             "e.g. --stop-at-acc 0.93.");
+  positive("--image-size", c.image_size, "e.g. --image-size 64.");
+  positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");
   check_user(c.nnodes >= 1, "--nnodes must be at least 1.");
   check_user(c.node_rank >= 0 && c.node_rank < c.nnodes,
              "--node-rank " + std::to_string(c.node_rank) + " is outside [0, " + std::to_string(c.nnodes) + ").");
@@ -119,7 +132,14 @@ Config parse_cli(int argc, const char* const* argv) {
   app.get_formatter()->column_width(34);
   auto table = flag_table(c);
   for (auto& f : table) {
-    CLI::Option* o = std::visit([&](auto* p) { return app.add_option(f.names, *p, f.help); }, f.target);
+    CLI::Option* o = std::visit(
+        [&](auto* p) {
+          if constexpr (std::is_same_v<decltype(p), bool*>)
+            return app.add_flag(f.names, *p, f.help);
+          else
+            return app.add_option(f.names, *p, f.help);
+        },
+        f.target);
     // A later value overrides an earlier one (flags after a config file, or
     // a script's defaults followed by the user's own).
     o->capture_default_str()->group(f.group)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -151,7 +171,7 @@ void print_config(const Config& config, std::ostream& out) {
   out << "config:\n";
   for (auto& f : flag_table(c)) {
     std::ostringstream v;
-    std::visit([&](auto* p) { v << *p; }, f.target);
+    std::visit([&](auto* p) { v << std::boolalpha << *p; }, f.target);
     out << "  " << std::left << std::setw(16) << f.key() << " " << v.str()
         << (config.was_given(f.key()) ? "" : "  (default)") << "\n";
   }

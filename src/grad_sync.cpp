@@ -22,6 +22,15 @@ struct ReadyHook : torch::autograd::FunctionPostHook {
   std::function<void()> fire;
 };
 
+// A view of `numel` elements of `flat` at `offset` with the shape of `like`;
+// 4-D tensors get channels-last strides when asked.
+torch::Tensor shaped_view(const torch::Tensor& flat, int64_t offset, const torch::Tensor& like, bool channels_last) {
+  auto slice = flat.narrow(0, offset, like.numel());
+  if (!channels_last || like.dim() != 4) return slice.view(like.sizes());
+  const int64_t c = like.size(1), h = like.size(2), w = like.size(3);
+  return slice.as_strided(like.sizes(), {c * h * w, 1, w * c, c});
+}
+
 }  // namespace
 
 GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions options)
@@ -49,26 +58,39 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
   const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb() * 1024 * 1024);
   for (auto& [key, members] : groups) {
     const auto& first = params_[members.front()];
+    // Every slice starts on a 256-byte boundary: cuDNN and vectorised
+    // kernels fault on (or slow down for) misaligned tensors. The padding is
+    // zero in both buffers, so sums and optimizer steps leave it zero.
+    const int64_t align = std::max<int64_t>(1, 256 / static_cast<int64_t>(first.element_size()));
+    auto padded = [align](int64_t n) { return (n + align - 1) / align * align; };
     int64_t total = 0;
-    for (size_t i : members) total += params_[i].numel();
+    for (size_t i : members) total += padded(params_[i].numel());
     auto flat = torch::zeros({total}, first.options());
+    auto flat_param = torch::zeros({total}, first.options());
     const size_t flat_index = flat_grads_.size();
     flat_grads_.push_back(flat);
+    flat_params_.push_back(flat_param);
     const int64_t elem = static_cast<int64_t>(flat.element_size());
     int64_t offset = 0;
     Bucket cur;
     cur.flat = flat_index;
     for (size_t i : members) {
       auto& p = params_[i];
-      const int64_t n = p.numel();
+      const int64_t n = padded(p.numel());
       if (cur.expected > 0 && (cur.numel + n) * elem > cap_bytes) {
         buckets_.push_back(cur);
         cur = Bucket();
         cur.flat = flat_index;
         cur.offset = offset;
       }
-      // The gradient lives inside the flat buffer from now on.
-      p.mutable_grad() = flat.narrow(0, offset, n).view(p.sizes());
+      // The parameter and its gradient live inside the flat buffers from now on.
+      {
+        torch::NoGradGuard no_grad;
+        auto pv = shaped_view(flat_param, offset, p, options_.channels_last());
+        pv.copy_(p.detach());
+        p.set_data(pv);
+      }
+      p.mutable_grad() = shaped_view(flat, offset, p, options_.channels_last());
       bucket_of_[i] = buckets_.size();
       cur.numel += n;
       cur.expected += 1;

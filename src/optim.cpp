@@ -1,4 +1,4 @@
-// Optimizer factory and learning-rate schedules.
+// Learning-rate schedules.
 #include "ddp/optim.h"
 
 #include <cmath>
@@ -6,24 +6,6 @@
 #include "ddp/error.h"
 
 namespace ddp {
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::vector<torch::Tensor>& params,
-                                                        const OptimizerOptions& o) {
-  if (o.name() == "sgd")
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(o.lr()).momentum(o.momentum()).weight_decay(o.weight_decay()));
-  if (o.name() == "adam")
-    return std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(o.lr()).betas({0.9, 0.999}).weight_decay(o.weight_decay()));
-  if (o.name() == "adamw")
-    return std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(o.lr()).betas({0.9, 0.999}).weight_decay(o.weight_decay()));
-  throw UserError("optimizer '" + o.name() + "' is not known.", "use sgd, adam or adamw.");
-}
-
-void set_lr(torch::optim::Optimizer& optimizer, double lr) {
-  for (auto& group : optimizer.param_groups()) group.options().set_lr(lr);
-}
 
 LrSchedule::LrSchedule(LrScheduleOptions options) : o_(std::move(options)) {
   const auto& k = o_.kind();

@@ -9,6 +9,8 @@
 #include <iostream>
 #include <sstream>
 
+#include "ddp/compat.h"
+#include "ddp/data/device_feeder.h"
 #include "ddp/data/loader.h"
 #include "ddp/data/transforms.h"
 #include "ddp/error.h"
@@ -36,6 +38,20 @@ std::atomic<int> g_stop{0};
 
 }  // namespace
 
+TrainStepOptions train_step_options(const Config& c, const torch::Device& device) {
+  const bool cuda = device.is_cuda();
+  if (cuda) compat::set_cuda_math(c.tf32);
+  return TrainStepOptions()
+      .amp(c.amp)
+      .cuda_graph(c.cuda_graph)
+      .channels_last(c.channels_last == "on" || (c.channels_last == "auto" && cuda))
+      .accum_steps(c.accum_steps)
+      .clip_grad_norm(c.clip_grad_norm)
+      .bucket_cap_mb(c.bucket_cap_mb)
+      .optimizer(FlatOptimizerOptions().name(c.optimizer).lr(c.lr).weight_decay(c.weight_decay).momentum(c.momentum))
+      .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
+}
+
 void request_stop() { g_stop.store(1); }
 bool stop_requested() { return g_stop.load() != 0; }
 
@@ -51,12 +67,7 @@ Trainer::Trainer(Config config, World& world, Parts parts)
   }
   const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
   if (sync_bn) convert_sync_batchnorm(model, world_);
-  sync_ = std::make_unique<GradSync>(model, world_, GradSyncOptions().bucket_cap_mb(config_.bucket_cap_mb));
-  optimizer_ = make_optimizer(model.parameters(), OptimizerOptions()
-                                                      .name(config_.optimizer)
-                                                      .lr(config_.lr)
-                                                      .weight_decay(config_.weight_decay)
-                                                      .momentum(config_.momentum));
+  step_ = std::make_unique<TrainStep>(model, world_, train_step_options(config_, world_.device()));
   const int64_t per_rank = DistributedSampler({parts_.data.train->size(), world_.size(), world_.rank()}).num_samples();
   const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
   steps_per_epoch_ = (batches + config_.accum_steps - 1) / config_.accum_steps;
@@ -67,7 +78,6 @@ Trainer::Trainer(Config config, World& world, Parts parts)
           .peak_lr(config_.lr)
           .total_steps(steps_per_epoch_ * config_.epochs)
           .warmup_steps(static_cast<int64_t>(std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_)))));
-  loss_.kind(config_.loss).label_smoothing(config_.label_smoothing);
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
   make_run_dir();
   if (!config_.resume.empty()) resume();
@@ -108,7 +118,7 @@ void Trainer::resume() {
       return;
     }
   }
-  auto meta = load_checkpoint(path, *parts_.model, optimizer_.get(), world_.device(), parts_.arch);
+  auto meta = load_checkpoint(path, *parts_.model, step_.get(), world_.device(), parts_.arch);
   state_ = meta.state;
   // Continue in the checkpoint's own run directory, so metrics.jsonl goes on.
   if (world_.is_main()) {
@@ -149,15 +159,26 @@ EpochMetrics Trainer::fit() {
     last.samples_per_second = static_cast<double>(samples) / std::max(train_seconds, 1e-9);
     state_.epoch = epoch;
     metrics_->append(last);
-    DDP_PRINT0(world_, "epoch %lld/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  %.1f s  %.0f samples/s\n",
+    DDP_PRINT0(world_,
+               "epoch %lld/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  %.1f s  %.0f samples/s  "
+               "data wait %.0f%%\n",
                static_cast<long long>(epoch), config_.epochs, train_loss, test_loss, 100 * test_acc,
-               last.epoch_seconds, last.samples_per_second);
-    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_) save(epoch, test_acc);
+               last.epoch_seconds, last.samples_per_second, 100 * data_wait_seconds_ / std::max(train_seconds, 1e-9));
+    const bool reached = config_.stop_at_acc > 0 && test_acc >= config_.stop_at_acc;
+    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached) save(epoch, test_acc);
+    if (reached) {
+      DDP_PRINT0(world_, "reached --stop-at-acc %.4f at epoch %lld; stopping.\n", config_.stop_at_acc,
+                 static_cast<long long>(epoch));
+      break;
+    }
     if (stop_after_epoch_ && epoch < config_.epochs)
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
                       ". Resume with --resume auto --save_path " + config_.save_path + ".");
   }
   world_.barrier("end of training");
+  if (world_.device().is_cuda())
+    DDP_PRINT0(world_, "peak GPU memory %.0f MiB (rank 0)\n",
+               static_cast<double>(compat::peak_cuda_bytes(world_.device().index())) / (1024.0 * 1024.0));
   return last;
 }
 
@@ -197,33 +218,22 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
 
-  sync_->zero_grad();
-  while (auto batch = loader.next()) {
-    auto x = batch->input.to(dev, /*non_blocking=*/true);
-    auto y = batch->target.to(dev, /*non_blocking=*/true);
+  data::DeviceFeeder feeder(loader, dev, [this](const torch::Tensor& t) { return step_->prepare(t); });
+  while (auto batch = feeder.next()) {
+    const auto& x = batch->input;
+    const auto& y = batch->target;
     const bool last_micro = (micro + 1) % config_.accum_steps == 0 || micro + 1 == micro_batches;
-    // ---- one micro-step: forward, loss, backward (sync only on the last) ----
-    torch::Tensor loss;
-    {
-      std::optional<GradSync::NoSync> no_sync;
-      if (!last_micro) no_sync.emplace(*sync_);
-      loss = compute_loss(model.forward(x), y, loss_);
-      (loss / config_.accum_steps).backward();
-    }
-    loss_sum[0] += loss.detach().to(torch::kDouble);
+    if (last_micro) lr = schedule_->at(state_.step);
+    // ---- one micro-step (forward, loss, backward; on the last micro-batch
+    // also all-reduce, clip and the optimizer step), no host sync ----
+    auto loss = step_->run(x, y, last_micro, lr);
+    loss_sum[0] += loss.to(torch::kDouble);
     loss_sum[1] += 1;
     ++micro;
     samples_seen += x.size(0) * world_.size();
     if (!dev.is_cuda() && !std::isfinite(loss.item<double>()))
       throw NonFiniteLoss(epoch, state_.step, loss.item<double>(), run_dir_);
-    // ---- optimizer step: wait for gradients, clip, set lr, step ----
     if (last_micro) {
-      sync_->finish();
-      if (config_.clip_grad_norm > 0) torch::nn::utils::clip_grad_norm_(model.parameters(), config_.clip_grad_norm);
-      lr = schedule_->at(state_.step);
-      set_lr(*optimizer_, lr);
-      optimizer_->step();
-      sync_->zero_grad();
       ++state_.step;
       if (world_.rank() == fail_rank_ && state_.step == fail_step_)
         throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(fail_step_));
@@ -251,6 +261,7 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
     }
   }
   progress.close();
+  data_wait_seconds_ = feeder.wait_seconds();
   auto total = loss_sum.clone();
   world_.all_reduce(total, "epoch train loss");
   return total[0].item<double>() / std::max(1.0, total[1].item<double>());
@@ -267,10 +278,15 @@ std::pair<double, double> Trainer::evaluate() {
   const auto dev = world_.device();
   auto sums = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(dev));  // loss, correct, count
   const bool classify = test->num_classes() > 0;
-  LossOptions plain = LossOptions().kind(loss_.kind());
+  LossOptions plain = LossOptions().kind(config_.loss);
   while (auto batch = loader.next()) {
-    auto x = batch->input.to(dev, true), y = batch->target.to(dev, true);
-    auto out = model.forward(x);
+    auto x = step_->prepare(batch->input.to(dev, true)), y = batch->target.to(dev, true);
+    torch::Tensor out;
+    {
+      compat::AutocastGuard autocast(dev.type(), config_.amp == "fp16" ? torch::kHalf : torch::kBFloat16,
+                                     config_.amp != "off");
+      out = model.forward(x).to(torch::kFloat);
+    }
     const double n = static_cast<double>(x.size(0));
     sums[0] += compute_loss(out, y, plain).to(torch::kDouble) * n;
     if (classify) sums[1] += out.argmax(1).eq(y).sum().to(torch::kDouble);
@@ -283,7 +299,7 @@ std::pair<double, double> Trainer::evaluate() {
 
 void Trainer::save_and_stop(const std::string& path) {
   if (world_.is_main()) {
-    save_checkpoint(path, *parts_.model, optimizer_.get(), CheckpointMeta{state_, parts_.arch, config_to_json(config_)});
+    save_checkpoint(path, *parts_.model, step_.get(), CheckpointMeta{state_, parts_.arch, config_to_json(config_)});
   }
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
@@ -297,9 +313,9 @@ void Trainer::save(int64_t epoch, double test_acc) {
   if (test_acc > state_.best_acc) {
     state_.best_acc = test_acc;
     meta.state = state_;
-    save_checkpoint(run_dir_ + "/best.pt", *parts_.model, optimizer_.get(), meta);
+    save_checkpoint(run_dir_ + "/best.pt", *parts_.model, step_.get(), meta);
   }
-  save_checkpoint(path, *parts_.model, optimizer_.get(), meta);
+  save_checkpoint(path, *parts_.model, step_.get(), meta);
   std::printf("saved %s\n", path.c_str());
   if (config_.keep_last > 0) {
     // Drop the oldest epoch checkpoints beyond --keep-last.

@@ -231,7 +231,12 @@ c10::intrusive_ptr<compat::Work> World::all_reduce_async(torch::Tensor& t) {
 
 void World::wait(const c10::intrusive_ptr<compat::Work>& work, const std::string& what) {
   try {
-    work->wait(options_.timeout);
+    // Inside a CUDA graph capture the wait must be stream-ordered only (a
+    // timed wait polls events on the host, which capture forbids).
+    if (compat::stream_capturing())
+      work->wait();
+    else
+      work->wait(options_.timeout);
   } catch (const std::exception& e) {
     fail(what, e);
   }

@@ -1,4 +1,4 @@
-// Optimizer factory and learning-rate schedules.
+// Learning-rate schedules.
 #include "ddp/error.h"
 #include "ddp/optim.h"
 #include "support/testing.h"
@@ -30,18 +30,5 @@ TEST(Schedule, StepConstantOneCycle) {
   EXPECT_THROW(ddp::LrSchedule(ddp::LrScheduleOptions().kind("warm")), ddp::UserError);
 }
 
-TEST(Optimizer, EveryKindStepsAndTakesTheLearningRate) {
-  for (std::string name : {"sgd", "adam", "adamw"}) {
-    auto w = torch::ones({3}).requires_grad_();
-    auto opt = ddp::make_optimizer({w}, ddp::OptimizerOptions().name(name).lr(0.1));
-    (w * w).sum().backward();
-    ddp::set_lr(*opt, 0.05);
-    opt->step();
-    EXPECT_DOUBLE_EQ(opt->param_groups()[0].options().get_lr(), 0.05) << name;
-    EXPECT_LT(w[0].item<double>(), 1.0) << name;
-  }
-  EXPECT_THROW(ddp::make_optimizer({torch::ones({1}).requires_grad_()}, ddp::OptimizerOptions().name("lbfgs")),
-               ddp::UserError);
-}
 
 }  // namespace

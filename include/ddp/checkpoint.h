@@ -16,7 +16,7 @@
 
 namespace ddp {
 
-constexpr int kCheckpointFormat = 1;
+constexpr int kCheckpointFormat = 2;  // 2: flat optimizer state
 
 struct TrainState {
   int64_t epoch = 0;    // epochs completed
@@ -36,15 +36,23 @@ struct CheckpointMeta {
   nlohmann::json config;
 };
 
+/// Training state saved beside the model: the optimizer and the loss scaler.
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  virtual void save(torch::serialize::OutputArchive& archive) const = 0;
+  virtual void load(torch::serialize::InputArchive& archive) = 0;
+};
+
 /// Writes atomically; throws UserError if the directory is not writable.
 void save_checkpoint(const std::string& path, const torch::nn::Module& model,
-                     const torch::optim::Optimizer* optimizer, const CheckpointMeta& meta);
+                     const Stateful* optimizer, const CheckpointMeta& meta);
 
 /// Reads a checkpoint into `model` (and `optimizer` if given), placing
 /// tensors on `device`. Throws UserError naming the file for a missing,
 /// corrupt, wrong-version or wrong-architecture checkpoint.
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
-                               torch::optim::Optimizer* optimizer, const torch::Device& device,
+                               Stateful* optimizer, const torch::Device& device,
                                const std::string& expected_arch);
 
 /// What load_pretrained() matched and what it did not.
@@ -60,6 +68,15 @@ struct PretrainReport {
 /// unexpected or shape-mismatched name is a UserError listing them.
 PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
                                const std::string& skip = "");
+
+/// Writes the model's parameters and buffers as a PyTorch state_dict file:
+/// in Python, torch.load(path) gives a dict of tensors that
+/// load_state_dict() accepts (e.g. torchvision's resnet18 for ddptrain's).
+/// Written atomically.
+void export_state_dict(const torch::nn::Module& model, const std::string& path);
+
+/// The same for the weights in a ddptrain checkpoint (or a state_dict file).
+void export_weights(const std::string& checkpoint, const std::string& path);
 
 /// True if `path` opens as a ddptrain checkpoint (format header present).
 bool is_checkpoint(const std::string& path);

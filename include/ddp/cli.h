@@ -62,12 +62,22 @@ struct Config {
   std::string resume;               // "" | auto | PATH
   int max_restarts = 0;
 
+  // speed (CUDA)
+  std::string amp = "off";          // off | bf16 | fp16
+  bool cuda_graph = false;
+  std::string channels_last = "auto";  // auto: on for CUDA
+  bool tf32 = true;
+  double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
+  // `ddptrain bench`
+  int image_size = 64;
+  int bench_steps = 100;
+
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;
   bool was_given(const std::string& name) const;
 };
 
-using FlagTarget = std::variant<int*, double*, std::string*>;
+using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 
 struct Flag {
   std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"

@@ -20,7 +20,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
+#include <ATen/autocast_mode.h>
 
 #define DDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||      \
@@ -56,13 +61,133 @@ inline void shutdown_backend(const c10::intrusive_ptr<Backend>& pg) {
 #endif
 }
 
-/// Sets every parameter's gradient to zero in place. Optimizer::zero_grad()
-/// defaults to set_to_none in 2.x, which would detach gradient views.
-inline void zero_grads_in_place(const std::vector<torch::Tensor>& params) {
-  torch::NoGradGuard no_grad;
-  for (const auto& p : params) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
+/// Turns autocast on for one device type and dtype while it lives (the C++
+/// side of `torch.autocast`). The autocast cache of cast weights is cleared
+/// on exit, as Python does when the outermost autocast block ends.
+class AutocastGuard {
+ public:
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled) : device_(device), enabled_(enabled) {
+    if (!enabled_) return;
+#if DDP_TORCH_AT_LEAST(2, 4)
+    prev_enabled_ = at::autocast::is_autocast_enabled(device_);
+    prev_dtype_ = at::autocast::get_autocast_dtype(device_);
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, dtype);
+#else
+    const bool cuda = device_ == c10::DeviceType::CUDA;
+    prev_enabled_ = cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+    prev_dtype_ = cuda ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+    if (cuda) {
+      at::autocast::set_enabled(true);
+      at::autocast::set_autocast_gpu_dtype(dtype);
+    } else {
+      at::autocast::set_cpu_enabled(true);
+      at::autocast::set_autocast_cpu_dtype(dtype);
+    }
+#endif
   }
+  ~AutocastGuard() {
+    if (!enabled_) return;
+#if DDP_TORCH_AT_LEAST(2, 4)
+    at::autocast::set_autocast_enabled(device_, prev_enabled_);
+    at::autocast::set_autocast_dtype(device_, prev_dtype_);
+#else
+    if (device_ == c10::DeviceType::CUDA) {
+      at::autocast::set_enabled(prev_enabled_);
+      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
+    } else {
+      at::autocast::set_cpu_enabled(prev_enabled_);
+      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
+    }
+#endif
+    if (!prev_enabled_) at::autocast::clear_cache();
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool enabled_;
+  bool prev_enabled_ = false;
+  c10::ScalarType prev_dtype_ = c10::ScalarType::Float;
+};
+
+/// Whether LibTorch has the fused, graph-capturable Adam/AdamW/SGD kernels
+/// that take the learning rate as a tensor (CUDA, 2.2 and later).
+#if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
+constexpr bool kHasFusedOptimizers = true;
+#else
+constexpr bool kHasFusedOptimizers = false;
+#endif
+
+/// One fused Adam (decoupled=false) or AdamW step over a list of tensors;
+/// `found_inf`, when defined, makes the kernel skip the update.
+inline void fused_adam(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                       const std::vector<torch::Tensor>& exp_avg, const std::vector<torch::Tensor>& exp_avg_sq,
+                       const std::vector<torch::Tensor>& steps, const torch::Tensor& lr, double beta1, double beta2,
+                       double weight_decay, double eps, bool decoupled, const torch::Tensor& found_inf) {
+#if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
+  c10::optional<torch::Tensor> inf = found_inf.defined() ? c10::optional<torch::Tensor>(found_inf) : c10::nullopt;
+  if (decoupled)
+    at::_fused_adamw_(params, grads, exp_avg, exp_avg_sq, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false,
+                      c10::nullopt, inf);
+  else
+    at::_fused_adam_(params, grads, exp_avg, exp_avg_sq, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false,
+                     c10::nullopt, inf);
+#else
+  TORCH_CHECK(false, "fused Adam needs CUDA LibTorch 2.2 or later");
+#endif
+}
+
+/// One fused SGD-with-momentum step over a list of tensors.
+inline void fused_sgd(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                      const std::vector<torch::Tensor>& momentum_buffers, double weight_decay, double momentum,
+                      const torch::Tensor& lr, const torch::Tensor& found_inf) {
+#if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
+  c10::optional<torch::Tensor> inf = found_inf.defined() ? c10::optional<torch::Tensor>(found_inf) : c10::nullopt;
+  at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, 0.0, false, false, false, c10::nullopt,
+                  inf);
+#else
+  TORCH_CHECK(false, "fused SGD needs CUDA LibTorch 2.2 or later");
+#endif
+}
+
+/// Peak bytes allocated on a CUDA device since the last reset (what Python's
+/// torch.cuda.max_memory_allocated reports); 0 without CUDA.
+inline int64_t peak_cuda_bytes(int device) {
+#ifdef DDP_WITH_CUDA
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  return stats.allocated_bytes[0].peak;
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
+inline void reset_peak_cuda_bytes(int device) {
+#ifdef DDP_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+#else
+  (void)device;
+#endif
+}
+
+/// Whether the current CUDA stream is being captured into a graph (host
+/// waits and event queries are illegal then).
+inline bool stream_capturing() {
+#ifdef DDP_WITH_CUDA
+  return torch::cuda::is_available() &&
+         c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+#else
+  return false;
+#endif
+}
+
+/// cuDNN autotuning on; TF32 for fp32 matmuls and convolutions as asked.
+inline void set_cuda_math(bool tf32) {
+  at::globalContext().setBenchmarkCuDNN(true);
+  at::globalContext().setAllowTF32CuBLAS(tf32);
+  at::globalContext().setAllowTF32CuDNN(tf32);
 }
 
 }  // namespace ddp::compat

@@ -1,9 +1,12 @@
 // Data-parallel gradient synchronisation: what DistributedDataParallel does
 // in PyTorch, for a LibTorch module.
 //
-// At construction every parameter and buffer is broadcast from rank 0, and
-// each parameter's .grad becomes a view into one flat gradient buffer per
-// dtype. The buffer is cut into buckets of at most `bucket_cap_mb`, filled in
+// At construction every parameter and buffer is broadcast from rank 0. Then
+// each parameter becomes a view into one flat parameter buffer per dtype and
+// its .grad a view into a flat gradient buffer of the same layout, so that an
+// optimizer can update every parameter with a few kernels over two flat
+// tensors (see flat_optimizer.h). With channels_last, 4-D weights get
+// channels-last strides inside their slice. The gradient buffer is cut into buckets of at most `bucket_cap_mb`, filled in
 // reverse registration order (the order backward produces gradients). A hook
 // on each parameter's gradient accumulator counts down its bucket; when a
 // bucket is complete its all-reduce starts at once, so communication overlaps
@@ -27,6 +30,9 @@ struct GradSyncOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Broadcast parameters and buffers from rank 0 at construction.
   TORCH_ARG(bool, broadcast_at_start) = true;
+  /// Give 4-D parameters (convolution weights) channels-last strides, to
+  /// match channels-last activations.
+  TORCH_ARG(bool, channels_last) = false;
 };
 
 class GradSync {
@@ -64,6 +70,8 @@ class GradSync {
   size_t launched_during_backward() const { return launched_in_backward_; }
   /// The flat gradient buffers, one per (dtype, device).
   const std::vector<torch::Tensor>& flat_grads() const { return flat_grads_; }
+  /// The flat parameter buffers, laid out like flat_grads().
+  const std::vector<torch::Tensor>& flat_params() const { return flat_params_; }
 
  private:
   struct Bucket {
@@ -84,6 +92,7 @@ class GradSync {
   std::vector<size_t> bucket_of_;  // param index -> bucket
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> flat_grads_;
+  std::vector<torch::Tensor> flat_params_;
   std::vector<torch::Tensor> buffers_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;

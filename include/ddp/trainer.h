@@ -12,11 +12,10 @@
 #include "ddp/checkpoint.h"
 #include "ddp/cli.h"
 #include "ddp/data/dataset.h"
-#include "ddp/grad_sync.h"
-#include "ddp/loss.h"
 #include "ddp/metrics.h"
 #include "ddp/models/net.h"
 #include "ddp/optim.h"
+#include "ddp/train_step.h"
 #include "ddp/world.h"
 
 namespace ddp {
@@ -28,6 +27,10 @@ struct Parts {
   data::Splits data;
   std::string arch = "custom";
 };
+
+/// The training-step settings the flags ask for (also sets cuDNN autotuning
+/// and TF32 on CUDA).
+TrainStepOptions train_step_options(const Config& config, const torch::Device& device);
 
 /// Asks every Trainer in this process to checkpoint and stop at the next
 /// step boundary that all ranks agree on (called from signal handlers).
@@ -55,14 +58,13 @@ class Trainer {
   Config config_;
   World& world_;
   Parts parts_;
-  std::unique_ptr<GradSync> sync_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<TrainStep> step_;
   std::unique_ptr<LrSchedule> schedule_;
-  LossOptions loss_;
   TrainState state_;
   std::string run_dir_;
   std::unique_ptr<MetricsLog> metrics_;
   int64_t steps_per_epoch_ = 0;
+  double data_wait_seconds_ = 0;  // host time the last epoch waited for batches
   bool is_bar_ = false;
   bool stop_after_epoch_ = false;
   // Fault injection for tests of restarts: fail on this rank at this step,

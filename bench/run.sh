@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The side-by-side benchmark, in one run on one GPU (issue "GPU speed"):
+#   (i)   the seed's Python script, betas fixed      bench/seed_ddp.py
+#   (ii)  idiomatic PyTorch DDP (fused Adam, torchrun) bench/torch_ddp.py
+#   (iii) ddptrain eager                              ddptrain bench
+#   (iv)  ddptrain --cuda-graph                       ddptrain bench --cuda-graph
+# on (a) ResNet-18 64 px batch 32 Adam fp32, (b) ResNet-18 64 px batch 256
+# bf16, (c) ResNet-50 224 px batch 256 bf16 channels-last, and (d) Fashion-
+# MNIST ResNet-18 (small stem) wall time from launch to 93% test accuracy.
+#
+#   bash bench/run.sh            # OUT=dir for the logs (default /tmp/bench)
+#   PHASES="build step" bash bench/run.sh
+#
+# Writes $OUT/results.jsonl (one JSON line per measurement) and
+# $OUT/table.md (bench/table.py), which go into bench/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/bench}; mkdir -p "$OUT"
+PHASES=${PHASES:-"build step fmnist"}
+STEPS=${STEPS:-100}
+FM=${FM:-$PWD/.data/fashion-mnist}
+R="$OUT/results.jsonl"
+has() { [[ " $PHASES " == *" $1 "* ]]; }
+log() { echo "== $* ($(date -u +%H:%M:%S))"; }
+
+log machine
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c 'import torch,torchvision;print("torch",torch.__version__,"cuda",torch.version.cuda,"cudnn",torch.backends.cudnn.version(),"torchvision",torchvision.__version__)' | tee -a "$OUT/machine.txt"
+
+if has build; then
+  log build
+  JOBS=$(nproc) ./setup.sh > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+fi
+B=./build/ddptrain
+
+step_config() {  # name, then shared args for ddptrain bench and torch_ddp.py step
+  local name=$1; shift
+  local model=$1 size=$2 batch=$3 amp=$4 cl=$5
+  local common=(--model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" --steps "$STEPS")
+  local py_cl=(); [[ $cl == on ]] && py_cl=(--channels-last)
+  log "config $name: python ddp"
+  torchrun --standalone --nproc-per-node 1 bench/torch_ddp.py step "${common[@]}" "${py_cl[@]}" 2>"$OUT/$name.py.err" \
+    | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  for graph in false true; do
+    log "config $name: ddptrain cuda-graph=$graph"
+    $B bench --model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" \
+      --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph="$graph" 2>"$OUT/$name.$graph.err" \
+      | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  done
+}
+
+if has step; then
+  log "config a: seed script (betas fixed), 3 epochs of its 1000 random images"
+  (cd "$OUT" && timeout 300 python3 "$OLDPWD/bench/seed_ddp.py" --size 1 --visible 0 --epochs 3 --batch 32 \
+     --save_path "$OUT/seed_ck" 2>"$OUT/seed.err") | grep '^{' | tail -1 | sed 's/^{/{"config": "a", /' | tee -a "$R"
+  step_config a resnet18 64 32 off off
+  step_config b resnet18 64 256 bf16 on
+  step_config c resnet50 224 256 bf16 on
+fi
+
+if has fmnist; then
+  FB=${FMNIST_BATCH:-256}; FLR=${FMNIST_LR:-4e-3}; FE=${FMNIST_EPOCHS:-12}
+  log "config d: python ddp, Fashion-MNIST to 93%"
+  t0=$(date +%s.%N)
+  torchrun --standalone --nproc-per-node 1 bench/torch_ddp.py fmnist --data-root "$FM" --batch "$FB" --lr "$FLR" \
+    --epochs "$FE" --amp bf16 --workers 6 2>"$OUT/d.py.err" > "$OUT/d.py.log"
+  t1=$(date +%s.%N); tail -1 "$OUT/d.py.log"
+  python3 -c "import json,sys; d=json.loads(open('$OUT/d.py.log').read().strip().splitlines()[-1]); d.update(config='d', wall_s=$t1-$t0); print(json.dumps(d))" | tee -a "$R"
+  for graph in false true; do
+    log "config d: ddptrain cuda-graph=$graph"
+    t0=$(date +%s.%N)
+    $B --model resnet18 --stem small --data_root "$FM" --batch "$FB" --lr "$FLR" --epochs "$FE" --amp bf16 \
+      --cuda-graph="$graph" --workers 6 --stop-at-acc 0.93 --progress plain --log-every 100000 \
+      --save_path "$OUT/ck_$graph" > "$OUT/d.$graph.log" 2>&1
+    rc=$?; t1=$(date +%s.%N)
+    grep -E "^epoch|reached|error" "$OUT/d.$graph.log"
+    python3 - "$OUT/d.$graph.log" "$graph" "$t0" "$t1" "$rc" <<'PY' | tee -a "$R"
+import json, re, sys
+log, graph, t0, t1, rc = sys.argv[1], sys.argv[2] == "true", float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+epochs = re.findall(r"^epoch (\d+)/\d+ .* test_acc ([\d.]+)%", open(log).read(), re.M)
+acc = float(epochs[-1][1]) / 100 if epochs else 0.0
+peak = re.findall(r"peak GPU memory (\d+) MiB", open(log).read())
+print(json.dumps({"config": "d", "contender": "ddptrain cuda-graph" if graph else "ddptrain eager", "rc": rc,
+                  "reached": acc >= 0.93, "epochs": len(epochs), "test_acc": acc, "wall_s": t1 - t0,
+                  "peak_mem_mib": float(peak[-1]) if peak else 0.0}))
+PY
+  done
+fi
+python3 bench/table.py "$R" > "$OUT/table.md" && cat "$OUT/table.md"

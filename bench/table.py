@@ -1,0 +1,40 @@
+"""Markdown table of bench/run.sh results: ms/step, images/s, peak memory and
+the ratio to idiomatic PyTorch DDP (contender ii) of the same config."""
+import json
+import sys
+
+CONFIGS = {
+    "a": "(a) ResNet-18, 64 px, batch 32, Adam, fp32",
+    "b": "(b) ResNet-18, 64 px, batch 256, bf16",
+    "c": "(c) ResNet-50, 224 px, batch 256, bf16, channels-last",
+    "d": "(d) Fashion-MNIST, ResNet-18 small stem, launch to 93%",
+}
+ORDER = ["seed (betas fixed)", "pytorch ddp", "ddptrain eager", "ddptrain cuda-graph"]
+
+
+def main():
+    rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip().startswith("{")]
+    print("| config | contender | ms/step | images/s | peak GPU MiB | vs PyTorch DDP |")
+    print("|---|---|---|---|---|---|")
+    for key, title in CONFIGS.items():
+        group = {r["contender"]: r for r in rows if r.get("config") == key}
+        ref = group.get("pytorch ddp")
+        for name in ORDER:
+            r = group.get(name)
+            if r is None:
+                continue
+            if key == "d":
+                wall = r["wall_s"]
+                ratio = f"{wall / ref['wall_s']:.2f}x wall" if ref else ""
+                note = f"{wall:.1f} s wall, {r.get('epochs', '?')} epochs, {100 * r.get('test_acc', 0):.2f}%"
+                if not r.get("reached", False):
+                    note += " (did not reach 93%)"
+                print(f"| {title} | {name} | {note} | | {r.get('peak_mem_mib', 0):.0f} | {ratio} |")
+                continue
+            ratio = f"{r['images_per_s'] / ref['images_per_s']:.2f}x" if ref else ""
+            print(f"| {title} | {name} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
+                  f"{r.get('peak_mem_mib', 0):.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

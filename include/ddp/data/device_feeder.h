@@ -1,0 +1,47 @@
+// Batches on the training device, one step ahead.
+//
+// Wraps a Loader (whose batches sit in pinned host memory on CUDA). On a GPU
+// the copy of batch k+1 to the device, and its conversion to the model's
+// memory format, run on a side stream while step k runs on the main stream;
+// next() makes the main stream wait for that copy (an event, not a host
+// sync). On CPU it simply hands the loader's batches on. It also counts the
+// host time spent waiting for the loader, so the trainer can report whether
+// the data path keeps up with the step.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "ddp/data/loader.h"
+
+namespace ddp::data {
+
+class DeviceFeeder {
+ public:
+  using Prepare = std::function<torch::Tensor(const torch::Tensor&)>;
+  DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare = nullptr);
+  ~DeviceFeeder();
+  DeviceFeeder(const DeviceFeeder&) = delete;
+  DeviceFeeder& operator=(const DeviceFeeder&) = delete;
+
+  /// The next batch, on the device, ready to use on the current stream.
+  std::optional<Batch> next();
+
+  /// Seconds next() spent waiting for the loader so far.
+  double wait_seconds() const { return wait_seconds_; }
+
+ private:
+  std::optional<Batch> fetch();
+
+  Loader& loader_;
+  torch::Device device_;
+  Prepare prepare_;
+  bool started_ = false;
+  std::optional<Batch> ahead_;
+  double wait_seconds_ = 0;
+  struct Cuda;  // side stream and event (CUDA builds)
+  std::unique_ptr<Cuda> cuda_;
+};
+
+}  // namespace ddp::data

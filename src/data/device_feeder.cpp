@@ -1,0 +1,72 @@
+// Side-stream host-to-device copies, one batch ahead of the step.
+#include "ddp/data/device_feeder.h"
+
+#include <chrono>
+
+#include "ddp/compat.h"
+
+namespace ddp::data {
+
+#ifdef DDP_WITH_CUDA
+struct DeviceFeeder::Cuda {
+  c10::cuda::CUDAStream stream;
+  at::cuda::CUDAEvent copied;
+  explicit Cuda(c10::DeviceIndex index) : stream(c10::cuda::getStreamFromPool(false, index)) {}
+};
+#else
+struct DeviceFeeder::Cuda {};
+#endif
+
+DeviceFeeder::DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare)
+    : loader_(loader), device_(device), prepare_(std::move(prepare)) {
+#ifdef DDP_WITH_CUDA
+  if (device_.is_cuda()) cuda_ = std::make_unique<Cuda>(device_.index());
+#endif
+}
+
+DeviceFeeder::~DeviceFeeder() = default;
+
+std::optional<Batch> DeviceFeeder::fetch() {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto batch = loader_.next();
+  wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!batch) return batch;
+  auto move = [&](Batch& b) {
+    b.input = b.input.to(device_, /*non_blocking=*/true);
+    b.target = b.target.to(device_, /*non_blocking=*/true);
+    if (prepare_) b.input = prepare_(b.input);
+  };
+#ifdef DDP_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAStreamGuard on_side(cuda_->stream);
+    move(*batch);
+    cuda_->copied.record(cuda_->stream);
+    return batch;
+  }
+#endif
+  move(*batch);
+  return batch;
+}
+
+std::optional<Batch> DeviceFeeder::next() {
+  if (!started_) {
+    ahead_ = fetch();
+    started_ = true;
+  }
+  auto batch = std::move(ahead_);
+  ahead_.reset();
+  if (!batch) return batch;
+#ifdef DDP_WITH_CUDA
+  if (cuda_) {
+    auto current = c10::cuda::getCurrentCUDAStream(device_.index());
+    cuda_->copied.block(current);
+    // The tensors were made on the side stream and are used on this one.
+    batch->input.record_stream(current.unwrap());
+    batch->target.record_stream(current.unwrap());
+  }
+#endif
+  ahead_ = fetch();  // starts the next copy now, so it overlaps this step
+  return batch;
+}
+
+}  // namespace ddp::data

@@ -1,0 +1,143 @@
+// The training step: channels-last, clipping, fp16 rules, and CUDA graphs
+// against eager execution.
+#include "ddp/error.h"
+#include "ddp/models/registry.h"
+#include "ddp/train_step.h"
+#include "support/testing.h"
+
+namespace {
+
+std::unique_ptr<ddp::World> one_rank_world(bool cuda) {
+  ddp::Placement p;
+  ddp::WorldOptions o;
+  o.use_cuda = cuda;
+  if (cuda) o.backend = "nccl";
+  return std::make_unique<ddp::World>(p, o);
+}
+
+std::shared_ptr<ddp::Net> small_resnet(const torch::Device& device) {
+  torch::manual_seed(1);
+  ddp::models::ModelSpec spec;
+  spec.name = "resnet18";
+  spec.stem = "small";
+  spec.in_channels = 3;
+  spec.input_hw = {16, 16};
+  spec.num_classes = 10;
+  auto m = ddp::models::make_model(spec);
+  m->to(device);
+  return m;
+}
+
+// Losses of `steps` training steps on seeded random batches.
+std::vector<double> trajectory(ddp::TrainStepOptions options, const torch::Device& device, int steps, int batch = 16) {
+  auto world = one_rank_world(device.is_cuda());
+  auto model = small_resnet(device);
+  model->train();
+  ddp::TrainStep step(*model, *world, options);
+  auto gen = torch::make_generator<at::CPUGeneratorImpl>(7);
+  std::vector<double> losses;
+  std::vector<torch::Tensor> on_device;
+  // Four batches, seen in turn: the model can fit them, so the loss falls.
+  std::vector<torch::Tensor> xs, ys;
+  for (int i = 0; i < 4; ++i) {
+    xs.push_back(torch::randn({batch, 3, 16, 16}, gen).to(device));
+    ys.push_back(torch::randint(0, 10, {batch}, gen, torch::kLong).to(device));
+  }
+  for (int i = 0; i < steps; ++i) on_device.push_back(step.run(step.prepare(xs[i % 4]), ys[i % 4], true, 0.05));
+  for (auto& l : on_device) losses.push_back(l.item<double>());
+  if (options.cuda_graph()) {
+    EXPECT_TRUE(step.graphed()) << step.graph_fallback();
+  }
+  return losses;
+}
+
+double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-6, std::abs(b[i])));
+  return worst;
+}
+
+ddp::TrainStepOptions sgd() {
+  return ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("sgd").lr(0.05));
+}
+
+TEST(TrainStep, ChannelsLastGivesTheSameLossesOnCpu) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto plain = trajectory(sgd(), torch::kCPU, 6);
+  auto cl = trajectory(sgd().channels_last(true), torch::kCPU, 6);
+  EXPECT_LE(max_rel_diff(cl, plain), 1e-4);
+}
+
+TEST(TrainStep, ClippingBoundsTheUpdate) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto world = one_rank_world(false);
+  auto model = small_resnet(torch::kCPU);
+  ddp::TrainStep step(*model, *world,
+                      ddp::TrainStepOptions().clip_grad_norm(0.01).optimizer(
+                          ddp::FlatOptimizerOptions().name("sgd").momentum(0).lr(1.0)));
+  auto before = step.sync().flat_params().front().clone();
+  step.run(torch::randn({8, 3, 16, 16}), torch::randint(0, 10, {8}), true, 1.0);
+  // Plain SGD with lr 1 moves the parameters by exactly the clipped gradient.
+  const double moved = (step.sync().flat_params().front() - before).norm().item<double>();
+  EXPECT_NEAR(moved, 0.01, 1e-4);
+}
+
+TEST(TrainStep, Fp16OnCpuIsAUserError) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto world = one_rank_world(false);
+  auto model = small_resnet(torch::kCPU);
+  try {
+    ddp::TrainStep step(*model, *world, sgd().amp("fp16"));
+    FAIL() << "fp16 on CPU was accepted";
+  } catch (const ddp::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("--amp bf16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TrainStep, CudaGraphOnCpuFallsBackWithAReason) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto world = one_rank_world(false);
+  auto model = small_resnet(torch::kCPU);
+  ddp::TrainStep step(*model, *world, sgd().cuda_graph(true));
+  EXPECT_NE(step.graph_fallback().find("CUDA"), std::string::npos);
+  EXPECT_FALSE(step.graphed());
+}
+
+// 50 steps graphed and eager: the same loss trajectory to rounding.
+TEST(TrainStep, GraphedEqualsEagerFp32_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+  auto adam = ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto eager = trajectory(adam, gpu, 50);
+  auto graphed = trajectory(adam.cuda_graph(true), gpu, 50);
+  EXPECT_LT(eager.back(), eager.front());
+  EXPECT_LE(max_rel_diff(graphed, eager), 1e-4);
+  at::globalContext().setDeterministicCuDNN(false);
+}
+
+TEST(TrainStep, GraphedEqualsEagerBf16_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+  auto adam =
+      ddp::TrainStepOptions().amp("bf16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto eager = trajectory(adam, gpu, 50);
+  auto graphed = trajectory(adam.cuda_graph(true), gpu, 50);
+  EXPECT_LE(max_rel_diff(graphed, eager), 2e-2);
+  at::globalContext().setDeterministicCuDNN(false);
+}
+
+TEST(TrainStep, Fp16LossScalingTrainsGraphed_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto opts = ddp::TrainStepOptions().amp("fp16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3));
+  auto eager = trajectory(opts, gpu, 50);
+  auto graphed = trajectory(opts.cuda_graph(true), gpu, 50);
+  for (double l : graphed) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_LE(max_rel_diff(graphed, eager), 5e-2);
+}
+
+}  // namespace
