@@ -87,4 +87,8 @@ print(json.dumps({"config": "d", "contender": "ddptrain cuda-graph" if graph els
 PY
   done
 fi
+if has profile; then
+  log "config c: kernel-time profile of the PyTorch step"
+  timeout 120 python3 bench/profile_step.py 2>"$OUT/profile.err" | tee -a "$OUT/profile.jsonl"
+fi
 python3 bench/table.py "$R" > "$OUT/table.md" && cat "$OUT/table.md"

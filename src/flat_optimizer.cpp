@@ -49,7 +49,7 @@ void FlatOptimizer::step(const torch::Tensor& found_inf) {
       compat::fused_sgd(params_, grads_, m_, o_.weight_decay(), o_.momentum(), lr_t_, found_inf);
     // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
     if (found_inf.defined())
-      for (auto& s : step_) s.sub_(found_inf);
+      for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
     return;
   }
   check_user(!found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",

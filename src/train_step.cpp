@@ -3,6 +3,9 @@
 #include "ddp/train_step.h"
 
 #include <cstdio>
+#ifdef DDP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
 #include <optional>
 
 #include "ddp/compat.h"
@@ -151,7 +154,10 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
       g.graph.replay();
       return g.loss.clone();
     }
-    if (fits && eager_steps_ >= o_.graph_warmup() && try_capture(x, y)) return run(x, y, last_micro, lr);
+    if (fits && eager_steps_ >= o_.graph_warmup()) {
+      if (try_capture(x, y)) return run(x, y, last_micro, lr);
+      return step_body(x, y, last_micro);  // capture failed: eager from now on
+    }
     if (fits) {
       // Warm-up steps run on the capture stream, as PyTorch advises: lazily
       // created per-stream state (cuBLAS workspaces) then exists before capture.
@@ -186,16 +192,22 @@ bool TrainStep::try_capture(const torch::Tensor& x, const torch::Tensor& y) {
   at::autocast::set_autocast_cache_enabled(false);
   try {
     c10::cuda::CUDAStreamGuard on_side(g.stream);
-    g.graph.capture_begin();
-    try {
-      g.loss = step_body(g.x, g.y, /*last_micro=*/true);
-    } catch (...) {
-      try { g.graph.capture_end(); } catch (...) {}
-      throw;
-    }
+    compat::begin_capture(g.graph);
+    g.loss = step_body(g.x, g.y, /*last_micro=*/true);
     g.graph.capture_end();
   } catch (const c10::Error& e) {
     at::autocast::set_autocast_cache_enabled(cache);
+    // Leave capture mode by hand and drop the half-made graph without its
+    // destructor, which is not safe on a broken capture; the little memory
+    // it holds is not worth a crash.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(g.stream.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(g.stream.stream(), &broken);
+      if (broken) cudaGraphDestroy(broken);
+    }
+    (void)cudaGetLastError();
+    (void)graph_.release();
     std::string what = e.what_without_backtrace();
     fall_back("capture failed (" + what.substr(0, what.find('\n')) + ")");
     return false;

@@ -183,6 +183,19 @@ inline bool stream_capturing() {
 #endif
 }
 
+#ifdef DDP_WITH_CUDA
+/// Starts capturing `graph` on the current stream. Where LibTorch allows it,
+/// the capture is thread-local: loader threads that pin memory or query
+/// events meanwhile do not invalidate it (global mode forbids that).
+inline void begin_capture(at::cuda::CUDAGraph& graph) {
+#if DDP_TORCH_AT_LEAST(2, 1)
+  graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+#else
+  graph.capture_begin();
+#endif
+}
+#endif
+
 /// cuDNN autotuning on; TF32 for fp32 matmuls and convolutions as asked.
 inline void set_cuda_math(bool tf32) {
   at::globalContext().setBenchmarkCuDNN(true);
