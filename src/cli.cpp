@@ -7,6 +7,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <type_traits>
 
 #include "ddp/error.h"
 
@@ -34,11 +35,15 @@ std::vector<Flag> flag_table(Config& c) {
       {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch"},
       {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch"},
 
-      {"--data_root,--data-root", "dataset directory (IDX files of Fashion-MNIST or MNIST)", &c.data_root, {}, "data"},
-      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic"}, "data"},
+      {"--data_root,--data-root", "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches", &c.data_root, {}, "data"},
+      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
-      {"--augment", "training augmentation (random crop with padding + horizontal flip)", &c.augment, {"standard", "none"}, "data"},
+      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
+      {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
+      {"--image-size", "imagefolder: side of the square training/eval crops; 0: 224", &c.image_size, {}, "data"},
+      {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data"},
+      {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data"},
 
       {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
@@ -90,6 +95,9 @@ void validate(const Config& c) {
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
              "use 1024-65535, or omit it to pick a free one.");
+  check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
+             "e.g. --val-split 0.1 holds out 10% of each class.");
+  check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");
   check_user(c.label_smoothing >= 0 && c.label_smoothing < 1,
@@ -119,7 +127,12 @@ Config parse_cli(int argc, const char* const* argv) {
   app.get_formatter()->column_width(34);
   auto table = flag_table(c);
   for (auto& f : table) {
-    CLI::Option* o = std::visit([&](auto* p) { return app.add_option(f.names, *p, f.help); }, f.target);
+    CLI::Option* o = std::visit(
+        [&](auto* p) {
+          if constexpr (std::is_same_v<decltype(p), bool*>) return app.add_flag(f.names, *p, f.help);
+          else return app.add_option(f.names, *p, f.help);
+        },
+        f.target);
     // A later value overrides an earlier one (flags after a config file, or
     // a script's defaults followed by the user's own).
     o->capture_default_str()->group(f.group)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -151,6 +164,7 @@ void print_config(const Config& config, std::ostream& out) {
   out << "config:\n";
   for (auto& f : flag_table(c)) {
     std::ostringstream v;
+    v << std::boolalpha;
     std::visit([&](auto* p) { v << *p; }, f.target);
     out << "  " << std::left << std::setw(16) << f.key() << " " << v.str()
         << (config.was_given(f.key()) ? "" : "  (default)") << "\n";

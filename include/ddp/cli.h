@@ -29,9 +29,13 @@ struct Config {
   int save_epoch = 10;
   std::string data_root = "/usr/share/datasets/fashion-mnist";
   // Data.
-  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic
+  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic | imagefolder | cifar10
   int train_samples = 0;            // 0: all
   int test_samples = 0;
+  std::string val_root;             // imagefolder: separate validation folder; "": use val_split
+  double val_split = 0.1;           // imagefolder: fraction of each class held out
+  int image_size = 0;               // imagefolder: output side; 0: 224
+  bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string augment = "standard";
   int workers = 1;
   // Model and optimisation.
@@ -67,7 +71,7 @@ struct Config {
   bool was_given(const std::string& name) const;
 };
 
-using FlagTarget = std::variant<int*, double*, std::string*>;
+using FlagTarget = std::variant<int*, double*, std::string*, bool*>;  // bool: a flag without value
 
 struct Flag {
   std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"

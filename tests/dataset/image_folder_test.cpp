@@ -1,6 +1,7 @@
 // Image folders: torchvision's class and file order, the validation split,
-// corrupt files (skipped and reported, or an error with --strict-data) and
-// batches that are bit-identical for any worker count.
+// corrupt files (skipped and reported, or an error with --strict-data),
+// batches that are bit-identical for any worker count, and a real ddptrain
+// run on a folder of JPEG and PNG files.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -253,6 +254,28 @@ TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {
               ddp::data::load_image_folder(ddp::data::ImageFolderSplitOptions().root(root).val_fraction(0));
             }).find("--val-root"),
             std::string::npos);
+}
+
+// ddptrain itself: a short run on a folder with one corrupt file trains and
+// warns; with --strict-data it stops with exit code 2 and the file's path.
+TEST(ImageFolder, DdptrainTrainsOnAFolderAndStrictDataStops) {
+  const auto root = ddp::testing::temp_dir("imgfolder_run");
+  fs::copy(mixed_folder(), root, fs::copy_options::recursive);
+  touch(root + "/class1/broken.png", "not a png");
+  const auto save = ddp::testing::temp_dir("imgfolder_run_out");
+  std::vector<std::string> args{DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", root, "--image-size", "16",
+                                "--model", "cnn", "--epochs", "1", "--batch", "4", "--size", "1", "--backend", "gloo",
+                                "--val-split", "0.25", "--save_path", save, "--progress", "plain", "--workers", "2"};
+  auto run = ddp::testing::run_process(args, {}, 300);
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("warning: skipping corrupt image " + root + "/class1/broken.png"), std::string::npos)
+      << run.output;
+  EXPECT_NE(run.output.find("test_acc"), std::string::npos) << run.output;
+
+  args.push_back("--strict-data");
+  run = ddp::testing::run_process(args, {}, 300);
+  EXPECT_EQ(run.exit_code, ddp::exit_code::kUsage) << run.output;
+  EXPECT_NE(run.output.find("error: corrupt image " + root + "/class1/broken.png"), std::string::npos) << run.output;
 }
 
 }  // namespace
