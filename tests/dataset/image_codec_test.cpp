@@ -125,7 +125,7 @@ TEST(ImageCodec, TruncatedJpegIsCorrupt) {
                          .clamp(0, 255).to(torch::kByte).contiguous();
   ddp::data::write_jpeg(dir + "/full.jpg", noisy, 90);
   const std::string bytes = bytes_of(dir + "/full.jpg");
-  ASSERT_GT(bytes.size(), 8000u);
+  ASSERT_GT(bytes.size(), 4000u);  // headers and tables are about 600 bytes
   write_bytes(dir + "/cut.jpg", bytes.substr(0, bytes.size() * 3 / 4));
   const std::string reason = corrupt_reason(dir + "/cut.jpg");
   EXPECT_NE(reason.find("truncated JPEG"), std::string::npos) << reason;
