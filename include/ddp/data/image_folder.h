@@ -69,8 +69,9 @@ class ImageFolderDataset : public Dataset {
   ImageFolderDataset(ImageFolderIndex files, ImageFolderOptions options, std::string name);
 
   int64_t size() const override { return static_cast<int64_t>(files_.paths.size()); }
-  /// Sample `index` at position `index` of epoch 0 with seed 0 (for a
-  /// training dataset; evaluation has no random draws).
+  /// Without a draw key, samples are drawn as positions 0, 1, ... of epoch 0
+  /// with seed 0 and rank 0 (this matters for training datasets only;
+  /// evaluation has no random draws). The Loader uses get_keyed_batch.
   Example get(int64_t index) const override;
   Batch get_batch(const std::vector<int64_t>& indices) const override;
   Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
