@@ -34,7 +34,7 @@ PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev l
 # OpenBLAS: Debian's libtorch calls the system BLAS, and the reference one is ~10x slower.
 [[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist libopenblas0-pthread)
 missing=()
-have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h; do [[ -f /usr/include/$h ]] || return 1; done; }
+have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h jpeglib.h png.h; do [[ -f /usr/include/$h ]] || return 1; done; }
 if [[ -n "$TORCH_PREFIX" ]] && have_headers; then
   say "CUDA LibTorch and the header-only libraries are present; no packages needed"
 elif command -v dpkg-query >/dev/null; then

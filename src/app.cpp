@@ -10,9 +10,11 @@
 #include <atomic>
 #include <unistd.h>
 
+#include "ddp/data/cifar10.h"
 #include "ddp/data/idx.h"
 #include "ddp/bench.h"
 #include "ddp/checkpoint.h"
+#include "ddp/data/image_folder.h"
 #include "ddp/doctor.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
@@ -128,6 +130,20 @@ int run_worker(Config c, Placement where, const PartsFactory& make_parts, const 
 }  // namespace
 
 data::Splits load_data(const Config& c, bool verbose) {
+  // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
+  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty()),
+             "--image-size and --val-root apply to --dataset imagefolder only.",
+             "drop them, or pass --dataset imagefolder.");
+  if (c.dataset == "imagefolder")
+    return data::load_image_folder(data::ImageFolderSplitOptions()
+                                       .root(c.data_root)
+                                       .val_root(c.val_root)
+                                       .val_fraction(c.val_split)
+                                       .image_size(c.image_size > 0 ? c.image_size : 224)
+                                       .augment(c.augment == "standard")
+                                       .strict(c.strict_data));
+  if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
+  // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";
   const bool have_files = fs::exists(fs::path(c.data_root) / "train-images-idx3-ubyte.gz") ||
                           fs::exists(fs::path(c.data_root) / "train-images-idx3-ubyte");

@@ -16,19 +16,20 @@ namespace ddp {
 
 int run_bench(const Config& c, World& world) {
   const auto dev = world.device();
+  const int64_t size = c.image_size > 0 ? c.image_size : 64;
   models::ModelSpec spec;
   spec.name = c.model;
   spec.stem = c.stem == "auto" ? "imagenet" : c.stem;
   spec.in_channels = 3;
   spec.num_classes = 1000;
-  spec.input_hw = {c.image_size, c.image_size};
+  spec.input_hw = {size, size};
   auto model = models::make_model(spec);
   model->to(dev);
   model->train();
   auto options = train_step_options(c, dev);
   TrainStep step(*model, world, options);
   torch::manual_seed(c.seed + world.rank());
-  auto x = step.prepare(torch::randn({c.batch, 3, c.image_size, c.image_size}, torch::TensorOptions().device(dev)));
+  auto x = step.prepare(torch::randn({c.batch, 3, size, size}, torch::TensorOptions().device(dev)));
   auto y = torch::randint(0, spec.num_classes, {c.batch}, torch::TensorOptions().dtype(torch::kLong).device(dev));
 
   auto sync = [&] {
@@ -50,7 +51,7 @@ int run_bench(const Config& c, World& world) {
   if (world.is_main()) {
     nlohmann::json j = {{"contender", c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager"},
                         {"model", c.model},
-                        {"image_size", c.image_size},
+                        {"image_size", size},
                         {"batch", c.batch},
                         {"ranks", world.size()},
                         {"optimizer", c.optimizer},

@@ -35,11 +35,15 @@ std::vector<Flag> flag_table(Config& c) {
       {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch"},
       {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch"},
 
-      {"--data_root,--data-root", "dataset directory (IDX files of Fashion-MNIST or MNIST)", &c.data_root, {}, "data"},
-      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic"}, "data"},
+      {"--data_root,--data-root", "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches", &c.data_root, {}, "data"},
+      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
-      {"--augment", "training augmentation (random crop with padding + horizontal flip)", &c.augment, {"standard", "none"}, "data"},
+      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
+      {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
+      {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
+      {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data"},
+      {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data"},
 
       {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
@@ -68,7 +72,6 @@ std::vector<Flag> flag_table(Config& c) {
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed"},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed"},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off)", &c.stop_at_acc, {}, "train"},
-      {"--image-size", "ddptrain bench: input height and width (3 channels, 1000 classes)", &c.image_size, {}, "bench"},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench"},
 
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output"},
@@ -99,6 +102,9 @@ void validate(const Config& c) {
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
              "use 1024-65535, or omit it to pick a free one.");
+  check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
+             "e.g. --val-split 0.1 holds out 10% of each class.");
+  check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");
   check_user(c.label_smoothing >= 0 && c.label_smoothing < 1,
@@ -109,7 +115,6 @@ void validate(const Config& c) {
   check_user(c.max_restarts >= 0, "--max-restarts must be 0 or positive.");
   check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
              "e.g. --stop-at-acc 0.93.");
-  positive("--image-size", c.image_size, "e.g. --image-size 64.");
   positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");
   check_user(c.nnodes >= 1, "--nnodes must be at least 1.");
   check_user(c.node_rank >= 0 && c.node_rank < c.nnodes,

@@ -196,7 +196,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
                             .epoch(epoch - 1)
                             .rank(world_.rank())
                             .start_batch(state_.batch_in_epoch);
-  if (config_.augment == "standard") loader_options.transform(data::make_augment(data::AugmentOptions()));
+  if (config_.augment == "standard" && !parts_.data.train_augmented)
+    loader_options.transform(data::make_augment(data::AugmentOptions()));
   data::Loader loader(parts_.data.train, sampler.indices(), loader_options);
 
   const int64_t micro_batches = loader.num_batches();

@@ -29,9 +29,13 @@ struct Config {
   int save_epoch = 10;
   std::string data_root = "/usr/share/datasets/fashion-mnist";
   // Data.
-  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic
+  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic | imagefolder | cifar10
   int train_samples = 0;            // 0: all
   int test_samples = 0;
+  std::string val_root;             // imagefolder: separate validation folder; "": use val_split
+  double val_split = 0.1;           // imagefolder: fraction of each class held out
+  int image_size = 0;               // imagefolder crops (0: 224); ddptrain bench inputs (0: 64)
+  bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string augment = "standard";
   int workers = 1;
   // Model and optimisation.
@@ -68,9 +72,7 @@ struct Config {
   std::string channels_last = "auto";  // auto: on for CUDA
   bool tf32 = true;
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
-  // `ddptrain bench`
-  int image_size = 64;
-  int bench_steps = 100;
+  int bench_steps = 100;            // `ddptrain bench`
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;

@@ -22,4 +22,9 @@ Batch Dataset::get_batch(const std::vector<int64_t>& indices) const {
   return {torch::stack(inputs), torch::stack(targets)};
 }
 
+Batch Dataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& /*key*/,
+                               int64_t /*first_position*/) const {
+  return get_batch(indices);
+}
+
 }  // namespace ddp::data

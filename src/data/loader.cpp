@@ -66,9 +66,9 @@ Batch Loader::build(int64_t k) const {
   const int64_t first = k * b;
   const int64_t last = std::min(first + b, static_cast<int64_t>(indices_.size()));
   std::vector<int64_t> chunk(indices_.begin() + first, indices_.begin() + last);
-  Batch batch = dataset_->get_batch(chunk);
-  if (options_.transform())
-    options_.transform()(batch, DrawKey{options_.seed(), options_.epoch(), options_.rank()}, first);
+  const DrawKey key{options_.seed(), options_.epoch(), options_.rank()};
+  Batch batch = dataset_->get_keyed_batch(chunk, key, first);
+  if (options_.transform()) options_.transform()(batch, key, first);
   if (options_.pin_memory() && torch::cuda::is_available()) {
     batch.input = batch.input.pin_memory();
     batch.target = batch.target.pin_memory();

@@ -39,7 +39,8 @@ struct LoaderOptions {
   /// Put batches in page-locked memory for faster copies to the GPU; ignored
   /// where CUDA is not available.
   TORCH_ARG(bool, pin_memory) = false;
-  /// Run seed, epoch and rank: the key for the transform's random draws.
+  /// Run seed, epoch and rank: the key for the random draws of the dataset
+  /// (Dataset::get_keyed_batch, e.g. image folders) and of the transform.
   TORCH_ARG(uint64_t, seed) = 0;
   TORCH_ARG(int64_t, epoch) = 0;
   TORCH_ARG(int64_t, rank) = 0;

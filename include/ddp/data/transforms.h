@@ -23,12 +23,7 @@
 
 namespace ddp::data {
 
-/// What a sample's random draws depend on, besides its position.
-struct DrawKey {
-  uint64_t seed = 0;
-  int64_t epoch = 0;
-  int64_t rank = 0;
-};
+// DrawKey (what a sample's random draws depend on) lives in dataset.h.
 
 /// A batch transform. `first_position` is the position of the batch's first
 /// sample in this rank's order for the epoch; sample j of the batch sits at

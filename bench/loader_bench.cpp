@@ -1,0 +1,179 @@
+// Loader throughput on image folders: images per second out of
+// ddp::data::Loader (read, decode, transform, stack) for 0, 1, 2, 4, ...
+// worker threads, with no model attached.
+//
+// Two folders are generated under --dir on the first run (and reused; a
+// `complete` marker guards against a half-written one):
+//   fmnist-png/   Fashion-MNIST's first --fmnist training images as 28 x 28
+//                 grayscale PNGs, one folder per class (skipped when the
+//                 dataset is not installed);
+//   jpeg/         --jpegs synthetic photos-like JPEGs of 256..384 px a side
+//                 (smooth colour fields plus noise, quality 90), 10 classes.
+// Each is read for one full pass per worker count, in a fixed shuffled
+// order, with the training transform (random-resized crop + flip) at
+// --fmnist-size and --jpeg-size; a first pass warms the page cache.
+//
+//   loader_bench [--dir D] [--jpegs N] [--fmnist N] [--batch B] [--max-workers W] [--intra-op-threads T]
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "ddp/data/counter_rng.h"
+#include "ddp/data/idx.h"
+#include "ddp/data/image_codec.h"
+#include "ddp/data/image_folder.h"
+#include "ddp/data/loader.h"
+
+namespace fs = std::filesystem;
+using namespace ddp::data;
+
+namespace {
+
+struct Args {
+  std::string dir = (fs::temp_directory_path() / "ddp_loader_bench").string();
+  int64_t jpegs = 2000, fmnist = 10000, batch = 64, jpeg_size = 224, fmnist_size = 28;
+  int64_t max_workers = std::max(1u, std::thread::hardware_concurrency());
+  int intra_op_threads = 1;
+};
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "loader_bench: %s needs a value\n", k.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (k == "--dir") a.dir = value();
+    else if (k == "--jpegs") a.jpegs = std::stoll(value());
+    else if (k == "--fmnist") a.fmnist = std::stoll(value());
+    else if (k == "--batch") a.batch = std::stoll(value());
+    else if (k == "--jpeg-size") a.jpeg_size = std::stoll(value());
+    else if (k == "--fmnist-size") a.fmnist_size = std::stoll(value());
+    else if (k == "--max-workers") a.max_workers = std::stoll(value());
+    else if (k == "--intra-op-threads") a.intra_op_threads = std::stoi(value());
+    else {
+      std::fprintf(stderr,
+                   "usage: loader_bench [--dir D] [--jpegs N] [--fmnist N] [--batch B] [--jpeg-size S] "
+                   "[--fmnist-size S] [--max-workers W] [--intra-op-threads T]\n");
+      std::exit(k == "-h" || k == "--help" ? 0 : 2);
+    }
+  }
+  return a;
+}
+
+void mark_complete(const std::string& dir) { std::ofstream(dir + "/complete") << "ok\n"; }
+bool is_complete(const std::string& dir) { return fs::exists(dir + "/complete"); }
+
+// A photo-like image: a few smooth colour gradients, a texture and noise,
+// so that it compresses like a photograph rather than a flat colour.
+torch::Tensor photo_like(int64_t index) {
+  KeyedRandom rng(hash_words({0x62656e63, static_cast<uint64_t>(index)}));
+  const int64_t h = 256 + rng.below(129), w = 256 + rng.below(129);
+  auto y = torch::linspace(0, 1, h).view({h, 1, 1});
+  auto x = torch::linspace(0, 1, w).view({1, w, 1});
+  std::vector<torch::Tensor> channels;
+  for (int c = 0; c < 3; ++c) {
+    const double a = rng.uniform(-1, 1), b = rng.uniform(-1, 1), f = rng.uniform(4, 20), p = rng.uniform(0, 6.3);
+    channels.push_back(128 + 60 * (a * y + b * x) + 40 * torch::sin(f * (x + y * rng.uniform(0.2, 1.5)) + p));
+  }
+  auto img = torch::cat(channels, 2) + 12 * torch::randn({h, w, 3});
+  return img.clamp(0, 255).to(torch::kByte).contiguous();
+}
+
+std::string make_jpeg_folder(const Args& a) {
+  const std::string dir = a.dir + "/jpeg";
+  if (is_complete(dir)) return dir;
+  std::printf("generating %lld JPEGs in %s ...\n", static_cast<long long>(a.jpegs), dir.c_str());
+  torch::manual_seed(0);
+  for (int64_t i = 0; i < a.jpegs; ++i) {
+    const std::string cls = dir + "/class" + std::to_string(i % 10);
+    fs::create_directories(cls);
+    write_jpeg(cls + "/" + std::to_string(i) + ".jpg", photo_like(i), 90);
+  }
+  mark_complete(dir);
+  return dir;
+}
+
+// "" when Fashion-MNIST is not installed.
+std::string make_fmnist_folder(const Args& a) {
+  const std::string dir = a.dir + "/fmnist-png";
+  if (is_complete(dir)) return dir;
+  if (!fs::exists(std::string(kFashionMnistRoot) + "/train-images-idx3-ubyte.gz")) {
+    std::printf("Fashion-MNIST not found in %s: skipping the PNG folder\n", kFashionMnistRoot);
+    return "";
+  }
+  std::printf("writing %lld Fashion-MNIST PNGs in %s ...\n", static_cast<long long>(a.fmnist), dir.c_str());
+  auto images = read_idx_images(std::string(kFashionMnistRoot) + "/train-images-idx3-ubyte.gz");
+  auto labels = read_idx_labels(std::string(kFashionMnistRoot) + "/train-labels-idx1-ubyte.gz");
+  const int64_t n = std::min(a.fmnist, images.size(0));
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string cls = dir + "/" + std::to_string(labels[i].item<int64_t>());
+    fs::create_directories(cls);
+    write_png(cls + "/" + std::to_string(i) + ".png", images[i].permute({1, 2, 0}).contiguous());
+  }
+  mark_complete(dir);
+  return dir;
+}
+
+double images_per_second(const DatasetPtr& data, const std::vector<int64_t>& order, int64_t batch, int64_t workers) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Loader loader(data, order, LoaderOptions(batch).workers(workers).prefetch(std::max<int64_t>(2, 2 * workers)).seed(1));
+  int64_t seen = 0;
+  while (auto b = loader.next()) seen += b->input.size(0);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return static_cast<double>(seen) / s;
+}
+
+void bench(const std::string& name, const std::string& root, int64_t size, const Args& a) {
+  auto data = std::make_shared<ImageFolderDataset>(scan_image_folder(root),
+                                                   ImageFolderOptions().transform(ImageTransformOptions().size(size)),
+                                                   name);
+  // A fixed shuffled order, as a DistributedSampler would give one rank.
+  std::vector<int64_t> order(static_cast<size_t>(data->size()));
+  KeyedRandom rng(7);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  images_per_second(data, order, a.batch, 1);  // warm the page cache
+  std::vector<int64_t> counts{0};
+  for (int64_t w = 1; w <= a.max_workers; w *= 2) counts.push_back(w);
+  if (counts.back() != a.max_workers) counts.push_back(a.max_workers);
+  double one = 0;
+  for (int64_t w : counts) {
+    const double rate = images_per_second(data, order, a.batch, w);
+    if (w == 1) one = rate;
+    std::printf("| %s | %lld | %s | %lld | %.0f | %s |\n", name.c_str(), static_cast<long long>(data->size()),
+                (std::to_string(size) + " px").c_str(), static_cast<long long>(w), rate,
+                w >= 1 && one > 0 ? (std::to_string(rate / one).substr(0, 4) + "x").c_str() : "-");
+    std::fflush(stdout);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args a = parse(argc, argv);
+  torch::set_num_threads(a.intra_op_threads);
+  fs::create_directories(a.dir);
+  const std::string fmnist = make_fmnist_folder(a);
+  const std::string jpeg = make_jpeg_folder(a);
+  std::printf("\nloader images/s: batch %lld, training transform (random-resized crop + flip), %d intra-op "
+              "thread(s), %u hardware threads; workers 0 = decode on the calling thread\n\n",
+              static_cast<long long>(a.batch), a.intra_op_threads, std::thread::hardware_concurrency());
+  std::printf("| folder | images | output | workers | images/s | vs 1 worker |\n|---|---|---|---|---|---|\n");
+  if (!fmnist.empty()) bench("Fashion-MNIST PNG 28 px gray", fmnist, a.fmnist_size, a);
+  bench("synthetic JPEG 256-384 px", jpeg, a.jpeg_size, a);
+  return 0;
+}

@@ -1,0 +1,118 @@
+// A folder of images, one sub-folder per class: torchvision's ImageFolder.
+//
+//   root/<class>/<image>   (images may also sit deeper, root/<class>/a/b.jpg)
+//
+// Classes are the sub-folders of root, sorted by the bytes of their names,
+// and get labels 0, 1, ... in that order. Within a class, folders are walked
+// in sorted order of their paths and files in sorted order of their names;
+// files count when their extension is one of torchvision's IMG_EXTENSIONS,
+// in any case. So sample i and label k here are sample i and label k of
+// torchvision.datasets.ImageFolder on the same folder. Only JPEG and PNG are
+// decoded (image_codec.h); a folder holding .bmp/.ppm/.pgm/.tif/.tiff/.webp
+// files is refused when scanned, not halfway through an epoch.
+//
+// Images are decoded when a batch is built, on the Loader's worker threads,
+// and transformed one at a time (image_transforms.h): random-resized crop
+// and flip for training, resize and centre crop for evaluation, keyed on
+// (seed, epoch, rank, position) like every other random draw in ddptrain.
+//
+// A file that fails to decode is reported once per process on stderr, by the
+// rank that met it (each rank reads different files), and the sample is
+// replaced by the next file of the dataset, in index order, that decodes.
+// Which files are broken is a property of the folder, so the replacement is
+// the same for any worker count. With `strict`, the first corrupt file stops
+// the run with a UserError naming it.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddp/data/dataset.h"
+#include "ddp/data/image_transforms.h"
+
+namespace ddp::data {
+
+/// The file list of an image folder.
+struct ImageFolderIndex {
+  std::string root;
+  std::vector<std::string> classes;  // sorted; label k is classes[k]
+  std::vector<std::string> paths;    // full paths, in torchvision's order
+  std::vector<int64_t> labels;       // one per path
+};
+
+/// Lists root/<class>/... as described above. UserError if root is not a
+/// directory, has no class folders, a class has no image, or an image has an
+/// extension this build cannot decode.
+ImageFolderIndex scan_image_folder(const std::string& root);
+
+/// Splits `all` into {train, val}: in every class, round(fraction x n)
+/// files go to validation (at most n - 1, so no class vanishes from
+/// training). Which ones is a hash of each file's path relative to the root,
+/// so the split is the same on every rank, for every --seed and worker
+/// count, and changes only when the folder's contents change. Both parts
+/// keep the index order.
+std::pair<ImageFolderIndex, ImageFolderIndex> split_image_folder(const ImageFolderIndex& all, double fraction);
+
+struct ImageFolderOptions {
+  /// How each image becomes a 3 x size x size tensor.
+  TORCH_ARG(ImageTransformOptions, transform) = ImageTransformOptions();
+  /// Stop at the first corrupt file instead of replacing the sample.
+  TORCH_ARG(bool, strict) = false;
+};
+
+class ImageFolderDataset : public Dataset {
+ public:
+  ImageFolderDataset(ImageFolderIndex files, ImageFolderOptions options, std::string name);
+
+  int64_t size() const override { return static_cast<int64_t>(files_.paths.size()); }
+  /// Without a draw key, samples are drawn as positions 0, 1, ... of epoch 0
+  /// with seed 0 and rank 0 (this matters for training datasets only;
+  /// evaluation has no random draws). The Loader uses get_keyed_batch.
+  Example get(int64_t index) const override;
+  Batch get_batch(const std::vector<int64_t>& indices) const override;
+  Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
+                        int64_t first_position) const override;
+  std::vector<int64_t> input_shape() const override;
+  int64_t num_classes() const override { return static_cast<int64_t>(files_.classes.size()); }
+  std::string name() const override { return name_; }
+
+  const ImageFolderIndex& files() const { return files_; }
+  /// Files found corrupt so far, in the order they were met.
+  std::vector<std::string> corrupt_files() const;
+
+ private:
+  // Decodes sample `index`, or the next one that decodes; sets *label.
+  torch::Tensor decode(int64_t index, int64_t rank, int64_t* label) const;
+
+  ImageFolderIndex files_;
+  ImageFolderOptions options_;
+  std::string name_;
+  mutable std::mutex mutex_;           // guards the two below
+  mutable std::set<int64_t> corrupt_;  // indices known not to decode
+  mutable std::vector<std::string> corrupt_order_;
+};
+
+/// Train and validation splits of an image folder, for ddptrain's flags.
+struct ImageFolderSplitOptions {
+  /// The training folder (--data_root).
+  TORCH_ARG(std::string, root);
+  /// A separate validation folder with the same class folders (--val-root);
+  /// empty: take `val_fraction` of root instead.
+  TORCH_ARG(std::string, val_root);
+  TORCH_ARG(double, val_fraction) = 0.1;
+  /// Output side (--image-size).
+  TORCH_ARG(int64_t, image_size) = 224;
+  /// Random-resized crop and flip on training images (--augment standard);
+  /// off: training images get the evaluation transform.
+  TORCH_ARG(bool, augment) = true;
+  TORCH_ARG(bool, strict) = false;
+};
+
+/// ImageFolderDataset splits, normalised with ImageNet's statistics.
+Splits load_image_folder(const ImageFolderSplitOptions& options);
+
+}  // namespace ddp::data

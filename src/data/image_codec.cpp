@@ -1,0 +1,282 @@
+// JPEG (libjpeg-turbo) and PNG (libpng) decoding and encoding.
+//
+// Both libraries report fatal errors through a callback that must not
+// return; the documented way out is longjmp back to a setjmp in the caller.
+// Each decoder therefore keeps every C++ object it needs alive across the
+// setjmp (created before it, only assigned after), so the jump skips no
+// destructor, and turns the jump into a CorruptImage exception.
+#include "ddp/data/image_codec.h"
+
+#include <csetjmp>
+#include <cstdio>  // before jpeglib.h, which needs FILE
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <set>
+#include <vector>
+
+#include <jpeglib.h>
+#include <jerror.h>
+#include <png.h>
+
+namespace ddp::data {
+namespace {
+
+// ---- JPEG -------------------------------------------------------------------
+
+struct JpegErrors {
+  jpeg_error_mgr mgr;  // first member: libjpeg hands back a pointer to it
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+  bool truncated;
+};
+
+[[noreturn]] void jpeg_fail(j_common_ptr c) {
+  auto* e = reinterpret_cast<JpegErrors*>(c->err);
+  (*c->err->format_message)(c, e->message);
+  std::longjmp(e->jump, 1);
+}
+
+// libjpeg only warns about a file that ends early and fills the rest of the
+// image with grey. PIL refuses such files by default; so does this decoder.
+// Other warnings (e.g. stray bytes between markers) leave a usable image and
+// are ignored, as PIL ignores them.
+void jpeg_message(j_common_ptr c, int level) {
+  auto* e = reinterpret_cast<JpegErrors*>(c->err);
+  if (level < 0 && c->err->msg_code == JWRN_JPEG_EOF && !e->truncated) {
+    e->truncated = true;
+    (*c->err->format_message)(c, e->message);
+  }
+}
+
+torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path) {
+  jpeg_decompress_struct cinfo;
+  JpegErrors errors{};
+  torch::Tensor out;
+  cinfo.err = jpeg_std_error(&errors.mgr);
+  errors.mgr.error_exit = jpeg_fail;
+  errors.mgr.emit_message = jpeg_message;
+  if (setjmp(errors.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    throw CorruptImage(path, std::string("not a valid JPEG (") + errors.message + ")");
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, const_cast<unsigned char*>(bytes), static_cast<unsigned long>(size));  // const in newer libjpeg
+  jpeg_read_header(&cinfo, TRUE);
+  // libjpeg-turbo converts grayscale and YCbCr to RGB itself; CMYK it only
+  // passes through, and it is converted below.
+  const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
+  cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+  jpeg_start_decompress(&cinfo);
+  const int64_t h = cinfo.output_height, w = cinfo.output_width, c = cinfo.output_components;
+  out = torch::empty({h, w, cmyk ? 4 : 3}, torch::kByte);
+  uint8_t* base = out.data_ptr<uint8_t>();
+  while (cinfo.output_scanline < cinfo.output_height) {
+    JSAMPROW row = base + static_cast<int64_t>(cinfo.output_scanline) * w * c;
+    jpeg_read_scanlines(&cinfo, &row, 1);
+  }
+  if (!errors.truncated) jpeg_finish_decompress(&cinfo);
+  jpeg_destroy_decompress(&cinfo);
+  if (errors.truncated)
+    throw CorruptImage(path, std::string("truncated JPEG (") + errors.message + ")");
+  if (cmyk) {
+    // Adobe writes CMYK JPEGs inverted (0 = full ink); nearly all CMYK JPEGs
+    // come from Adobe software, so read them that way: R = C * K / 255.
+    auto f = out.to(torch::kInt);
+    auto k = f.select(2, 3).unsqueeze(2);
+    out = (f.narrow(2, 0, 3) * k).div(255, "floor").to(torch::kByte).contiguous();
+  }
+  return out;
+}
+
+// ---- PNG --------------------------------------------------------------------
+
+struct PngSource {
+  const uint8_t* data;
+  size_t size, offset;
+};
+
+void png_read_memory(png_structp png, png_bytep out, png_size_t n) {
+  auto* src = static_cast<PngSource*>(png_get_io_ptr(png));
+  if (n > src->size - src->offset) png_error(png, "file ends early (truncated)");
+  std::memcpy(out, src->data + src->offset, n);
+  src->offset += n;
+}
+
+struct PngErrors {
+  char message[256];
+};
+
+[[noreturn]] void png_fail(png_structp png, png_const_charp msg) {
+  auto* e = static_cast<PngErrors*>(png_get_error_ptr(png));
+  std::snprintf(e->message, sizeof e->message, "%s", msg);
+  png_longjmp(png, 1);
+}
+// Warnings (e.g. a known-bad sRGB profile) leave a usable image; stay quiet.
+void png_warn(png_structp, png_const_charp) {}
+
+torch::Tensor decode_png(const uint8_t* bytes, size_t size, const std::string& path) {
+  PngErrors errors{};
+  PngSource src{bytes, size, 0};
+  torch::Tensor out;
+  std::vector<png_bytep> rows;
+  png_structp png = png_create_read_struct(PNG_LIBPNG_VER_STRING, &errors, png_fail, png_warn);
+  if (!png) throw std::bad_alloc();
+  png_infop info = png_create_info_struct(png);
+  if (!info) {
+    png_destroy_read_struct(&png, nullptr, nullptr);
+    throw std::bad_alloc();
+  }
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    throw CorruptImage(path, std::string("not a valid PNG (") + errors.message + ")");
+  }
+  png_set_read_fn(png, &src, png_read_memory);
+  png_read_info(png, info);
+  // To 8-bit RGB whatever the colour type: palette and low-bit gray are
+  // expanded, 16-bit samples keep their high byte, alpha is dropped.
+  png_set_expand(png);
+  png_set_strip_16(png);
+  png_set_strip_alpha(png);
+  png_set_gray_to_rgb(png);
+  png_set_interlace_handling(png);
+  png_read_update_info(png, info);
+  const int64_t h = png_get_image_height(png, info), w = png_get_image_width(png, info);
+  if (png_get_channels(png, info) != 3 || png_get_rowbytes(png, info) != static_cast<size_t>(w * 3))
+    png_error(png, "unexpected layout after conversion to 8-bit RGB");
+  out = torch::empty({h, w, 3}, torch::kByte);
+  rows.resize(static_cast<size_t>(h));
+  for (int64_t y = 0; y < h; ++y) rows[static_cast<size_t>(y)] = out.data_ptr<uint8_t>() + y * w * 3;
+  png_read_image(png, rows.data());
+  png_read_end(png, nullptr);
+  png_destroy_read_struct(&png, &info, nullptr);
+  return out;
+}
+
+// ---- Encoders ---------------------------------------------------------------
+
+struct File {
+  explicit File(const std::string& path) : f(std::fopen(path.c_str(), "wb")) {
+    if (!f) throw std::runtime_error(path + ": cannot open for writing");
+  }
+  ~File() {
+    if (f) std::fclose(f);
+  }
+  std::FILE* f;
+};
+
+torch::Tensor checked_hwc(const torch::Tensor& hwc, const std::set<int64_t>& channels, const char* who) {
+  TORCH_CHECK(hwc.dim() == 3 && hwc.scalar_type() == torch::kByte && channels.count(hwc.size(2)) &&
+                  hwc.size(0) > 0 && hwc.size(1) > 0,
+              who, ": wants a non-empty uint8 H x W x C image, got ", hwc.sizes(), " ", hwc.scalar_type());
+  return hwc.contiguous();
+}
+
+void write_png_rows(const std::string& path, const torch::Tensor& pixels, int color_type,
+                    const std::vector<png_color>* palette) {
+  // Everything the jump may not skip is built before setjmp.
+  File file(path);
+  const int64_t stride = pixels.numel() / pixels.size(0);
+  std::vector<png_bytep> rows(static_cast<size_t>(pixels.size(0)));
+  for (size_t y = 0; y < rows.size(); ++y)
+    rows[y] = const_cast<uint8_t*>(pixels.data_ptr<uint8_t>()) + static_cast<int64_t>(y) * stride;
+  const auto h = static_cast<png_uint_32>(pixels.size(0)), w = static_cast<png_uint_32>(pixels.size(1));
+  PngErrors errors{};
+  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &errors, png_fail, png_warn);
+  png_infop info = png ? png_create_info_struct(png) : nullptr;
+  if (!info) {
+    png_destroy_write_struct(&png, nullptr);
+    throw std::bad_alloc();
+  }
+  if (setjmp(png_jmpbuf(png))) {
+    png_destroy_write_struct(&png, &info);
+    throw std::runtime_error(path + ": cannot write PNG (" + errors.message + ")");
+  }
+  png_init_io(png, file.f);
+  png_set_IHDR(png, info, w, h, 8, color_type, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
+               PNG_FILTER_TYPE_DEFAULT);
+  if (palette) png_set_PLTE(png, info, palette->data(), static_cast<int>(palette->size()));
+  png_set_rows(png, info, rows.data());
+  png_write_png(png, info, PNG_TRANSFORM_IDENTITY, nullptr);
+  png_destroy_write_struct(&png, &info);
+}
+
+}  // namespace
+
+torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path) {
+  static const uint8_t kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  if (size >= 8 && std::memcmp(bytes, kPng, 8) == 0) return decode_png(bytes, size, path);
+  if (size >= 3 && bytes[0] == 0xff && bytes[1] == 0xd8 && bytes[2] == 0xff) return decode_jpeg(bytes, size, path);
+  if (size == 0) throw CorruptImage(path, "empty file");
+  throw CorruptImage(path, "neither a JPEG nor a PNG (unrecognised first bytes)");
+}
+
+torch::Tensor decode_image_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) throw CorruptImage(path, "cannot open for reading");
+  const std::streamoff size = f.tellg();
+  if (size < 0) throw CorruptImage(path, "cannot read");
+  std::vector<uint8_t> bytes(static_cast<size_t>(size));
+  f.seekg(0);
+  if (size > 0 && !f.read(reinterpret_cast<char*>(bytes.data()), size)) throw CorruptImage(path, "read error");
+  return decode_image(bytes.data(), bytes.size(), path);
+}
+
+void write_png(const std::string& path, const torch::Tensor& hwc) {
+  const auto pixels = checked_hwc(hwc, {1, 3, 4}, "write_png");
+  const int64_t c = pixels.size(2);
+  write_png_rows(path, pixels, c == 1 ? PNG_COLOR_TYPE_GRAY : c == 3 ? PNG_COLOR_TYPE_RGB : PNG_COLOR_TYPE_RGBA, nullptr);
+}
+
+void write_palette_png(const std::string& path, const torch::Tensor& hwc) {
+  auto rgb = checked_hwc(hwc, {1, 3}, "write_palette_png");
+  if (rgb.size(2) == 1) rgb = rgb.expand({-1, -1, 3}).contiguous();
+  const int64_t n = rgb.size(0) * rgb.size(1);
+  const uint8_t* p = rgb.data_ptr<uint8_t>();
+  std::vector<png_color> palette;
+  auto indices = torch::empty({rgb.size(0), rgb.size(1)}, torch::kByte);
+  uint8_t* idx = indices.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const png_color colour{p[3 * i], p[3 * i + 1], p[3 * i + 2]};
+    size_t k = 0;
+    while (k < palette.size() && std::memcmp(&palette[k], &colour, sizeof colour) != 0) ++k;
+    if (k == palette.size()) {
+      TORCH_CHECK(palette.size() < 256, "write_palette_png: more than 256 colours");
+      palette.push_back(colour);
+    }
+    idx[i] = static_cast<uint8_t>(k);
+  }
+  write_png_rows(path, indices, PNG_COLOR_TYPE_PALETTE, &palette);
+}
+
+void write_jpeg(const std::string& path, const torch::Tensor& hwc, int quality) {
+  const auto pixels = checked_hwc(hwc, {1, 3}, "write_jpeg");
+  TORCH_CHECK(quality >= 1 && quality <= 100, "write_jpeg: quality ", quality, " outside 1..100");
+  File file(path);
+  jpeg_compress_struct cinfo;
+  JpegErrors errors{};
+  cinfo.err = jpeg_std_error(&errors.mgr);
+  errors.mgr.error_exit = jpeg_fail;
+  if (setjmp(errors.jump)) {
+    jpeg_destroy_compress(&cinfo);
+    throw std::runtime_error(path + ": cannot write JPEG (" + errors.message + ")");
+  }
+  jpeg_create_compress(&cinfo);
+  jpeg_stdio_dest(&cinfo, file.f);
+  cinfo.image_width = static_cast<JDIMENSION>(pixels.size(1));
+  cinfo.image_height = static_cast<JDIMENSION>(pixels.size(0));
+  cinfo.input_components = static_cast<int>(pixels.size(2));
+  cinfo.in_color_space = pixels.size(2) == 1 ? JCS_GRAYSCALE : JCS_RGB;
+  jpeg_set_defaults(&cinfo);
+  jpeg_set_quality(&cinfo, quality, TRUE);
+  jpeg_start_compress(&cinfo, TRUE);
+  const int64_t stride = pixels.size(1) * pixels.size(2);
+  while (cinfo.next_scanline < cinfo.image_height) {
+    JSAMPROW row = const_cast<uint8_t*>(pixels.data_ptr<uint8_t>()) + static_cast<int64_t>(cinfo.next_scanline) * stride;
+    jpeg_write_scanlines(&cinfo, &row, 1);
+  }
+  jpeg_finish_compress(&cinfo);
+  jpeg_destroy_compress(&cinfo);
+}
+
+}  // namespace ddp::data
