@@ -272,6 +272,9 @@ struct BadNodeCase {
   std::string expect;
 };
 
+// ctest -N and gtest print the case by name, not as raw bytes.
+void PrintTo(const BadNodeCase& c, std::ostream* os) { *os << c.name; }
+
 class BadMultiNodeInput : public ::testing::TestWithParam<BadNodeCase> {};
 
 // A port that a socket listens on, on every address, for the test binary's life.
