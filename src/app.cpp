@@ -79,6 +79,7 @@ int launch(const Config& c, int argc, char** argv) {
   lo.master_port = c.port;
   lo.visible = visible;
   lo.max_restarts = c.max_restarts;
+  lo.rendezvous_timeout = c.timeout;
   lo.argv.push_back(self_executable());
   for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
   return launch_workers(lo);

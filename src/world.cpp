@@ -155,17 +155,26 @@ World::World(const Placement& where, const WorldOptions& options)
              "this ddptrain was built without the Gloo backend, which CPU ranks need.",
              "the CUDA LibTorch wheel ships no Gloo headers: use GPUs (--backend nccl), or build against Debian's libtorch-dev for CPU ranks.");
 
+  // A launcher that hosts the store itself (ddptrain across nodes, torchrun's
+  // static rendezvous) says so; then rank 0 is a client like the others, and
+  // each restart uses its own keys in that long-lived store.
+  const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
+  const bool agent_store = agent && (std::string(agent) == "True" || std::string(agent) == "1");
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(where_.master_port);
-  so.isServer = where_.rank == 0;
+  so.isServer = where_.rank == 0 && !agent_store;
   so.numWorkers = static_cast<size_t>(where_.world_size);
   so.waitWorkers = false;
   so.timeout = options_.timeout;
   const std::string addr = where_.master_addr;
   try {
     store_ = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    if (agent_store) {
+      const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
+      store_ = c10::make_intrusive<c10d::PrefixStore>(std::string("ddp/attempt") + (attempt ? attempt : "0"), store_);
+    }
   } catch (const std::exception& e) {
-    if (where_.rank == 0)
+    if (so.isServer)
       throw UserError("rank 0 could not open the rendezvous store on " + addr + ":" +
                           std::to_string(where_.master_port) + " (" + first_line(e) + ").",
                       "the port may be in use: pass a free --port (or MASTER_PORT), or omit --port on one node.");

@@ -6,6 +6,11 @@
 // SIGTERM, and when one worker fails (non-zero exit or a signal) it stops the
 // others within a grace period and reports which rank died and how. With
 // max_restarts it starts the whole group again, like torchrun's elastic agent.
+//
+// With nnodes > 1 one launcher runs per node. Node 0's launcher hosts the
+// job's TCPStore on master_port (the workers join it as clients), and the
+// launchers report their node's end through it: a rank that fails on one
+// node stops the ranks of every node, and each launcher names that rank.
 #pragma once
 
 #include <string>
@@ -23,6 +28,7 @@ struct LaunchOptions {
   std::vector<std::string> argv;    // the worker command line; argv[0] is the program
   int max_restarts = 0;
   double grace_seconds = 5.0;       // SIGTERM -> SIGKILL delay for survivors
+  double rendezvous_timeout = 300;  // seconds a node waits to reach node 0 (multi-node)
 };
 
 /// Runs the workers to completion; returns the exit code for the launcher.

@@ -1,0 +1,110 @@
+// The installed package: `cmake --install` into a fresh prefix, then the
+// template, copied out of the source tree, is configured and built against
+// that prefix alone (find_package(ddptrain) + ddp::ddp) and trains.
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ddp::testing::read_file;
+using ddp::testing::run_process;
+
+// Text files under `dir` (CMake files, headers, build files) that mention `needle`.
+std::vector<std::string> files_mentioning(const std::string& dir, const std::string& needle) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    const std::string text = read_file(e.path().string());
+    if (text.find('\0') != std::string::npos) continue;  // libraries, binaries, object files
+    if (text.find(needle) != std::string::npos) out.push_back(e.path().string());
+  }
+  return out;
+}
+
+std::string joined(const std::vector<std::string>& v) {
+  std::string s;
+  for (const auto& x : v) s += "  " + x + "\n";
+  return s;
+}
+
+TEST(Install, InstalledPackageBuildsAndTrainsTheTemplate) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::string root = ddp::testing::temp_dir("install");
+  const std::string prefix = root + "/prefix", src = root + "/my_training", build = root + "/build";
+
+  auto inst = run_process({"cmake", "--install", DDP_BINARY_DIR, "--prefix", prefix}, {}, 300);
+  ASSERT_EQ(inst.exit_code, 0) << inst.output;
+  const std::string cmake_dir = prefix + "/lib/cmake/ddptrain";
+  for (const std::string f : {"/include/ddp/app.h", "/include/ddp/world.h", "/include/ddp/data/dataset.h",
+                              "/include/ddp/models/net.h", "/lib/libddp.a", "/bin/ddptrain",
+                              "/lib/cmake/ddptrain/ddptrainConfig.cmake",
+                              "/lib/cmake/ddptrain/ddptrainConfigVersion.cmake",
+                              "/lib/cmake/ddptrain/ddptrainTargets.cmake"})
+    EXPECT_TRUE(fs::exists(prefix + f)) << f << " not installed\n" << inst.output;
+
+  // The config finds what libddp links, and nothing installed points back
+  // into the source or build tree.
+  const std::string config = read_file(cmake_dir + "/ddptrainConfig.cmake");
+  for (const std::string dep : {"Torch", "Threads", "ZLIB"})
+    EXPECT_NE(config.find(dep), std::string::npos) << dep << " missing from\n" << config;
+  EXPECT_NE(config.find("find_dependency"), std::string::npos) << config;
+  EXPECT_EQ(files_mentioning(prefix, DDP_SOURCE_DIR), std::vector<std::string>{})
+      << "installed files mention the source tree " << DDP_SOURCE_DIR << ":\n"
+      << joined(files_mentioning(prefix, DDP_SOURCE_DIR));
+  EXPECT_EQ(files_mentioning(prefix, DDP_BINARY_DIR), std::vector<std::string>{})
+      << "installed files mention the build tree " << DDP_BINARY_DIR;
+
+  auto help = run_process({prefix + "/bin/ddptrain", "--help"}, {}, 60);
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  EXPECT_NE(help.output.find("--nnodes"), std::string::npos) << help.output;
+
+  // The template as a user would have it: a copy, outside ddptrain's tree.
+  fs::copy(std::string(DDP_SOURCE_DIR) + "/template", src, fs::copy_options::recursive);
+  std::vector<std::string> configure{"cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+                                     "-Dddptrain_DIR=" + cmake_dir, std::string("-DTorch_DIR=") + DDP_TORCH_DIR};
+  if (run_process({"ninja", "--version"}, {}, 30).exit_code == 0) configure.insert(configure.end(), {"-G", "Ninja"});
+  // ccache hits across runs although the temp dir changes: paths below the
+  // base dir are hashed relative to it.
+  const bool ccache = run_process({"ccache", "--version"}, {}, 30).exit_code == 0;
+  if (ccache) configure.push_back("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache");
+  auto cfg = run_process(configure, {}, 300);
+  ASSERT_EQ(cfg.exit_code, 0) << cfg.output;
+  const std::string cache = read_file(build + "/CMakeCache.txt");
+  const size_t entry = cache.find("\nddptrain_DIR:");
+  ASSERT_NE(entry, std::string::npos);
+  EXPECT_EQ(cache.substr(cache.find('=', entry) + 1, cmake_dir.size() + 1), cmake_dir + "\n");
+  auto make = run_process({"cmake", "--build", build, "-j", "2"}, {{"CCACHE_BASEDIR", root}}, 600);
+  ASSERT_EQ(make.exit_code, 0) << make.output;
+  // Headers and library came from the prefix: the build files never name
+  // ddptrain's source or build tree.
+  EXPECT_EQ(files_mentioning(build, DDP_SOURCE_DIR), std::vector<std::string>{});
+  EXPECT_EQ(files_mentioning(build, DDP_BINARY_DIR), std::vector<std::string>{});
+
+  const std::string out = root + "/runs";
+  auto r = run_process({build + "/train", "--size", "1", "--backend", "gloo", "--epochs", "1", "--train-samples",
+                        "2000", "--test-samples", "500", "--save_path", out, "--progress", "plain"},
+                       {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("data: my-dataset"), std::string::npos) << r.output;
+  std::vector<nlohmann::json> metrics;
+  for (const auto& e : fs::recursive_directory_iterator(out))
+    if (e.path().filename() == "metrics.jsonl") {
+      std::ifstream f(e.path());
+      std::string line;
+      while (std::getline(f, line))
+        if (!line.empty()) metrics.push_back(nlohmann::json::parse(line));
+    }
+  ASSERT_EQ(metrics.size(), 1u) << r.output;
+  EXPECT_GT(metrics[0]["test_acc"].get<double>(), 0.5) << r.output;  // MyDataset is learnable; chance is 0.1
+  std::printf("install %.1f s, configure %.1f s, build %.1f s (ccache %s), train %.1f s, test_acc %.3f\n",
+              inst.seconds, cfg.seconds, make.seconds, ccache ? "on" : "off", r.seconds,
+              metrics[0]["test_acc"].get<double>());
+}
+
+}  // namespace
