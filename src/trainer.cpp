@@ -96,7 +96,10 @@ void Trainer::make_run_dir() {
   }
   run_dir_ = world_.share_string("run_dir", dir);
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  if (world_.is_main()) write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
+  if (world_.is_main()) {
+    write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
+    write_file_atomic(run_dir_ + "/config.toml", config_to_toml(config_));  // --config repeats the run
+  }
 }
 
 void Trainer::resume() {
