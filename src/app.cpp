@@ -16,6 +16,7 @@
 #include "ddp/error.h"
 #include "ddp/launch.h"
 #include "ddp/models/registry.h"
+#include "ddp/report.h"
 
 namespace fs = std::filesystem;
 
@@ -177,6 +178,8 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
   try {
+    // `ddptrain report RUN_DIR`: a run's summary, no training.
+    if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc});
     // `ddptrain doctor [flags]`: the self-check instead of training.
     const bool doctor = argc > 1 && std::string(argv[1]) == "doctor";
     std::vector<char*> args(argv, argv + argc);
