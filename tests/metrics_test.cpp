@@ -23,7 +23,10 @@ std::vector<Row> read_csv(const std::string& path, std::vector<std::string>* hea
   std::vector<Row> rows;
   auto split = [](const std::string& l) {
     std::vector<std::string> cells(1);
-    for (char ch : l) ch == ',' ? cells.emplace_back() : cells.back().push_back(ch);
+    for (char ch : l) {
+      if (ch == ',') cells.emplace_back();
+      else cells.back().push_back(ch);
+    }
     return cells;
   };
   if (std::getline(in, line)) names = split(line);
