@@ -167,7 +167,9 @@ nlohmann::json config_to_json(const Config& config) {
 namespace {
 
 // TOML values that CLI11's reader takes back unchanged: literal strings
-// (no escapes to undo), floats in their shortest exact form.
+// (no escapes to undo), floats in their shortest exact form. CLI11 2.1's
+// reader cuts a value at '#' and undoes no escapes, so a string holding '#'
+// or both kinds of quote does not come back intact (no flag here needs one).
 std::string toml_value(const int* v) { return std::to_string(*v); }
 std::string toml_value(const std::string* v) {
   const char quote = v->find('\'') == std::string::npos ? '\'' : '"';
