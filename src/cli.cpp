@@ -169,7 +169,7 @@ namespace {
 // TOML values that CLI11's reader takes back unchanged: literal strings
 // (no escapes to undo), floats in their shortest exact form. CLI11 2.1's
 // reader cuts a value at '#' and undoes no escapes, so a string holding '#'
-// or both kinds of quote does not come back intact (no flag here needs one).
+// or both kinds of quote does not come back intact (rare in paths and globs).
 std::string toml_value(const int* v) { return std::to_string(*v); }
 std::string toml_value(const std::string* v) {
   const char quote = v->find('\'') == std::string::npos ? '\'' : '"';
