@@ -5,7 +5,12 @@
 #include <cmath>
 #include <sstream>
 
-#include "ddp/checkpoint.h"
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "ddp/error.h"
 
 namespace ddp {
 namespace {
@@ -152,8 +157,21 @@ std::string curves_svg(const std::vector<EpochMetrics>& epochs) {
   return svg.str();
 }
 
+// Temp file + rename, so a viewer or a kill never meets half a file; but no
+// fsync as for checkpoints: a picture lost to a power cut is redrawn after
+// the next epoch, and an fsync per epoch can stall training on a busy disk.
 void write_curves_svg(const std::string& path, const std::vector<EpochMetrics>& epochs) {
-  write_file_atomic(path, curves_svg(epochs));
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    check_user(static_cast<bool>(f), "cannot write " + tmp + ".", "check that --save_path is writable.");
+    f << curves_svg(epochs);
+    check_user(static_cast<bool>(f.flush()), "cannot write " + tmp + ".", "check that --save_path has space.");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw UserError("cannot replace " + path + ".", "check that --save_path is writable.");
+  }
 }
 
 }  // namespace ddp
