@@ -1,14 +1,13 @@
 // Hand-written SVG for curves.svg (see plot.h for why not a library).
 #include "ddp/plot.h"
 
-#include <algorithm>
-#include <cmath>
-#include <sstream>
-
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 
 #include "ddp/error.h"
 
