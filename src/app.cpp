@@ -20,6 +20,7 @@
 #include "ddp/error.h"
 #include "ddp/launch.h"
 #include "ddp/models/registry.h"
+#include "ddp/report.h"
 
 namespace fs = std::filesystem;
 
@@ -198,7 +199,9 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
   try {
     // Subcommands: `ddptrain doctor|bench [flags]` run instead of training;
-    // `ddptrain export CHECKPOINT OUT.pt` needs no ranks at all.
+    // `ddptrain report RUN_DIR` and `ddptrain export CHECKPOINT OUT.pt` need
+    // no ranks at all.
+    if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc});
     std::vector<char*> args(argv, argv + argc);
     std::string command;
     if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench")) {

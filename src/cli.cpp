@@ -6,6 +6,10 @@
 #include <algorithm>
 #include <iomanip>
 #include <iostream>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <cstdlib>
 #include <sstream>
 #include <type_traits>
 
@@ -135,6 +139,10 @@ Config parse_cli(int argc, const char* const* argv) {
       "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or 2 CPU ranks)."};
   app.set_help_flag("-h,--help", "print this help and exit");
   app.get_formatter()->column_width(34);
+  // --config is not a Config field: it names where the others come from.
+  CLI::Option* config_file = app.set_config("--config", "", "read flags from a TOML file (key = value, keys named like the long flags); flags on the command line win. A run's config.toml repeats that run");
+  config_file->group("config");
+  app.allow_config_extras(CLI::config_extras_mode::error);
   auto table = flag_table(c);
   for (auto& f : table) {
     CLI::Option* o = std::visit(
@@ -154,6 +162,16 @@ Config parse_cli(int argc, const char* const* argv) {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
     std::exit(app.exit(e));
+  } catch (const CLI::FileError&) {
+    const std::string file = config_file->results().empty() ? "" : config_file->results().back();
+    throw UserError("cannot read the config file '" + file + "'.",
+                    "check the path; a finished run keeps its flags in <run dir>/config.toml.");
+  } catch (const CLI::ConfigError& e) {
+    // CLI11 says "INI was not able to parse KEY" for a key that is no flag.
+    const std::string what = e.what(), key = what.substr(what.rfind(' ') + 1);
+    const std::string file = config_file->results().empty() ? "" : config_file->results().back();
+    throw UserError("unknown key '" + key + "' in the config file '" + file + "'.",
+                    "keys are the long flag names without dashes, e.g. epochs = 3; see 'ddptrain --help'.");
   } catch (const CLI::ParseError& e) {
     throw UserError(std::string(e.what()) + ".", "run 'ddptrain --help' to see every flag and its values.");
   }
@@ -169,6 +187,46 @@ nlohmann::json config_to_json(const Config& config) {
   nlohmann::json j = nlohmann::json::object();
   for (auto& f : flag_table(c)) std::visit([&](auto* p) { j[f.key()] = *p; }, f.target);
   return j;
+}
+
+namespace {
+
+// TOML values that CLI11's reader takes back unchanged: literal strings
+// (no escapes to undo), floats in their shortest exact form. CLI11 2.1's
+// reader cuts a value at '#' and undoes no escapes, so a string holding '#'
+// or both kinds of quote does not come back intact (rare in paths and globs).
+std::string toml_value(const int* v) { return std::to_string(*v); }
+std::string toml_value(const std::string* v) {
+  const char quote = v->find('\'') == std::string::npos ? '\'' : '"';
+  return quote + *v + quote;
+}
+std::string toml_value(const double* v) {
+  char buf[40];
+  // The shortest text that reads back exactly, without an exponent where a
+  // plain number is as short to read (300, not 3e+02).
+  const bool plain = *v == 0 || (std::abs(*v) >= 1e-4 && std::abs(*v) < 1e15);
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, *v);
+    if (std::strtod(buf, nullptr) == *v && (!plain || !std::strchr(buf, 'e'))) break;
+  }
+  std::string s = buf;
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";  // TOML tells floats by the point
+  return s;
+}
+
+}  // namespace
+
+std::string config_to_toml(const Config& config) {
+  Config c = config;
+  std::ostringstream os;
+  os << "# ddptrain configuration with every default resolved.\n"
+        "# Repeat the run: ddptrain --config config.toml (flags on the command line override it).\n";
+  std::string group;
+  for (auto& f : flag_table(c)) {
+    if (f.group != group) os << "\n# " << (group = f.group) << "\n";
+    os << f.key() << " = " << std::visit([](auto* p) { return toml_value(p); }, f.target) << "\n";
+  }
+  return os.str();
 }
 
 void print_config(const Config& config, std::ostream& out) {

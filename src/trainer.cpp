@@ -106,7 +106,10 @@ void Trainer::make_run_dir() {
   }
   run_dir_ = world_.share_string("run_dir", dir);
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  if (world_.is_main()) write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
+  if (world_.is_main()) {
+    write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
+    write_file_atomic(run_dir_ + "/config.toml", config_to_toml(config_));  // --config repeats the run
+  }
 }
 
 void Trainer::resume() {
@@ -127,7 +130,7 @@ void Trainer::resume() {
   }
   run_dir_ = fs::path(path).parent_path().string();
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  metrics_->truncate_to(state_.epoch);
+  metrics_->truncate_to(state_.epoch, state_.step);
   DDP_PRINT0(world_, "resume: %s (epoch %lld, step %lld)\n", path.c_str(), static_cast<long long>(state_.epoch),
              static_cast<long long>(state_.step));
 }
@@ -151,6 +154,7 @@ EpochMetrics Trainer::fit() {
     const double train_seconds = seconds_since(t0);
     auto [test_loss, test_acc] = evaluate();
     last.epoch = epoch;
+    last.step = state_.step;
     last.train_loss = train_loss;
     last.test_loss = test_loss;
     last.test_acc = test_acc;
@@ -239,7 +243,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
       if (world_.rank() == fail_rank_ && state_.step == fail_step_)
         throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(fail_step_));
     }
-    if (micro % display_every == 0 || micro == micro_batches) {
+    const bool log_point = micro % config_.log_every == 0 || micro == micro_batches;
+    if (micro % display_every == 0 || log_point) {
       // The stop flag rides on the loss all-reduce, so every rank stops at
       // the same step boundary.
       auto mean = loss_sum.clone();
@@ -247,7 +252,9 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
       world_.all_reduce(mean, "train loss");
       const double avg = mean[0].item<double>() / std::max(1.0, mean[1].item<double>());
       if (!std::isfinite(avg)) throw NonFiniteLoss(epoch, state_.step, avg, run_dir_);
-      progress.update(micro, avg, lr, static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9));
+      const double samples_per_second = static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9);
+      progress.update(micro, avg, lr, samples_per_second);
+      if (log_point) metrics_->log_step({state_.step, epoch, avg, lr, samples_per_second});
       if (mean[2].item<double>() > 0 && last_micro) {
         if (micro < micro_batches) {
           progress.close();

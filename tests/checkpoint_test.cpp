@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +17,7 @@
 #include "ddp/models/registry.h"
 #include "ddp/sync_batchnorm.h"
 #include "support/testing.h"
+#include "support/tfevents.h"
 
 namespace fs = std::filesystem;
 
@@ -44,6 +46,21 @@ std::vector<nlohmann::json> metrics(const std::string& dir) {
   std::string line;
   while (std::getline(f, line))
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// metrics.csv's step rows as (step, train loss).
+std::vector<std::pair<int64_t, double>> step_rows(const std::string& dir) {
+  std::vector<std::pair<int64_t, double>> out;
+  std::ifstream f(find_file(dir, "metrics.csv"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("step,", 0) != 0) continue;
+    std::vector<std::string> c;
+    std::stringstream ss(line);
+    for (std::string cell; std::getline(ss, cell, ',');) c.push_back(cell);
+    out.emplace_back(std::stoll(c.at(2)), std::stod(c.at(4)));
+  }
   return out;
 }
 
@@ -95,6 +112,21 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
     EXPECT_EQ(ma[e]["test_acc"], mb[e]["test_acc"]);
     EXPECT_EQ(ma[e]["lr"], mb[e]["lr"]);
   }
+  // metrics.csv and the event file go on where the run stopped: the same
+  // log points as the straight run, each once.
+  auto sa = step_rows(straight), sb = step_rows(split);
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_EQ(sa[i].first, sb[i].first) << "row " << i;
+    EXPECT_NEAR(sa[i].second, sb[i].second, 1e-8 * sa[i].second) << "row " << i;
+  }
+  const auto events = ddp::testing::event_files(fs::path(find_file(split, "metrics.csv")).parent_path().string());
+  ASSERT_EQ(events.size(), 1u);
+  std::vector<int64_t> logged;
+  for (const auto& e : ddp::testing::read_event_file(events[0]).scalars)
+    if (e.tag == "train/loss") logged.push_back(e.step);
+  ASSERT_EQ(logged.size(), sb.size());
+  for (size_t i = 0; i < sb.size(); ++i) EXPECT_EQ(logged[i], sb[i].first) << "event " << i;
 }
 
 // A worker that fails is restarted with the group, from the last checkpoint.
@@ -132,7 +164,9 @@ TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
     int finals = 0;
     for (const auto& e : fs::recursive_directory_iterator(dir)) {
       const auto name = e.path().filename().string();
-      if (name.find(".tmp.") != std::string::npos) hit_mid_write = true;
+      // Only a checkpoint's temporary counts: curves.svg and the other
+      // small files are written the same way.
+      if (name.find(".pt.tmp.") != std::string::npos) hit_mid_write = true;
       else if (e.path().extension() == ".pt") {
         ++finals;
         EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";

@@ -93,11 +93,15 @@ struct Flag {
 
 std::vector<Flag> flag_table(Config& config);
 
-/// Parses argv into a Config. Throws UserError for bad flags or values;
-/// prints --help and exits 0 for --help.
+/// Parses argv into a Config. `--config FILE` reads TOML first; flags given
+/// on the command line override it, and unknown keys are errors. Throws
+/// UserError for bad flags, keys or values; prints --help and exits 0.
 Config parse_cli(int argc, const char* const* argv);
 
 nlohmann::json config_to_json(const Config& config);
+/// The config as TOML that `--config FILE` reads back to the same values
+/// (written to each run directory as config.toml).
+std::string config_to_toml(const Config& config);
 void print_config(const Config& config, std::ostream& out);
 
 }  // namespace ddp
