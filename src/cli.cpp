@@ -196,6 +196,7 @@ namespace {
 // reader cuts a value at '#' and undoes no escapes, so a string holding '#'
 // or both kinds of quote does not come back intact (rare in paths and globs).
 std::string toml_value(const int* v) { return std::to_string(*v); }
+std::string toml_value(const bool* v) { return *v ? "true" : "false"; }
 std::string toml_value(const std::string* v) {
   const char quote = v->find('\'') == std::string::npos ? '\'' : '"';
   return quote + *v + quote;
