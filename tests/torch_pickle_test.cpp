@@ -67,7 +67,7 @@ TEST_P(PyTorchFile, ReadsExactlyWhatPythonSaved) {
 
 INSTANTIATE_TEST_SUITE_P(Files, PyTorchFile,
                          ::testing::Values("pickle_bn.pt", "pickle_proto4.pt", "pickle_plain.pt", "pickle_half.pt",
-                                           "pickle_views.pt"),
+                                           "pickle_views.pt", "pickle_cuda.pt"),
                          [](const auto& info) {
                            auto n = info.param.substr(7, info.param.size() - 10);  // pickle_<n>.pt
                            return n;

@@ -14,6 +14,9 @@ unless noted):
                      model.half()/bfloat16())
   pickle_views.pt    tensors that share one storage: the base, its
                      transpose, a column, a strided slice with an offset
+  pickle_cuda.pt     a state_dict whose storages say location 'cuda:0', as
+                     when saved from a GPU (made on a CPU by overriding
+                     torch.serialization.location_tag while saving)
   pickle_proto4.pt   pickle_bn's state_dict saved with pickle_protocol=4
                      (FRAME, SHORT_BINUNICODE, MEMOIZE, STACK_GLOBAL)
   pickle_bad_global.pt  a dict holding a torch.device: a global that a
@@ -88,11 +91,19 @@ def main(out):
     for name, obj in files.items():
         torch.save(obj, f"{out}/{name}")
     torch.save(bn, f"{out}/pickle_proto4.pt", pickle_protocol=4)
+    cuda_sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "n": torch.tensor(3)}
+    real_tag = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda storage: "cuda:0"
+    try:
+        torch.save(cuda_sd, f"{out}/pickle_cuda.pt")
+    finally:
+        torch.serialization.location_tag = real_tag
     torch.save({"w": torch.ones(2), "device": torch.device("cpu")}, f"{out}/pickle_bad_global.pt")
     torch.save({"model": bn, "epoch": 3}, f"{out}/pickle_nested.pt")
 
     expected = {"torch": torch.__version__, "files": {name: describe(obj) for name, obj in files.items()}}
     expected["files"]["pickle_proto4.pt"] = expected["files"]["pickle_bn.pt"]
+    expected["files"]["pickle_cuda.pt"] = describe(cuda_sd)
     with open(f"{out}/pickle_expected.json", "w") as f:
         json.dump(expected, f, indent=0)
 
