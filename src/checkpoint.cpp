@@ -15,6 +15,7 @@
 #include <regex>
 
 #include "ddp/error.h"
+#include "ddp/torch_pickle.h"
 
 namespace fs = std::filesystem;
 
@@ -178,62 +179,47 @@ std::string strip_prefixes(std::string name) {
   return name;
 }
 
-// name -> tensor from either file kind.
-std::map<std::string, torch::Tensor> read_weights(const std::string& path) {
-  std::map<std::string, torch::Tensor> out;
+// True if the file starts like a zip archive, as torch.save's files do
+// since PyTorch 1.6.
+bool is_zip(const std::string& path) {
+  char magic[4] = {};
+  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
+  return std::memcmp(magic, "PK\x03\x04", sizeof magic) == 0;
+}
+
+// name -> tensor from either file kind, in the file's order.
+NamedTensors read_weights(const std::string& path) {
+  NamedTensors out;
   if (is_checkpoint(path)) {
     torch::serialize::InputArchive archive, model;
     archive.load_from(path, torch::kCPU);
     archive.read("model", model);
     for (const auto& key : model.keys()) {
       torch::Tensor t;
-      if (model.try_read(key, t, false) || model.try_read(key, t, true)) out[key] = t;
+      if (model.try_read(key, t, false) || model.try_read(key, t, true)) out.emplace_back(key, t);
     }
     return out;
   }
-  std::ifstream f(path, std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  c10::IValue v;
-  try {
-    v = torch::pickle_load(bytes);
-  } catch (const std::exception& e) {
-    std::string why = e.what();
-    why = why.substr(0, why.find('\n'));
-    throw UserError("--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file (" + why + ").",
-                    "save weights in Python with torch.save(model.state_dict(), path).");
-  }
-  check_user(v.isGenericDict(), "--pretrain " + path + " holds a " + v.tagKind() + ", not a state_dict.",
-             "save model.state_dict(), not the model object.");
-  for (const auto& kv : v.toGenericDict()) {
-    if (kv.key().isString() && kv.value().isTensor()) out[strip_prefixes(kv.key().toStringRef())] = kv.value().toTensor();
-  }
+  check_user(is_zip(path),
+             "--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file (not a zip archive).",
+             "save weights in Python with torch.save(model.state_dict(), path) (PyTorch 1.6 or later).");
+  out = read_state_dict(path);
+  for (auto& named : out) named.first = strip_prefixes(named.first);
   return out;
 }
 
 }  // namespace
 
-namespace {
-
-void write_state_dict(const std::vector<std::pair<std::string, torch::Tensor>>& named, const std::string& path) {
-  c10::Dict<std::string, torch::Tensor> dict;
-  for (const auto& [name, t] : named) dict.insert(name, t.detach().cpu().contiguous());
-  const auto bytes = torch::pickle_save(c10::IValue(dict));
-  write_file_atomic(path, std::string(bytes.begin(), bytes.end()));
-}
-
-}  // namespace
-
 void export_state_dict(const torch::nn::Module& model, const std::string& path) {
-  std::vector<std::pair<std::string, torch::Tensor>> named;
+  NamedTensors named;
   for (const auto& p : model.named_parameters()) named.emplace_back(p.key(), p.value());
   for (const auto& b : model.named_buffers()) named.emplace_back(b.key(), b.value());
-  write_state_dict(named, path);
+  write_state_dict(path, named);
 }
 
 void export_weights(const std::string& checkpoint, const std::string& path) {
   check_user(fs::exists(checkpoint), "checkpoint " + checkpoint + " does not exist.", "pass a file such as <run>/best.pt.");
-  const auto weights = read_weights(checkpoint);
-  write_state_dict({weights.begin(), weights.end()}, path);
+  write_state_dict(path, read_weights(checkpoint));
 }
 
 std::string PretrainReport::summary() const {
@@ -254,7 +240,8 @@ std::string PretrainReport::summary() const {
 PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
                                const std::string& skip) {
   check_user(fs::exists(path), "--pretrain " + path + " does not exist.", "check the path.");
-  auto weights = read_weights(path);
+  std::map<std::string, torch::Tensor> weights;
+  for (auto& [name, t] : read_weights(path)) weights[name] = t;
   PretrainReport r;
   auto skipped = [&](const std::string& name) { return !skip.empty() && fnmatch(skip.c_str(), name.c_str(), 0) == 0; };
   std::map<std::string, torch::Tensor> targets;

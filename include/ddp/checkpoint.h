@@ -69,10 +69,10 @@ struct PretrainReport {
 PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
                                const std::string& skip = "");
 
-/// Writes the model's parameters and buffers as a PyTorch state_dict file:
-/// in Python, torch.load(path) gives a dict of tensors that
-/// load_state_dict() accepts (e.g. torchvision's resnet18 for ddptrain's).
-/// Written atomically.
+/// Writes the model's parameters and buffers as a PyTorch state_dict file
+/// (see torch_pickle.h): in Python, torch.load(path, weights_only=True)
+/// gives an OrderedDict of tensors that load_state_dict() accepts (e.g.
+/// torchvision's resnet18 for ddptrain's). Written atomically.
 void export_state_dict(const torch::nn::Module& model, const std::string& path);
 
 /// The same for the weights in a ddptrain checkpoint (or a state_dict file).
