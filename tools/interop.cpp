@@ -5,7 +5,8 @@
 //   ddp_interop forward MODEL WEIGHTS INPUT LOGITS  load weights (strict), eval forward, save logits
 //
 // MODEL is a built-in name with torchvision's ImageNet shape (3 channels,
-// 1000 classes, ImageNet stem). INPUT and LOGITS are torch.save'd tensors.
+// 1000 classes, ImageNet stem). INPUT is torch.save({"x": tensor}); LOGITS
+// comes back as {"logits": tensor}.
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -13,6 +14,7 @@
 #include "ddp/checkpoint.h"
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
+#include "ddp/torch_pickle.h"
 
 namespace {
 
@@ -26,16 +28,16 @@ std::shared_ptr<ddp::Net> imagenet_model(const std::string& name) {
   return ddp::models::make_model(spec);
 }
 
+// INPUT and LOGITS files are state_dict-style files holding one tensor
+// ("x", "logits"), read and written with the same code as weights.
 torch::Tensor read_tensor(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  ddp::check_user(static_cast<bool>(f), "cannot read " + path + ".");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  return torch::pickle_load(bytes).toTensor();
+  auto named = ddp::read_state_dict(path);
+  ddp::check_user(named.size() == 1, path + " should hold exactly one tensor.");
+  return named.front().second;
 }
 
 void write_tensor(const torch::Tensor& t, const std::string& path) {
-  const auto bytes = torch::pickle_save(t.detach().cpu().contiguous());
-  ddp::write_file_atomic(path, std::string(bytes.begin(), bytes.end()));
+  ddp::write_state_dict(path, {{"logits", t.detach().cpu()}});
 }
 
 }  // namespace

@@ -44,7 +44,7 @@ def main():
     ok = True
     torch.manual_seed(0)
     x = torch.randn(4, 3, 224, 224)
-    torch.save(x, f"{out}/x.pt")
+    torch.save({"x": x}, f"{out}/x.pt")
 
     # 1. PyTorch -> C++
     tv = torchvision.models.resnet18().to(dev)
@@ -66,7 +66,7 @@ def main():
             print(json.dumps({"check": f"pytorch->c++ resnet18 logits (saved from {where})", "ok": False,
                               "error": r.stderr.strip()}))
             continue
-        got = torch.load(f"{out}/cpp_logits.pt")
+        got = torch.load(f"{out}/cpp_logits.pt")["logits"]
         d1 = (got - ref).abs().max().item()
         ok &= d1 <= 1e-4
         print(json.dumps({"check": f"pytorch->c++ resnet18 logits (saved from {where})", "max_abs_diff": d1,
@@ -82,7 +82,7 @@ def main():
     with torch.no_grad():
         ref2 = tv2(x.to(dev)).cpu()
     run(tool, "forward", "resnet18", f"{out}/ddptrain_resnet18.pt", f"{out}/x.pt", f"{out}/cpp_logits2.pt")
-    got2 = torch.load(f"{out}/cpp_logits2.pt")
+    got2 = torch.load(f"{out}/cpp_logits2.pt")["logits"]
     d2 = (got2 - ref2).abs().max().item()
     ok &= d2 <= 1e-4
     print(json.dumps({"check": "c++->pytorch resnet18 logits", "keys": len(sd), "load_state_dict": str(result),
