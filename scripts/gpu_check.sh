@@ -38,13 +38,13 @@ if has resume; then
   # Straight 4 epochs twice (run-to-run noise), and 4 epochs with a failure
   # injected in epoch 3 that --max-restarts resumes from epoch 2's checkpoint.
   log resume
-  common=(--model resnet18 --stem small --data_root "$FM" --epochs 4 --batch 256 --lr 4e-3 --amp bf16 --cuda-graph
+  common=(--model resnet18 --stem small --data_root "$FM" --epochs 4 --train-samples 30000 --batch 256 --lr 4e-3 --amp bf16 --cuda-graph
           --workers 4 --save_epoch 1 --progress plain --log-every 100000)
   for run in straight1 straight2; do
     ./build/ddptrain "${common[@]}" --save_path "$OUT/resume_$run" > "$OUT/resume_$run.log" 2>&1
     echo "$run: $(grep -E '^epoch 4/4' "$OUT/resume_$run.log")"
   done
-  DDPTRAIN_FAIL_AT_STEP=0:520 ./build/ddptrain "${common[@]}" --visible 0 --max-restarts 1 \
+  DDPTRAIN_FAIL_AT_STEP=0:300 ./build/ddptrain "${common[@]}" --visible 0 --max-restarts 1 \
     --save_path "$OUT/resume_restarted" > "$OUT/resume_restarted.log" 2>&1
   echo "restarted (rc $?): $(grep -E '^epoch 4/4' "$OUT/resume_restarted.log")"
   grep -E "restart|resume:|injected" "$OUT/resume_restarted.log" | head -5
