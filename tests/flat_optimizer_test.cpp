@@ -56,6 +56,9 @@ double max_difference(const Case& c, const torch::Device& device, int steps) {
   return (flat - expected).abs().max().item<double>();
 }
 
+// Names the case in gtest's and ctest's listings (not raw bytes).
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name << " wd=" << c.weight_decay; }
+
 class FlatOptimizerEquals : public ::testing::TestWithParam<Case> {};
 
 TEST_P(FlatOptimizerEquals, PerTensorOptimizerOnCpu) {

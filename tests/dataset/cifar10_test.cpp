@@ -46,16 +46,7 @@ void write_cifar(const std::string& dir) {
   write(dir + "/test_batch.bin", records(4, 0));
 }
 
-template <class F>
-std::string user_error(F&& f) {
-  try {
-    f();
-  } catch (const ddp::UserError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no UserError";
-  return "";
-}
+using ddp::testing::user_error;
 
 TEST(Cifar10, BatchFileReadsBackLabelsAndChwPixels) {
   const auto dir = ddp::testing::temp_dir("cifar");

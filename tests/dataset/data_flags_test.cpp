@@ -14,12 +14,7 @@
 
 namespace {
 
-ddp::Config parse(std::vector<std::string> args) {
-  args.insert(args.begin(), "ddptrain");
-  std::vector<const char*> argv;
-  for (auto& a : args) argv.push_back(a.c_str());
-  return ddp::parse_cli(static_cast<int>(argv.size()), argv.data());
-}
+ddp::Config parse(std::vector<std::string> args) { return ddp::testing::parse_args(std::move(args)); }
 
 TEST(DataFlags, ParseAndDefaults) {
   const auto d = parse({});

@@ -80,19 +80,7 @@ struct FakeMnist {
   }
 };
 
-// The UserError message `f` throws, or a test failure if it throws none.
-std::string user_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ddp::UserError& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "expected a UserError, got: " << e.what();
-    return "";
-  }
-  ADD_FAILURE() << "expected a UserError, nothing was thrown";
-  return "";
-}
+using ddp::testing::user_error;
 
 void expect_contains(const std::string& message, std::initializer_list<std::string> parts) {
   EXPECT_EQ(message.find('\n'), std::string::npos) << "not one line: " << message;

@@ -52,17 +52,7 @@ std::vector<std::string> relative(const ImageFolderIndex& index) {
   return out;
 }
 
-// The message of the UserError that `f` throws; fails the test if none.
-template <class F>
-std::string user_error(F&& f) {
-  try {
-    f();
-  } catch (const ddp::UserError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no UserError";
-  return "";
-}
+using ddp::testing::user_error;
 
 TEST(ImageFolder, ScanOrderIsTorchvisionsOrder) {
   const auto root = ddp::testing::temp_dir("imgfolder");

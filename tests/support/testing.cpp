@@ -1,6 +1,8 @@
 // Process and filesystem helpers for tests.
 #include "support/testing.h"
 
+#include "ddp/error.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -135,6 +137,26 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::string user_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ddp::UserError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a UserError, got: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected a UserError, nothing was thrown";
+  return "";
+}
+
+ddp::Config parse_args(std::vector<std::string> args) {
+  args.insert(args.begin(), "ddptrain");
+  std::vector<const char*> argv;
+  for (auto& a : args) argv.push_back(a.c_str());
+  return ddp::parse_cli(static_cast<int>(argv.size()), argv.data());
 }
 
 }  // namespace ddp::testing

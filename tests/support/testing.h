@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "ddp/cli.h"
 #include "ddp/compat.h"
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +46,13 @@ std::string fashion_mnist_root();
 
 /// Reads a whole file; "" if it does not exist.
 std::string read_file(const std::string& path);
+
+/// The message of the ddp::UserError that `f` throws; a test failure (and
+/// "") if it throws something else or nothing.
+std::string user_error(const std::function<void()>& f);
+
+/// parse_cli on these flags (the program name is added).
+ddp::Config parse_args(std::vector<std::string> args);
 
 }  // namespace ddp::testing
 
