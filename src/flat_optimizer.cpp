@@ -55,7 +55,6 @@ void FlatOptimizer::step(const torch::Tensor& found_inf) {
   check_user(!found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
   ++host_step_;
-  for (auto& s : step_) s.fill_(static_cast<double>(host_step_));
   const double wd = o_.weight_decay();
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
@@ -87,7 +86,9 @@ void FlatOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("name", c10::IValue(o_.name()));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
-    archive.write("step/" + k, step_[i].detach().cpu(), true);
+    // The composed path counts on the host; the fused one on the device.
+    auto step = fused_ ? step_[i].detach().cpu() : torch::full({}, static_cast<double>(host_step_), torch::kFloat);
+    archive.write("step/" + k, step, true);
     archive.write("m/" + k, m_[i].detach().cpu(), true);
     if (adam_) archive.write("v/" + k, v_[i].detach().cpu(), true);
   }

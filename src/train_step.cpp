@@ -123,7 +123,7 @@ torch::Tensor TrainStep::step_body(const torch::Tensor& x, const torch::Tensor& 
     std::optional<GradSync::NoSync> no_sync;
     if (!last_micro) no_sync.emplace(*sync_);
     {
-      compat::AutocastGuard autocast(x.device().type(), amp_dtype_, amp_on_);
+      auto amp = autocast(x.device().type());
       loss = compute_loss(model_.forward(x), y, o_.loss());
     }
     auto scaled = o_.accum_steps() > 1 ? loss / o_.accum_steps() : loss;

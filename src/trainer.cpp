@@ -291,8 +291,7 @@ std::pair<double, double> Trainer::evaluate() {
     auto x = step_->prepare(batch->input.to(dev, true)), y = batch->target.to(dev, true);
     torch::Tensor out;
     {
-      compat::AutocastGuard autocast(dev.type(), config_.amp == "fp16" ? torch::kHalf : torch::kBFloat16,
-                                     config_.amp != "off");
+      auto amp = step_->autocast(dev.type());
       out = model.forward(x).to(torch::kFloat);
     }
     const double n = static_cast<double>(x.size(0));

@@ -62,7 +62,7 @@ class FlatOptimizer {
   bool adam_ = true, fused_ = false;
   std::vector<torch::Tensor> params_, grads_;
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_)
-  std::vector<torch::Tensor> step_;   // one float step count per buffer, on its device
+  std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
   torch::Tensor lr_t_;                // learning rate on the device (fused path)
   double lr_ = 0;
   int64_t host_step_ = 0;             // composed path

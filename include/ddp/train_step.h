@@ -17,6 +17,7 @@
 #include <string>
 
 #include "ddp/checkpoint.h"
+#include "ddp/compat.h"
 #include "ddp/flat_optimizer.h"
 #include "ddp/grad_sync.h"
 #include "ddp/loss.h"
@@ -44,6 +45,12 @@ class TrainStep : public Stateful {
 
   /// The batch in the memory format the model runs in (channels-last or not).
   torch::Tensor prepare(const torch::Tensor& x) const;
+
+  /// Autocast as --amp asks, for a forward pass on `device` (training and
+  /// evaluation use the same precision).
+  compat::AutocastGuard autocast(c10::DeviceType device) const {
+    return compat::AutocastGuard(device, amp_dtype_, amp_on_);
+  }
 
   /// One micro-batch (see above); `lr` is used when this is the last one.
   /// Returns the batch's mean loss, detached, on the device.
