@@ -64,6 +64,9 @@ GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
 [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && GEN=()   # keep the generator of an existing build
 ARGS=(-DCMAKE_BUILD_TYPE=Release)
 [[ -n "$TORCH_PREFIX" ]] && ARGS+=("-DCMAKE_PREFIX_PATH=$TORCH_PREFIX")
+# Extra CMake options, e.g. DDP_CMAKE_ARGS="-DDDP_CUDA_KERNELS=OFF".
+read -r -a EXTRA <<< "${DDP_CMAKE_ARGS:-}"
+ARGS+=("${EXTRA[@]}")
 cmake -S . -B "$BUILD_DIR" "${GEN[@]}" "${ARGS[@]}" >/dev/null
 JOBS=${JOBS:-$(nproc)}
 cmake --build "$BUILD_DIR" -j "$JOBS"

@@ -48,15 +48,27 @@ step_config() {  # name, then shared args for ddptrain bench and torch_ddp.py st
       --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph="$graph" 2>"$OUT/$name.$graph.err" \
       | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
   done
+  if [[ $amp != off && $cl == on ]]; then  # what ddptrain's batch-norm kernels add
+    log "config $name: ddptrain cuda-graph, LibTorch's batch norm"
+    $B bench --model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" \
+      --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph --bn-kernel native 2>"$OUT/$name.nativebn.err" \
+      | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  fi
 }
 
-if has step; then
+if has step && [[ " ${CONFIGS:-a} " == *" a "* && ${SEED:-1} == 1 ]]; then  # SEED=0: skip (i)
   log "config a: seed script (betas fixed), 3 epochs of its 1000 random images"
   (cd "$OUT" && timeout 300 python3 "$OLDPWD/bench/seed_ddp.py" --size 1 --visible 0 --epochs 3 --batch 32 \
      --save_path "$OUT/seed_ck" 2>"$OUT/seed.err") | grep '^{' | tail -1 | sed 's/^{/{"config": "a", /' | tee -a "$R"
-  step_config a resnet18 64 32 off off
-  step_config b resnet18 64 256 bf16 on
-  step_config c resnet50 224 256 bf16 on
+fi
+if has step; then  # CONFIGS="c" bash bench/run.sh: only some configs
+  for cfg in ${CONFIGS:-a b c}; do
+    case $cfg in
+      a) step_config a resnet18 64 32 off off ;;
+      b) step_config b resnet18 64 256 bf16 on ;;
+      c) step_config c resnet50 224 256 bf16 on ;;
+    esac
+  done
 fi
 
 if has fmnist; then

@@ -9,7 +9,8 @@ CONFIGS = {
     "c": "(c) ResNet-50, 224 px, batch 256, bf16, channels-last",
     "d": "(d) Fashion-MNIST, ResNet-18 small stem, launch to 93%",
 }
-ORDER = ["seed (betas fixed)", "pytorch ddp", "ddptrain eager", "ddptrain cuda-graph"]
+ORDER = ["seed (betas fixed)", "pytorch ddp", "ddptrain eager", "ddptrain cuda-graph, LibTorch BN",
+         "ddptrain cuda-graph"]
 
 
 def main():

@@ -49,7 +49,9 @@ int run_bench(const Config& c, World& world) {
              "lower --lr for this benchmark.");
   const double ms = 1000.0 * seconds / c.bench_steps;
   if (world.is_main()) {
-    nlohmann::json j = {{"contender", c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager"},
+    std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
+    if (c.bn_kernel == "native") contender += ", LibTorch BN";
+    nlohmann::json j = {{"contender", contender},
                         {"model", c.model},
                         {"image_size", size},
                         {"batch", c.batch},
@@ -58,6 +60,7 @@ int run_bench(const Config& c, World& world) {
                         {"amp", c.amp},
                         {"channels_last", options.channels_last()},
                         {"graphed", step.graphed()},
+                        {"bn_kernel", c.bn_kernel},
                         {"device", dev.str()},
                         {"ms_per_step", ms},
                         {"images_per_s", c.batch * world.size() * 1000.0 / ms},

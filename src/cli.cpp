@@ -75,6 +75,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed"},
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed"},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed"},
+      {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply (auto), or LibTorch's (native)", &c.bn_kernel, {"auto", "native"}, "speed"},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off)", &c.stop_at_acc, {}, "train"},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench"},
 

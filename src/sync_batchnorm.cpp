@@ -1,14 +1,21 @@
 // BatchNorm with optional global-batch statistics and its exact backward.
-#include "ddp/sync_batchnorm.h"
-
-#include "ddp/error.h"
 
 // GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
 // libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
-// below (GCC bug 107852).
+// below and from libstdc++'s copy helpers (GCC bug 107852); before the
+// includes, so that it covers the header code they inline.
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
 #pragma GCC diagnostic ignored "-Warray-bounds"
 #pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+
+#include "ddp/sync_batchnorm.h"
+
+#include <atomic>
+
+#include "ddp/error.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/batch_norm_nhwc.h"
 #endif
 
 namespace ddp {
@@ -116,7 +123,44 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
   }
 };
 
+#ifdef DDP_WITH_CUDA_KERNELS
+// Local (unsynced) training statistics through ddptrain's NHWC kernels.
+struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                               torch::Tensor running_mean, torch::Tensor running_var, double eps, double momentum) {
+    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps);
+    ctx->save_for_backward({x, weight, out[1], out[2]});
+    return out[0];
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3]);
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+#endif
+
+std::atomic<bool> g_nhwc_kernels{true};
+
+#ifdef DDP_WITH_CUDA_KERNELS
+bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
+  return g_nhwc_kernels.load() && bn.options.affine() && bn.options.track_running_stats() &&
+         bn.weight.scalar_type() == torch::kFloat && bn.running_mean.scalar_type() == torch::kFloat &&
+         cuda::bn_nhwc_supported(x);
+}
+#endif
+
 }  // namespace
+
+void use_nhwc_batchnorm_kernels(bool on) { g_nhwc_kernels.store(on); }
+
+bool have_nhwc_batchnorm_kernels() {
+#ifdef DDP_WITH_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
 
 BatchNormImpl::BatchNormImpl(BatchNormOptions options_) : options(std::move(options_)) { reset(); }
 
@@ -160,6 +204,10 @@ torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
                                   is_training() ? running_var : torch::Tensor(), options.eps(),
                                   options.momentum(), world_);
   }
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (is_training() && nhwc_kernels_apply(input, *this))
+    return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum());
+#endif
   return torch::batch_norm(input, weight, bias, running_mean, running_var, use_batch_stats,
                            options.momentum(), options.eps(), at::globalContext().userEnabledCuDNN());
 }

@@ -65,11 +65,6 @@ TrainStep::TrainStep(Net& model, World& world, TrainStepOptions options)
       fall_back("gradient accumulation (--accum-steps > 1) is not captured");
     else if (!fused)
       fall_back("this LibTorch has no fused (capturable) optimizer kernels");
-    else if (fp16_)
-      // Measured 2026-12-02 (H200, LibTorch 2.11): the captured fp16 step
-      // returned non-finite losses from the first step on; until that is
-      // understood, fp16 runs eager. bf16 and fp32 capture and match eager.
-      fall_back("fp16 loss scaling is not captured yet; use --amp bf16 to capture");
     else if (has_synced_batchnorm(model_))
       fall_back("SyncBatchNorm reads the global batch size on the host; use --sync-bn off to capture");
     else
@@ -86,6 +81,13 @@ TrainStep::TrainStep(Net& model, World& world, TrainStepOptions options)
 #endif
     sync_ = std::make_unique<GradSync>(
         model_, world_, GradSyncOptions().bucket_cap_mb(o_.bucket_cap_mb()).channels_last(o_.channels_last()));
+#ifdef DDP_WITH_CUDA
+    // GradSync copied the parameters into its flat buffers on the capture
+    // stream and released their old storage, which belongs to the default
+    // stream's pool: wait for the copies before anything can reuse it (a
+    // race that once gave a different first loss).
+    if (graph_) torch::cuda::synchronize(dev.index());
+#endif
   }
   optimizer_ = std::make_unique<FlatOptimizer>(sync_->flat_params(), sync_->flat_grads(), o_.optimizer());
 
@@ -163,25 +165,24 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
       if (try_capture(x, y)) return run(x, y, last_micro, lr);
       return step_body(x, y, last_micro);  // capture failed: eager from now on
     }
-    if (fits) {
-      // Warm-up steps run on the capture stream, as PyTorch advises: lazily
-      // created per-stream state (cuBLAS workspaces) then exists before capture.
-      ++eager_steps_;
-      auto current = c10::cuda::getCurrentCUDAStream();
-      at::cuda::CUDAEvent ready;
-      ready.record(current);
-      ready.block(g.stream);
-      torch::Tensor loss;
-      {
-        c10::cuda::CUDAStreamGuard on_side(g.stream);
-        loss = step_body(x, y, last_micro);
-      }
-      at::cuda::CUDAEvent done;
-      done.record(g.stream);
-      done.block(current);
-      return loss;
+    // Warm-up steps, and batches of another shape (an epoch's last, smaller
+    // one), run eagerly on the capture stream: per-stream state (cuBLAS
+    // workspaces) then exists before capture, as PyTorch advises, and the
+    // gradient accumulators keep the stream they were made on.
+    if (fits) ++eager_steps_;
+    auto current = c10::cuda::getCurrentCUDAStream();
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(g.stream);
+    torch::Tensor loss;
+    {
+      c10::cuda::CUDAStreamGuard on_side(g.stream);
+      loss = step_body(x, y, last_micro);
     }
-    // A batch of another shape (the last, smaller one): eager, same buffers.
+    at::cuda::CUDAEvent done;
+    done.record(g.stream);
+    done.block(current);
+    return loss;
   }
 #endif
   return step_body(x, y, last_micro);

@@ -41,6 +41,7 @@ std::atomic<int> g_stop{0};
 TrainStepOptions train_step_options(const Config& c, const torch::Device& device) {
   const bool cuda = device.is_cuda();
   if (cuda) compat::set_cuda_math(c.tf32);
+  use_nhwc_batchnorm_kernels(c.bn_kernel == "auto");
   return TrainStepOptions()
       .amp(c.amp)
       .cuda_graph(c.cuda_graph)
@@ -79,8 +80,12 @@ Trainer::Trainer(Config config, World& world, Parts parts)
           .total_steps(steps_per_epoch_ * config_.epochs)
           .warmup_steps(static_cast<int64_t>(std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_)))));
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
-  make_run_dir();
-  if (!config_.resume.empty()) resume();
+  // A resumed run continues in its checkpoint's run directory, so that
+  // metrics.jsonl goes on; a fresh one gets a new directory. The checkpoint
+  // is read (and so checked) before anything is written.
+  const std::string resume_from = find_resume_checkpoint();
+  if (!resume_from.empty()) resume(resume_from);
+  open_run_dir(resume_from);
   const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   if (fail && (!attempt || std::atoi(attempt) == 0) && std::sscanf(fail, "%d:%ld", &fail_rank_, &fail_step_) != 2)
@@ -89,9 +94,23 @@ Trainer::Trainer(Config config, World& world, Parts parts)
 
 Trainer::~Trainer() = default;
 
-void Trainer::make_run_dir() {
+std::string Trainer::find_resume_checkpoint() const {
+  if (config_.resume.empty()) return "";
+  if (config_.resume != "auto") {
+    check_user(fs::exists(config_.resume), "--resume " + config_.resume + " does not exist.",
+               "pass an existing checkpoint, or --resume auto to pick the newest under --save_path.");
+    return config_.resume;
+  }
+  std::string path = world_.share_string("resume_path", world_.is_main() ? find_latest_checkpoint(config_.save_path) : "");
+  if (path.empty()) DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
+  return path;
+}
+
+void Trainer::open_run_dir(const std::string& resume_from) {
   std::string dir;
-  if (world_.is_main()) {
+  if (!resume_from.empty()) {
+    dir = fs::path(resume_from).parent_path().string();
+  } else if (world_.is_main()) {
     try {
       fs::create_directories(config_.save_path);
       dir = (fs::path(config_.save_path) / ("train_" + timestamp())).string();
@@ -106,31 +125,17 @@ void Trainer::make_run_dir() {
   }
   run_dir_ = world_.share_string("run_dir", dir);
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  if (world_.is_main()) {
+  if (!resume_from.empty()) {
+    metrics_->truncate_to(state_.epoch, state_.step);  // drop rows logged after the checkpoint
+  } else if (world_.is_main()) {
     write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
     write_file_atomic(run_dir_ + "/config.toml", config_to_toml(config_));  // --config repeats the run
   }
 }
 
-void Trainer::resume() {
-  std::string path = config_.resume;
-  if (path == "auto") {
-    path = world_.share_string("resume_path", world_.is_main() ? find_latest_checkpoint(config_.save_path) : "");
-    if (path.empty()) {
-      DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
-      return;
-    }
-  }
+void Trainer::resume(const std::string& path) {
   auto meta = load_checkpoint(path, *parts_.model, step_.get(), world_.device(), parts_.arch);
   state_ = meta.state;
-  // Continue in the checkpoint's own run directory, so metrics.jsonl goes on.
-  if (world_.is_main()) {
-    std::error_code ec;
-    fs::remove_all(run_dir_, ec);
-  }
-  run_dir_ = fs::path(path).parent_path().string();
-  metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  metrics_->truncate_to(state_.epoch, state_.step);
   DDP_PRINT0(world_, "resume: %s (epoch %lld, step %lld)\n", path.c_str(), static_cast<long long>(state_.epoch),
              static_cast<long long>(state_.step));
 }

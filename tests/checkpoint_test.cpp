@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -146,35 +147,70 @@ TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
   EXPECT_EQ(metrics(restarted).size(), 2u);
 }
 
+// On one GPU: a run stopped after epoch 1 and resumed continues in its own
+// run directory (the CUDA wheel's libtorch.so once crashed this path through
+// its broken std::filesystem::remove_all) with every epoch in metrics.jsonl.
+TEST(Resume, ResumeOnOneGpuContinuesTheRun_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto dir = ddp::testing::temp_dir("gpu_resume");
+  std::vector<std::string> a{DDPTRAIN_EXE, "--model", "resnet18", "--stem", "small", "--size", "1", "--backend", "nccl",
+                             "--dataset", "synthetic", "--train-samples", "2048", "--test-samples", "512",
+                             "--amp", "bf16", "--cuda-graph", "--save_path", dir, "--progress", "plain"};
+  auto first = a;
+  first.insert(first.end(), {"--epochs", "1"});
+  auto r1 = run_process(first);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  auto second = a;
+  second.insert(second.end(), {"--epochs", "2", "--resume", "auto"});
+  auto r2 = run_process(second);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  EXPECT_NE(r2.output.find("resume: "), std::string::npos) << r2.output;
+  EXPECT_NE(r2.output.find("epoch 2/2"), std::string::npos) << r2.output;
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << "resume made a new run dir";
+  auto m = metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[1]["epoch"].get<int>(), 2);
+}
+
 // kill -9 at any moment leaves every checkpoint under its final name loadable.
+// The kill is aimed: the test watches the run directory and kills as soon
+// as (or a little after) a checkpoint's temporary file appears, so that it
+// lands while a write is in progress.
+bool writing_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().find(".pt.tmp.") != std::string::npos) return true;
+  return false;
+}
+
 TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
   DDP_SKIP_UNLESS_GLOO();
-  bool hit_mid_write = false;
-  for (int attempt = 0; attempt < 12 && !hit_mid_write; ++attempt) {
+  int landed = 0;
+  for (int attempt = 0; attempt < 6; ++attempt) {
     auto dir = ddp::testing::temp_dir("kill9");
     // ResNet-18 checkpoints (~130 MB with Adam state) take a while to write.
     auto child = ddp::testing::start_process(
         {DDPTRAIN_EXE, "--model", "resnet18", "--size", "1", "--backend", "gloo", "--epochs", "100", "--save_epoch", "1",
          "--train-samples", "32", "--test-samples", "32", "--batch", "32", "--keep-last", "0", "--save_path", dir,
          "--progress", "none", "--data_root", "/nonexistent"});
+    // Let one checkpoint complete, so that there is a previous one to keep.
     ASSERT_TRUE(ddp::testing::wait_for_output(child, "saved ", 120));
-    usleep(static_cast<useconds_t>(50000 * (attempt % 6)));
+    auto t0 = std::chrono::steady_clock::now();
+    while (!writing_checkpoint(dir) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) usleep(200);
+    usleep(static_cast<useconds_t>(15000 * (attempt % 3)));  // early, and further into the write
+    const bool mid_write = writing_checkpoint(dir);
     kill(-child.pid, SIGKILL);
     ddp::testing::finish_process(child, 10);
+    if (mid_write && writing_checkpoint(dir)) ++landed;  // the temporary outlived the writer
     int finals = 0;
     for (const auto& e : fs::recursive_directory_iterator(dir)) {
-      const auto name = e.path().filename().string();
-      // Only a checkpoint's temporary counts: curves.svg and the other
-      // small files are written the same way.
-      if (name.find(".pt.tmp.") != std::string::npos) hit_mid_write = true;
-      else if (e.path().extension() == ".pt") {
-        ++finals;
-        EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";
-      }
+      if (e.path().extension() != ".pt") continue;
+      ++finals;
+      EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";
     }
     EXPECT_GE(finals, 1);
   }
-  EXPECT_TRUE(hit_mid_write) << "no kill landed during a write; the test proved nothing";
+  EXPECT_GE(landed, 1) << "no kill landed during a write; the test proved nothing";
 }
 
 TEST(Checkpoint, VersionAndArchitectureMismatchAreClearErrors) {
@@ -335,6 +371,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "pass a free --port"},
         BadCase{"UnwritableSavePath", {"--dataset", "synthetic", "--save_path", "/proc/ddp_forbidden"}, "pass a writable --save_path"},
         BadCase{"CorruptCheckpoint", {"--dataset", "synthetic", "--resume", "/etc/hostname"}, "corrupt or not a ddptrain"},
+        BadCase{"MissingResume", {"--dataset", "synthetic", "--resume", "/nonexistent/epoch_3.pt"}, "--resume /nonexistent/epoch_3.pt does not exist."},
         BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is neither a ddptrain checkpoint nor a PyTorch"},
         BadCase{"MismatchedPretrain", {"--dataset", "synthetic", "--pretrain", std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt"}, "does not fit the model"},
         BadCase{"ZeroBatch", {"--batch", "0"}, "--batch must be positive, got 0."},

@@ -71,6 +71,7 @@ struct Config {
   bool cuda_graph = false;
   std::string channels_last = "auto";  // auto: on for CUDA
   bool tf32 = true;
+  std::string bn_kernel = "auto";      // auto: ddptrain's NHWC bf16 kernels where they apply
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   int bench_steps = 100;            // `ddptrain bench`
 

@@ -55,6 +55,13 @@ inline BatchNorm BatchNorm1d(int64_t c) { return BatchNorm(BatchNormOptions(c, 1
 inline BatchNorm BatchNorm2d(int64_t c) { return BatchNorm(BatchNormOptions(c, 2)); }
 inline BatchNorm BatchNorm3d(int64_t c) { return BatchNorm(BatchNormOptions(c, 3)); }
 
+/// Whether training-mode ddp::BatchNorm runs ddptrain's own CUDA kernels
+/// (include/ddp/cuda/batch_norm_nhwc.h) on channels-last bf16 input
+/// where they apply (default: yes, in builds that have them).
+void use_nhwc_batchnorm_kernels(bool on);
+/// True when this build has those kernels (a CUDA LibTorch build).
+bool have_nhwc_batchnorm_kernels();
+
 /// Turns every ddp::BatchNorm in `module`'s tree into a synchronised one and
 /// returns how many it converted. Throws a UserError naming the first
 /// torch::nn::BatchNorm{1,2,3}d it finds, which cannot be converted in C++.

@@ -62,6 +62,9 @@ class TrainStep : public Stateful {
 
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }
+  /// The fp16 dynamic loss scale (a 1-element device tensor); undefined
+  /// unless --amp fp16.
+  const torch::Tensor& loss_scale() const { return scale_; }
   /// True once a CUDA graph has been captured and is being replayed.
   bool graphed() const;
   /// Why --cuda-graph is not in use ("" when it is or was not asked for).

@@ -52,8 +52,9 @@ class Trainer {
   std::pair<double, double> evaluate();  // test loss, test accuracy
   void save(int64_t epoch, double test_acc);
   [[noreturn]] void save_and_stop(const std::string& path);
-  void resume();
-  void make_run_dir();
+  std::string find_resume_checkpoint() const;
+  void open_run_dir(const std::string& resume_from);
+  void resume(const std::string& path);
 
   Config config_;
   World& world_;

@@ -1,0 +1,36 @@
+// Training-mode batch norm for channels-last bf16 activations on CUDA.
+//
+// Why by hand: for bf16, LibTorch runs ATen's own channels-last kernels
+// (cuDNN refuses bf16 batch norm), and batch norm was the largest share of a
+// ResNet-50 step. On an H200 (bench/bn_kernels.py, 2026-12-02) one
+// ResNet-50's batch norms, forward and backward, take 22.5 ms here against
+// ATen's 29.1 ms. fp16 is left to cuDNN's NHWC kernels (18.5 ms), which beat
+// these. These kernels make the minimum
+// number of passes over memory (forward: read x for the statistics, read x
+// and write y; backward: read x and dy for two sums, read them again and
+// write dx), with 16-byte loads and fp32 arithmetic (Welford statistics,
+// combined with Chan's formula).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace ddp::cuda {
+
+/// True where the kernels apply: a CUDA, 4-D, channels-last-contiguous bf16
+/// tensor with a multiple of 8 channels and 16-byte-aligned data.
+bool bn_nhwc_supported(const at::Tensor& x);
+
+/// Forward over the batch: returns {y, mean, invstd} (the last two fp32 [C]),
+/// and updates the running statistics (fp32, unbiased variance) in place.
+std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& weight,
+                                           const at::Tensor& bias, const at::Tensor& running_mean,
+                                           const at::Tensor& running_var, double momentum, double eps);
+
+/// Backward: returns {dx, dweight, dbias} for the forward's saved mean/invstd.
+std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy, const at::Tensor& x,
+                                            const at::Tensor& weight, const at::Tensor& mean,
+                                            const at::Tensor& invstd);
+
+}  // namespace ddp::cuda
