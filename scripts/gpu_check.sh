@@ -2,7 +2,8 @@
 # One device call: the CUDA build, the tests that apply on one GPU, the
 # PyTorch interop check, resume on the GPU, and a ResNet-18 Fashion-MNIST run.
 #   PHASES="build ctest interop resume" bash scripts/gpu_check.sh   (logs in $OUT)
-# Phases: testdata build ctest interop resume resumedbg bn resnet (default: build ctest interop resume resnet).
+# Phases: testdata build ctest tests interop resume bn resnet (default: build ctest interop resume resnet);
+# tests runs the gtest binary directly (GTEST_FILTER, default *_CUDA), bn runs bench/bn_kernels.py.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export NCCL_NVLS_ENABLE=0
@@ -49,30 +50,6 @@ if has resume; then
   echo "restarted (rc $?): $(grep -E '^epoch 4/4' "$OUT/resume_restarted.log")"
   grep -E "restart|resume:|injected" "$OUT/resume_restarted.log" | head -5
   for f in "$OUT"/resume_*/train_*/metrics.jsonl; do echo "$f"; cat "$f"; done
-fi
-if has resumedbg; then
-  # Resume pieces one at a time: a run that fails at step 300 (after epoch 2's
-  # checkpoint), then resumed in-process with and without --cuda-graph, and
-  # through the launcher.
-  log resumedbg
-  R=$OUT/rd; base=(--model resnet18 --stem small --data_root "$FM" --epochs 4 --train-samples 30000 --batch 256 --lr 4e-3
-        --amp bf16 --workers 4 --save_epoch 1 --progress plain --log-every 50)
-  DDPTRAIN_FAIL_AT_STEP=0:300 timeout 120 ./build/ddptrain "${base[@]}" --cuda-graph --save_path "$R/a" > "$OUT/rd_a.log" 2>&1
-  echo "a: rc $?"; tail -2 "$OUT/rd_a.log"
-  for v in graph nograph launcher; do cp -r "$R/a" "$R/$v"; done
-  timeout 90 ./build/ddptrain "${base[@]}" --cuda-graph --resume auto --save_path "$R/graph" > "$OUT/rd_graph.log" 2>&1
-  echo "graph: rc $?"; tail -4 "$OUT/rd_graph.log"
-  timeout 90 ./build/ddptrain "${base[@]}" --resume auto --save_path "$R/nograph" > "$OUT/rd_nograph.log" 2>&1
-  echo "nograph: rc $?"; tail -4 "$OUT/rd_nograph.log"
-  timeout 90 ./build/ddptrain "${base[@]}" --cuda-graph --visible 0 --resume auto --save_path "$R/launcher" > "$OUT/rd_launcher.log" 2>&1
-  echo "launcher: rc $?"; tail -4 "$OUT/rd_launcher.log"
-  grep -A30 "native stack" "$OUT"/rd_*.log | head -80
-  if has gdb; then
-    cp -r "$R/a" "$R/gdb"
-    timeout 240 cuda-gdb -q -batch -ex "set pagination off" -ex run -ex bt -ex "info registers rip rsp" \
-      --args ./build/ddptrain "${base[@]}" --resume auto --save_path "$R/gdb" > "$OUT/rd_gdb.log" 2>&1
-    echo "gdb: rc $?"; grep -E "^#|SIGSEGV|rip|rsp" "$OUT/rd_gdb.log" | head -40
-  fi
 fi
 if has tests; then
   log tests

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
@@ -88,7 +89,13 @@ Trainer::Trainer(Config config, World& world, Parts parts)
   open_run_dir(resume_from);
   const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (fail && (!attempt || std::atoi(attempt) == 0) && std::sscanf(fail, "%d:%ld", &fail_rank_, &fail_step_) != 2)
+  // Fault injection for tests: DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws there
+  // (first attempt only); RANK:STEP:segv crashes there with SIGSEGV.
+  char how[8] = "";
+  if (fail && (!attempt || std::atoi(attempt) == 0) &&
+      std::sscanf(fail, "%d:%ld:%7s", &fail_rank_, &fail_step_, how) >= 2)
+    fail_segv_ = std::string(how) == "segv";
+  else
     fail_rank_ = -1;
 }
 
@@ -245,8 +252,10 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
       throw NonFiniteLoss(epoch, state_.step, loss.item<double>(), run_dir_);
     if (last_micro) {
       ++state_.step;
-      if (world_.rank() == fail_rank_ && state_.step == fail_step_)
+      if (world_.rank() == fail_rank_ && state_.step == fail_step_) {
+        if (fail_segv_) std::raise(SIGSEGV);
         throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(fail_step_));
+      }
     }
     const bool log_point = micro % config_.log_every == 0 || micro == micro_batches;
     if (micro % display_every == 0 || log_point) {

@@ -130,6 +130,19 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
   for (size_t i = 0; i < sb.size(); ++i) EXPECT_EQ(logged[i], sb[i].first) << "event " << i;
 }
 
+// A worker that crashes prints where, and the launcher names the rank and
+// the signal and stops the other rank.
+TEST(Launcher, CrashedWorkerPrintsItsStackAndIsNamed) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("segv");
+  auto r = run_process(run_args(dir, kSmall), {{"DDPTRAIN_FAIL_AT_STEP", "1:3:segv"}});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60);
+  EXPECT_NE(r.output.find("ddptrain: worker crashed; native stack:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  pc 0x"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 was killed by signal 11 (SIGSEGV)"), std::string::npos) << r.output;
+}
+
 // A worker that fails is restarted with the group, from the last checkpoint.
 TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
   DDP_SKIP_UNLESS_GLOO();

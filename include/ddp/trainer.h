@@ -72,6 +72,7 @@ class Trainer {
   // in the first attempt only (DDPTRAIN_FAIL_AT_STEP=rank:step).
   int fail_rank_ = -1;
   int64_t fail_step_ = -1;
+  bool fail_segv_ = false;
 };
 
 }  // namespace ddp
