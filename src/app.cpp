@@ -139,9 +139,15 @@ void on_crash(int sig, siginfo_t* info, void* context) {
 void install_crash_handler() {
   void* prime[1];
   (void)backtrace(prime, 1);
+  // Its own stack, so that a stack overflow is reported too.
+  static char alt_stack[1 << 16];
+  stack_t ss{};
+  ss.ss_sp = alt_stack;
+  ss.ss_size = sizeof(alt_stack);
+  sigaltstack(&ss, nullptr);
   struct sigaction sa {};
   sa.sa_sigaction = on_crash;
-  sa.sa_flags = SA_SIGINFO;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, nullptr);
 }
