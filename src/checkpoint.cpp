@@ -76,6 +76,11 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
     archive.write("optimizer", opt_archive);
   }
   archive.write("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
+  // The CUDA generator of the model's GPU (dropout and other random ops on
+  // the device draw from it).
+  const auto params = model.parameters();
+  if (!params.empty() && params.front().is_cuda())
+    archive.write("rng/cuda", at::globalContext().defaultGenerator(params.front().device()).get_state());
   const auto tmp = tmp_name(path);
   try {
     archive.save_to(tmp);
@@ -159,6 +164,10 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   torch::Tensor rng;
   if (archive.try_read("rng/cpu", rng)) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();
+    gen.set_state(rng.cpu());
+  }
+  if (device.is_cuda() && archive.try_read("rng/cuda", rng)) {
+    at::Generator gen = at::globalContext().defaultGenerator(device);  // a handle to the device's generator
     gen.set_state(rng.cpu());
   }
   return meta;

@@ -226,6 +226,30 @@ TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
   EXPECT_GE(landed, 1) << "no kill landed during a write; the test proved nothing";
 }
 
+// Loading a checkpoint puts the random generators back where they were when
+// it was written: the same draws follow, on the CPU and on the model's GPU.
+void expect_rng_restored(const torch::Device& device) {
+  auto dir = ddp::testing::temp_dir("rng");
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  model->to(device);
+  torch::manual_seed(11);
+  ddp::save_checkpoint(dir + "/a.pt", *model, nullptr, ddp::CheckpointMeta{});
+  auto cpu_before = torch::rand({8}), dev_before = torch::rand({8}, device);
+  torch::rand({100}, device);  // move both generators on
+  torch::rand({100});
+  ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, device, "");
+  EXPECT_TRUE(torch::equal(torch::rand({8}), cpu_before));
+  EXPECT_TRUE(torch::equal(torch::rand({8}, device), dev_before)) << device;
+}
+
+TEST(Checkpoint, RngStatesRoundTrip) { expect_rng_restored(torch::kCPU); }
+
+TEST(Checkpoint, RngStatesRoundTripOnGpu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  expect_rng_restored(torch::Device(torch::kCUDA, 0));
+}
+
 TEST(Checkpoint, VersionAndArchitectureMismatchAreClearErrors) {
   auto dir = ddp::testing::temp_dir("ckpt");
   ddp::models::ModelSpec spec;
