@@ -3,12 +3,12 @@
 
 #include <dlfcn.h>
 #include <execinfo.h>
-#include <ucontext.h>
-#include <algorithm>
-#include <cstdio>
 #include <malloc.h>
+#include <ucontext.h>
 
+#include <algorithm>
 #include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <thread>

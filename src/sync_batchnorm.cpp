@@ -123,6 +123,8 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
   }
 };
 
+std::atomic<bool> g_nhwc_kernels{true};  // use_nhwc_batchnorm_kernels()
+
 #ifdef DDP_WITH_CUDA_KERNELS
 // Local (unsynced) training statistics through ddptrain's NHWC kernels.
 struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
@@ -138,11 +140,7 @@ struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
     return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
-#endif
 
-std::atomic<bool> g_nhwc_kernels{true};
-
-#ifdef DDP_WITH_CUDA_KERNELS
 bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
   return g_nhwc_kernels.load() && bn.options.affine() && bn.options.track_running_stats() &&
          bn.weight.scalar_type() == torch::kFloat && bn.running_mean.scalar_type() == torch::kFloat &&

@@ -58,6 +58,21 @@ double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return worst;
 }
 
+// Deterministic cuDNN without autotuning for one test; the settings are
+// restored afterwards.
+struct DeterministicCuDNN {
+  DeterministicCuDNN()
+      : deterministic(at::globalContext().deterministicCuDNN()), benchmark(at::globalContext().benchmarkCuDNN()) {
+    at::globalContext().setDeterministicCuDNN(true);
+    at::globalContext().setBenchmarkCuDNN(false);
+  }
+  ~DeterministicCuDNN() {
+    at::globalContext().setDeterministicCuDNN(deterministic);
+    at::globalContext().setBenchmarkCuDNN(benchmark);
+  }
+  bool deterministic, benchmark;
+};
+
 ddp::TrainStepOptions sgd() {
   return ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("sgd").lr(0.05));
 }
@@ -109,35 +124,30 @@ TEST(TrainStep, CudaGraphOnCpuFallsBackWithAReason) {
 // 50 steps graphed and eager: the same loss trajectory to rounding.
 TEST(TrainStep, GraphedEqualsEagerFp32_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
+  DeterministicCuDNN deterministic;
   auto adam = ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
   const torch::Device gpu(torch::kCUDA, 0);
   auto eager = trajectory(adam, gpu, 50);
   auto graphed = trajectory(adam.cuda_graph(true), gpu, 50);
   EXPECT_LT(eager.back(), eager.front());
   EXPECT_LE(max_rel_diff(graphed, eager), 1e-4) << ::testing::PrintToString(graphed) << " vs " << ::testing::PrintToString(eager);
-  at::globalContext().setDeterministicCuDNN(false);
 }
 
 // Two eager runs from the same seed give the same losses (deterministic
 // cuDNN): the baseline the graphed comparisons rest on.
 TEST(TrainStep, EagerIsRepeatable_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
+  DeterministicCuDNN deterministic;
   auto adam = ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
   const torch::Device gpu(torch::kCUDA, 0);
   auto a = trajectory(adam, gpu, 10);
   auto b = trajectory(adam, gpu, 10);
   EXPECT_LE(max_rel_diff(a, b), 1e-6) << ::testing::PrintToString(a) << " vs " << ::testing::PrintToString(b);
-  at::globalContext().setDeterministicCuDNN(false);
 }
 
 TEST(TrainStep, GraphedEqualsEagerBf16_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
+  DeterministicCuDNN deterministic;
   auto adam =
       ddp::TrainStepOptions().amp("bf16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
   const torch::Device gpu(torch::kCUDA, 0);
@@ -145,7 +155,6 @@ TEST(TrainStep, GraphedEqualsEagerBf16_CUDA) {
   auto graphed = trajectory(adam.cuda_graph(true), gpu, 50);
   EXPECT_LT(eager.back(), eager.front());
   EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs " << ::testing::PrintToString(eager);
-  at::globalContext().setDeterministicCuDNN(false);
 }
 
 // fp16 with dynamic loss scaling: eager trains, and the captured step (the
@@ -153,8 +162,7 @@ TEST(TrainStep, GraphedEqualsEagerBf16_CUDA) {
 // gives the same trajectory.
 TEST(TrainStep, Fp16GraphedEqualsEager_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  at::globalContext().setDeterministicCuDNN(true);
-  at::globalContext().setBenchmarkCuDNN(false);
+  DeterministicCuDNN deterministic;
   const torch::Device gpu(torch::kCUDA, 0);
   auto opts = ddp::TrainStepOptions().amp("fp16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3));
   auto eager = trajectory(opts, gpu, 50);
@@ -162,7 +170,6 @@ TEST(TrainStep, Fp16GraphedEqualsEager_CUDA) {
   EXPECT_LT(eager.back(), eager.front());
   auto graphed = trajectory(opts.cuda_graph(true), gpu, 50);
   EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs " << ::testing::PrintToString(eager);
-  at::globalContext().setDeterministicCuDNN(false);
 }
 
 // An overflowing step is skipped and halves the scale, in the graph too: the

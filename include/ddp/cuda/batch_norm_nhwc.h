@@ -4,12 +4,12 @@
 // (cuDNN refuses bf16 batch norm), and batch norm was the largest share of a
 // ResNet-50 step. On an H200 (bench/bn_kernels.py, 2026-12-02) one
 // ResNet-50's batch norms, forward and backward, take 22.5 ms here against
-// ATen's 29.1 ms. fp16 is left to cuDNN's NHWC kernels (18.5 ms), which beat
-// these. These kernels make the minimum
-// number of passes over memory (forward: read x for the statistics, read x
-// and write y; backward: read x and dy for two sums, read them again and
-// write dx), with 16-byte loads and fp32 arithmetic (Welford statistics,
-// combined with Chan's formula).
+// ATen's 29.1 ms; fp16 is left to cuDNN's NHWC kernels (18.5 ms).
+//
+// The kernels make the minimum number of passes over memory (forward: read
+// x for the statistics, read x and write y; backward: read x and dy for two
+// sums, read them again and write dx), with 16-byte loads and fp32
+// arithmetic (Welford statistics, combined with Chan's formula).
 #pragma once
 
 #include <ATen/core/Tensor.h>
