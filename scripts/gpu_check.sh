@@ -17,7 +17,7 @@ log machine; nvidia-smi --query-gpu=name,driver_version,memory.total --format=cs
 python3 -c 'import torch,torchvision;print("torch",torch.__version__,"cuda",torch.version.cuda,"torchvision",torchvision.__version__)'
 if has testdata; then
   log testdata
-  mkdir -p "$OUT/data" && python3 tools/gen_testdata.py "$OUT/data" && cp "$OUT"/data/*.json tests/data/
+  mkdir -p "$OUT/data" && python3 tools/gen_testdata.py "$OUT/data" && cp "$OUT"/data/*.json tests/testdata/
 fi
 if has build; then
   log build

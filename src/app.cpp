@@ -17,15 +17,15 @@
 
 #include "ddp/data/cifar10.h"
 #include "ddp/data/idx.h"
-#include "ddp/bench.h"
-#include "ddp/checkpoint.h"
+#include "ddp/cmd/bench.h"
+#include "ddp/io/checkpoint.h"
 #include "ddp/data/image_folder.h"
-#include "ddp/doctor.h"
+#include "ddp/cmd/doctor.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
-#include "ddp/launch.h"
+#include "ddp/dist/launch.h"
 #include "ddp/models/registry.h"
-#include "ddp/report.h"
+#include "ddp/cmd/report.h"
 
 namespace fs = std::filesystem;
 

@@ -9,7 +9,7 @@
 // work as they are. `./build/train --help` lists every flag.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddp/app.h>
-#include <ddp/sync_batchnorm.h>
+#include <ddp/dist/sync_batchnorm.h>
 
 // ---------------------------------------------------------------------------
 // 1. My dataset: a size, and one (input, target) example per index.

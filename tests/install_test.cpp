@@ -41,7 +41,7 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplate) {
   auto inst = run_process({"cmake", "--install", DDP_BINARY_DIR, "--prefix", prefix}, {}, 300);
   ASSERT_EQ(inst.exit_code, 0) << inst.output;
   const std::string cmake_dir = prefix + "/lib/cmake/ddptrain";
-  for (const std::string f : {"/include/ddp/app.h", "/include/ddp/world.h", "/include/ddp/data/dataset.h",
+  for (const std::string f : {"/include/ddp/app.h", "/include/ddp/dist/world.h", "/include/ddp/data/dataset.h",
                               "/include/ddp/models/net.h", "/lib/libddp.a", "/bin/ddptrain",
                               "/lib/cmake/ddptrain/ddptrainConfig.cmake",
                               "/lib/cmake/ddptrain/ddptrainConfigVersion.cmake",

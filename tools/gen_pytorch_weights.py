@@ -1,8 +1,8 @@
-"""Writes tests/data/tiny_state_dict.pt: a state_dict saved by PyTorch
+"""Writes tests/testdata/tiny_state_dict.pt: a state_dict saved by PyTorch
 (Python) with torch.save, with DDP's "module." prefix, plus the model's
 output on a fixed input (tiny_state_dict_expected.json). The C++ test loads
 the file into the same architecture built with ddptrain and compares.
-    python3 tools/gen_pytorch_weights.py tests/data
+    python3 tools/gen_pytorch_weights.py tests/testdata
 """
 import json
 import sys

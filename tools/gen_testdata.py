@@ -1,7 +1,7 @@
 """Writes the reference data that ddptrain's C++ tests compare against.
 
 Run on a machine with PyTorch (and torchvision) installed:
-    python3 tools/gen_testdata.py tests/data
+    python3 tools/gen_testdata.py tests/testdata
 It produces:
   sampler_vectors.json   indices of torch.utils.data.DistributedSampler
   resnet_keys.json       torchvision ResNet state_dict names and shapes

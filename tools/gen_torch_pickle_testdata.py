@@ -1,8 +1,8 @@
-"""Writes the PyTorch files that tests/torch_pickle_test.cpp reads with
-ddptrain's own unpickler (src/torch_pickle.cpp), and the values it expects.
+"""Writes the PyTorch files that tests/io/torch_pickle_test.cpp reads with
+ddptrain's own unpickler (src/io/torch_pickle.cpp), and the values it expects.
 
 Made with Debian 12's PyTorch 1.13.0 (CPU), the one at /usr/bin/python3:
-    /usr/bin/python3 tools/gen_torch_pickle_testdata.py tests/data
+    /usr/bin/python3 tools/gen_torch_pickle_testdata.py tests/testdata
 Each file is a plain torch.save(obj, path) (zip format, pickle protocol 2
 unless noted):
   pickle_bn.pt       model.state_dict() of a small conv/BatchNorm/linear

@@ -11,10 +11,10 @@
 #include <fstream>
 #include <iterator>
 
-#include "ddp/checkpoint.h"
+#include "ddp/io/checkpoint.h"
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
-#include "ddp/torch_pickle.h"
+#include "ddp/io/torch_pickle.h"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include <functional>
 
 #include "ddp/cli.h"
-#include "ddp/trainer.h"
-#include "ddp/world.h"
+#include "ddp/train/trainer.h"
+#include "ddp/dist/world.h"
 
 namespace ddp {
 

@@ -1,6 +1,6 @@
 // ddptrain's channels-last batch-norm kernels against LibTorch's batch norm,
 // through ddp::BatchNorm (the path models take), forward and backward.
-#include "ddp/sync_batchnorm.h"
+#include "ddp/dist/sync_batchnorm.h"
 #include "support/testing.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "ddp/tensorboard.h"
+#include "ddp/io/tensorboard.h"
 
 namespace ddp::testing {
 namespace {

@@ -1,5 +1,5 @@
 // A reader for TensorBoard event files, written apart from the writer in
-// src/tensorboard.cpp so that the tests check the format, not the code
+// src/io/tensorboard.cpp so that the tests check the format, not the code
 // against itself: TFRecord framing with both CRCs verified, then a generic
 // protobuf walk of tensorflow.Event.
 #pragma once

@@ -8,10 +8,10 @@
 #include <thread>
 
 #include "ddp/error.h"
-#include "ddp/grad_sync.h"
-#include "ddp/launch.h"
-#include "ddp/sync_batchnorm.h"
-#include "ddp/world.h"
+#include "ddp/dist/grad_sync.h"
+#include "ddp/dist/launch.h"
+#include "ddp/dist/sync_batchnorm.h"
+#include "ddp/dist/world.h"
 
 namespace {
 

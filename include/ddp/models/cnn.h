@@ -11,7 +11,7 @@
 #include <torch/torch.h>
 
 #include "ddp/models/net.h"
-#include "ddp/sync_batchnorm.h"
+#include "ddp/dist/sync_batchnorm.h"
 
 namespace ddp::models {
 

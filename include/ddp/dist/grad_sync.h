@@ -1,0 +1,105 @@
+// Data-parallel gradient synchronisation: what DistributedDataParallel does
+// in PyTorch, for a LibTorch module.
+//
+// At construction every parameter and buffer is broadcast from rank 0. Then
+// each parameter becomes a view into one flat parameter buffer per dtype and
+// its .grad a view into a flat gradient buffer of the same layout, so that an
+// optimizer can update every parameter with a few kernels over two flat
+// tensors (see flat_optimizer.h). With channels_last, 4-D weights get
+// channels-last strides inside their slice. The gradient buffer is cut into buckets of at most `bucket_cap_mb`, filled in
+// reverse registration order (the order backward produces gradients). A hook
+// on each parameter's gradient accumulator counts down its bucket; when a
+// bucket is complete its all-reduce starts at once, so communication overlaps
+// the rest of backward. Buckets are launched strictly in index order on every
+// rank, so collectives always match. finish() launches any bucket whose
+// parameters got no gradient (they contribute zeros, as with
+// find_unused_parameters), waits, and divides by the world size.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ddp/compat.h"
+#include "ddp/dist/world.h"
+
+namespace ddp {
+
+struct GradSyncOptions {
+  /// Largest bucket, in MiB. PyTorch's default is 25.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Broadcast parameters and buffers from rank 0 at construction.
+  TORCH_ARG(bool, broadcast_at_start) = true;
+  /// Give 4-D parameters (convolution weights) channels-last strides, to
+  /// match channels-last activations.
+  TORCH_ARG(bool, channels_last) = false;
+};
+
+class GradSync {
+ public:
+  GradSync(torch::nn::Module& model, World& world, GradSyncOptions options = {});
+  ~GradSync();
+  GradSync(const GradSync&) = delete;
+  GradSync& operator=(const GradSync&) = delete;
+
+  /// Zeroes every gradient in place (the views stay views).
+  void zero_grad();
+
+  /// While the returned guard lives, backward only accumulates locally; use it
+  /// for every micro-step but the last of gradient accumulation.
+  class NoSync {
+   public:
+    explicit NoSync(GradSync& s) : s_(s), before_(s.sync_enabled_) { s_.sync_enabled_ = false; }
+    ~NoSync() { s_.sync_enabled_ = before_; }
+   private:
+    GradSync& s_;
+    bool before_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  /// Launches what backward did not, waits for every bucket and averages.
+  /// Call after the last backward of a step and before the optimizer.
+  void finish();
+
+  /// Copies every buffer (e.g. BatchNorm running stats) from rank 0.
+  void broadcast_buffers();
+
+  size_t num_buckets() const { return buckets_.size(); }
+  /// Buckets whose all-reduce started inside backward in this step so far
+  /// (reset by finish()); lets tests prove that communication overlaps.
+  size_t launched_during_backward() const { return launched_in_backward_; }
+  /// The flat gradient buffers, one per (dtype, device).
+  const std::vector<torch::Tensor>& flat_grads() const { return flat_grads_; }
+  /// The flat parameter buffers, laid out like flat_grads().
+  const std::vector<torch::Tensor>& flat_params() const { return flat_params_; }
+
+ private:
+  struct Bucket {
+    size_t flat = 0;            // which flat buffer
+    int64_t offset = 0, numel = 0;
+    size_t expected = 0;        // parameters in this bucket
+    size_t pending = 0;         // gradients still missing this step
+    c10::intrusive_ptr<compat::Work> work;
+    torch::Tensor view;
+  };
+  void mark_ready(size_t param_index);
+  void launch_ready_in_order(bool from_backward);
+  void reset_step();
+
+  World& world_;
+  GradSyncOptions options_;
+  std::vector<torch::Tensor> params_;
+  std::vector<size_t> bucket_of_;  // param index -> bucket
+  std::vector<Bucket> buckets_;
+  std::vector<torch::Tensor> flat_grads_;
+  std::vector<torch::Tensor> flat_params_;
+  std::vector<torch::Tensor> buffers_;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  size_t next_bucket_ = 0;
+  size_t launched_in_backward_ = 0;
+  bool sync_enabled_ = true;
+  std::mutex mu_;
+};
+
+}  // namespace ddp

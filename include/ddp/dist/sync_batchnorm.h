@@ -1,0 +1,70 @@
+// Batch normalisation whose training statistics span all ranks.
+//
+// ddp::BatchNorm is a drop-in BatchNorm{1,2,3}d with torchvision's parameter
+// and buffer names. Alone it computes local statistics, exactly like
+// torch::nn::BatchNorm2d. After convert_sync_batchnorm() it computes the mean
+// and variance of the global batch in training (ranks may hold different
+// numbers of samples), back-propagates exactly through them, and keeps
+// running statistics that are identical on every rank. Eval mode uses the
+// running statistics and never communicates.
+//
+// Why a module of our own: in the C++ frontend a parent holds its children
+// by value-typed handles, so a BatchNorm2d inside a model cannot be swapped for
+// another class after construction (Module::replace_module does not update the
+// parent's member). Models that want SyncBatchNorm therefore build with
+// ddp::BatchNorm, and conversion switches it on in place.
+#pragma once
+
+#include "ddp/compat.h"
+#include "ddp/dist/world.h"
+
+namespace ddp {
+
+struct BatchNormOptions {
+  BatchNormOptions(int64_t num_features, int dim = 2) : num_features_(num_features), dim_(dim) {}
+  /// Channels (C of an N x C x ... input).
+  TORCH_ARG(int64_t, num_features);
+  /// 1, 2 or 3, as in BatchNorm1d/2d/3d; only used to check input rank.
+  TORCH_ARG(int, dim) = 2;
+  TORCH_ARG(double, eps) = 1e-5;
+  TORCH_ARG(double, momentum) = 0.1;
+  TORCH_ARG(bool, affine) = true;
+  TORCH_ARG(bool, track_running_stats) = true;
+};
+
+class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
+ public:
+  explicit BatchNormImpl(BatchNormOptions options);
+  void reset() override;
+  torch::Tensor forward(const torch::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+
+  /// Makes training statistics global over `world` (nullptr: local again).
+  void set_world(World* world) { world_ = world; }
+  bool synced() const { return world_ != nullptr && world_->size() > 1; }
+
+  BatchNormOptions options;
+  torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+
+ private:
+  World* world_ = nullptr;
+};
+TORCH_MODULE(BatchNorm);
+
+inline BatchNorm BatchNorm1d(int64_t c) { return BatchNorm(BatchNormOptions(c, 1)); }
+inline BatchNorm BatchNorm2d(int64_t c) { return BatchNorm(BatchNormOptions(c, 2)); }
+inline BatchNorm BatchNorm3d(int64_t c) { return BatchNorm(BatchNormOptions(c, 3)); }
+
+/// Whether training-mode ddp::BatchNorm runs ddptrain's own CUDA kernels
+/// (include/ddp/cuda/batch_norm_nhwc.h) on channels-last bf16 input
+/// where they apply (default: yes, in builds that have them).
+void use_nhwc_batchnorm_kernels(bool on);
+/// True when this build has those kernels (a CUDA LibTorch build).
+bool have_nhwc_batchnorm_kernels();
+
+/// Turns every ddp::BatchNorm in `module`'s tree into a synchronised one and
+/// returns how many it converted. Throws a UserError naming the first
+/// torch::nn::BatchNorm{1,2,3}d it finds, which cannot be converted in C++.
+int convert_sync_batchnorm(torch::nn::Module& module, World& world);
+
+}  // namespace ddp

@@ -1,0 +1,93 @@
+// One training step of data-parallel SGD, and what makes it fast on a GPU.
+//
+// run() does a micro-batch: forward under autocast, loss, backward (with the
+// gradient all-reduce overlapping it, see grad_sync.h). On the last
+// micro-batch of an optimizer step it also waits for the gradients, unscales
+// them (fp16), clips them, and steps the flat optimizer. Nothing in it reads
+// a value back to the host, so a whole step can be captured in a CUDA graph:
+// with cuda_graph, the first `graph_warmup` steps run eagerly on a side
+// stream (cuDNN autotuning, NCCL set-up), then one step is captured and every
+// later batch of the same shape is copied into the graph's static input
+// tensors and replayed. Where capture is impossible (CPU, gradient
+// accumulation, no fused optimizer, a failed capture) it says why once and
+// stays eager.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "ddp/io/checkpoint.h"
+#include "ddp/compat.h"
+#include "ddp/train/flat_optimizer.h"
+#include "ddp/dist/grad_sync.h"
+#include "ddp/train/loss.h"
+#include "ddp/models/net.h"
+#include "ddp/dist/world.h"
+
+namespace ddp {
+
+struct TrainStepOptions {
+  TORCH_ARG(std::string, amp) = "off";    // off | bf16 | fp16 (dynamic loss scaling)
+  TORCH_ARG(bool, cuda_graph) = false;
+  TORCH_ARG(bool, channels_last) = false;  // inputs and 4-D weights
+  TORCH_ARG(int, accum_steps) = 1;
+  TORCH_ARG(double, clip_grad_norm) = 0;   // 0: off
+  TORCH_ARG(double, bucket_cap_mb) = 25;
+  TORCH_ARG(int, graph_warmup) = 3;
+  TORCH_ARG(FlatOptimizerOptions, optimizer);
+  TORCH_ARG(LossOptions, loss);
+};
+
+class TrainStep : public Stateful {
+ public:
+  TrainStep(Net& model, World& world, TrainStepOptions options);
+  ~TrainStep() override;
+
+  /// The batch in the memory format the model runs in (channels-last or not).
+  torch::Tensor prepare(const torch::Tensor& x) const;
+
+  /// Autocast as --amp asks, for a forward pass on `device` (training and
+  /// evaluation use the same precision).
+  compat::AutocastGuard autocast(c10::DeviceType device) const {
+    return compat::AutocastGuard(device, amp_dtype_, amp_on_);
+  }
+
+  /// One micro-batch (see above); `lr` is used when this is the last one.
+  /// Returns the batch's mean loss, detached, on the device.
+  torch::Tensor run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr);
+
+  /// Optimizer state and the fp16 loss scale, for checkpoints.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  GradSync& sync() { return *sync_; }
+  FlatOptimizer& optimizer() { return *optimizer_; }
+  /// The fp16 dynamic loss scale (a 1-element device tensor); undefined
+  /// unless --amp fp16.
+  const torch::Tensor& loss_scale() const { return scale_; }
+  /// True once a CUDA graph has been captured and is being replayed.
+  bool graphed() const;
+  /// Why --cuda-graph is not in use ("" when it is or was not asked for).
+  const std::string& graph_fallback() const { return fallback_; }
+
+ private:
+  torch::Tensor step_body(const torch::Tensor& x, const torch::Tensor& y, bool last_micro);
+  bool try_capture(const torch::Tensor& x, const torch::Tensor& y);
+  void fall_back(const std::string& why);
+
+  Net& model_;
+  World& world_;
+  TrainStepOptions o_;
+  std::unique_ptr<GradSync> sync_;
+  std::unique_ptr<FlatOptimizer> optimizer_;
+  c10::ScalarType amp_dtype_ = c10::ScalarType::Float;
+  bool amp_on_ = false, fp16_ = false;
+  torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
+  bool graph_wanted_ = false;
+  int64_t eager_steps_ = 0;
+  std::string fallback_;
+  struct Graph;
+  std::unique_ptr<Graph> graph_;
+};
+
+}  // namespace ddp

@@ -1,0 +1,126 @@
+// The run summary behind `ddptrain report`.
+#include "ddp/cmd/report.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/error.h"
+#include "ddp/io/metrics.h"
+#include "ddp/io/progress.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+namespace {
+
+constexpr const char* kUsage = "usage: ddptrain report RUN_DIR  (a directory such as checkpoint/train_<timestamp>)";
+
+// Run directories directly under `dir`, newest name last.
+std::vector<std::string> runs_under(const fs::path& dir) {
+  std::vector<std::string> runs;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec))
+    if (e.is_directory() && fs::exists(e.path() / "config.json")) runs.push_back(e.path().string());
+  std::sort(runs.begin(), runs.end());
+  return runs;
+}
+
+nlohmann::json read_config(const fs::path& dir) {
+  const auto path = (dir / "config.json").string();
+  std::ifstream in(path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(path + " is not valid JSON (" + e.what() + ").", "the run directory may be damaged.");
+  }
+}
+
+std::string value_of(const nlohmann::json& config, const char* key) {
+  if (!config.contains(key)) return "?";
+  const auto& v = config[key];
+  return v.is_string() ? v.get<std::string>() : v.dump();
+}
+
+// "--train-samples 0" means every sample.
+std::string samples(const nlohmann::json& config, const char* key) {
+  const auto v = value_of(config, key);
+  return v == "0" ? "all" : v;
+}
+
+std::string fixed(double v, int decimals) {
+  std::ostringstream os;
+  os.setf(std::ios::fixed);
+  os.precision(decimals);
+  os << v;
+  return os.str();
+}
+
+}  // namespace
+
+std::string run_report(const std::string& run_dir) {
+  const fs::path dir(run_dir);
+  std::error_code ec;
+  check_user(fs::is_directory(dir, ec), "report: '" + run_dir + "' is not a directory.",
+             "pass a run directory, e.g. checkpoint/train_<timestamp> (the 'run dir' that training prints).");
+  if (!fs::exists(dir / "config.json")) {
+    const auto runs = runs_under(dir);
+    check_user(false, "report: '" + run_dir + "' is not a ddptrain run directory (it has no config.json).",
+               runs.empty() ? "pass the 'run dir' that training prints, e.g. checkpoint/train_<timestamp>."
+                            : "it holds " + std::to_string(runs.size()) + " run(s); pass one, e.g. " + runs.back() + ".");
+  }
+  const auto config = read_config(dir);
+  const auto epochs = read_epoch_metrics((dir / "metrics.jsonl").string());
+
+  std::ostringstream out;
+  out << "run          " << run_dir << "\n";
+  out << "config       model " << value_of(config, "model") << ", " << value_of(config, "optimizer") << " lr "
+      << value_of(config, "lr") << " (" << value_of(config, "schedule") << "), weight decay "
+      << value_of(config, "weight-decay") << ", batch " << value_of(config, "batch") << " per rank, dataset "
+      << value_of(config, "dataset") << " (" << samples(config, "train-samples") << " train, " << samples(config, "test-samples")
+      << " test), seed "
+      << value_of(config, "seed") << "\n";
+  out << "epochs       " << epochs.size() << " of " << value_of(config, "epochs") << " done\n";
+  if (!epochs.empty()) {
+    const auto& last = epochs.back();
+    const auto best = *std::max_element(epochs.begin(), epochs.end(),
+                                        [](const auto& a, const auto& b) { return a.test_acc < b.test_acc; });
+    double seconds = 0, samples_per_second = 0;
+    for (const auto& m : epochs) seconds += m.epoch_seconds, samples_per_second += m.samples_per_second;
+    out << "test acc     final " << fixed(100 * last.test_acc, 2) << "% (epoch " << last.epoch << "), best "
+        << fixed(100 * best.test_acc, 2) << "% (epoch " << best.epoch << ")\n";
+    out << "test loss    final " << fixed(last.test_loss, 4) << "\n";
+    out << "train loss   " << fixed(epochs.front().train_loss, 4) << " (epoch " << epochs.front().epoch << ") -> "
+        << fixed(last.train_loss, 4) << " (epoch " << last.epoch << ")\n";
+    out << "throughput   " << fixed(samples_per_second / static_cast<double>(epochs.size()), 0)
+        << " samples/s (mean of epochs), last epoch " << fixed(last.samples_per_second, 0) << "\n";
+    out << "wall time    " << format_duration(seconds) << " (" << fixed(seconds, 1) << " s over the epochs)\n";
+  } else {
+    out << "             no epoch has finished yet\n";
+  }
+  std::vector<std::string> checkpoints;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == ".pt") checkpoints.push_back(e.path().filename().string());
+  std::sort(checkpoints.begin(), checkpoints.end());
+  out << "checkpoints ";
+  for (const auto& c : checkpoints) out << " " << c;
+  out << (checkpoints.empty() ? " none" : "") << "\n";
+  return out.str();
+}
+
+int report_command(const std::vector<std::string>& args) {
+  if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
+    std::cout << kUsage << "\n";
+    return exit_code::kOk;
+  }
+  check_user(args.size() == 1, std::string("report takes one run directory, got ") + std::to_string(args.size()) +
+                                   " argument(s).", kUsage);
+  std::cout << run_report(args[0]);
+  return exit_code::kOk;
+}
+
+}  // namespace ddp

@@ -1,0 +1,175 @@
+// Bucketed, overlapped gradient all-reduce over a flat gradient buffer.
+#include "ddp/dist/grad_sync.h"
+
+#include <map>
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace ddp {
+namespace {
+
+// Runs after a parameter's AccumulateGrad node has added this step's gradient
+// into .grad, so the bucket's bytes are final when the count reaches zero.
+// (A tensor hook would run before accumulation and race with the all-reduce.)
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::function<void()> f) : fire(std::move(f)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    fire();
+    return outputs;
+  }
+  std::function<void()> fire;
+};
+
+// A view of `numel` elements of `flat` at `offset` with the shape of `like`;
+// 4-D tensors get channels-last strides when asked.
+torch::Tensor shaped_view(const torch::Tensor& flat, int64_t offset, const torch::Tensor& like, bool channels_last) {
+  auto slice = flat.narrow(0, offset, like.numel());
+  if (!channels_last || like.dim() != 4) return slice.view(like.sizes());
+  const int64_t c = like.size(1), h = like.size(2), w = like.size(3);
+  return slice.as_strided(like.sizes(), {c * h * w, 1, w * c, c});
+}
+
+}  // namespace
+
+GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions options)
+    : world_(world), options_(options) {
+  for (auto& p : model.parameters())
+    if (p.requires_grad()) params_.push_back(p);
+  buffers_ = model.buffers();
+
+  if (options_.broadcast_at_start() && world_.size() > 1) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : model.parameters()) {
+      auto d = p.data();
+      world_.broadcast(d, 0, "initial parameters");
+    }
+    broadcast_buffers();
+  }
+
+  // Group by (dtype, device); within a group, reverse registration order.
+  std::map<std::pair<int, std::string>, std::vector<size_t>> groups;
+  for (size_t i = params_.size(); i-- > 0;) {
+    const auto& p = params_[i];
+    groups[{static_cast<int>(p.scalar_type()), p.device().str()}].push_back(i);
+  }
+  bucket_of_.assign(params_.size(), 0);
+  const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb() * 1024 * 1024);
+  for (auto& [key, members] : groups) {
+    const auto& first = params_[members.front()];
+    // Every slice starts on a 256-byte boundary: cuDNN and vectorised
+    // kernels fault on (or slow down for) misaligned tensors. The padding is
+    // zero in both buffers, so sums and optimizer steps leave it zero.
+    const int64_t align = std::max<int64_t>(1, 256 / static_cast<int64_t>(first.element_size()));
+    auto padded = [align](int64_t n) { return (n + align - 1) / align * align; };
+    int64_t total = 0;
+    for (size_t i : members) total += padded(params_[i].numel());
+    auto flat = torch::zeros({total}, first.options());
+    auto flat_param = torch::zeros({total}, first.options());
+    const size_t flat_index = flat_grads_.size();
+    flat_grads_.push_back(flat);
+    flat_params_.push_back(flat_param);
+    const int64_t elem = static_cast<int64_t>(flat.element_size());
+    int64_t offset = 0;
+    Bucket cur;
+    cur.flat = flat_index;
+    for (size_t i : members) {
+      auto& p = params_[i];
+      const int64_t n = padded(p.numel());
+      if (cur.expected > 0 && (cur.numel + n) * elem > cap_bytes) {
+        buckets_.push_back(cur);
+        cur = Bucket();
+        cur.flat = flat_index;
+        cur.offset = offset;
+      }
+      // The parameter and its gradient live inside the flat buffers from now on.
+      {
+        torch::NoGradGuard no_grad;
+        auto pv = shaped_view(flat_param, offset, p, options_.channels_last());
+        pv.copy_(p.detach());
+        p.set_data(pv);
+      }
+      p.mutable_grad() = shaped_view(flat, offset, p, options_.channels_last());
+      bucket_of_[i] = buckets_.size();
+      cur.numel += n;
+      cur.expected += 1;
+      offset += n;
+    }
+    if (cur.expected > 0) buckets_.push_back(cur);
+  }
+  for (auto& b : buckets_) b.view = flat_grads_[b.flat].narrow(0, b.offset, b.numel);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
+    hook_keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>([this, i] { mark_ready(i); })));
+    accumulators_.push_back(std::move(acc));
+  }
+  reset_step();
+}
+
+GradSync::~GradSync() {
+  // Wait for anything in flight so no collective outlives its buffer.
+  for (auto& b : buckets_)
+    if (b.work) try { b.work->wait(); } catch (...) {}
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+void GradSync::reset_step() {
+  for (auto& b : buckets_) {
+    b.pending = b.expected;
+    b.work.reset();
+  }
+  next_bucket_ = 0;
+  launched_in_backward_ = 0;
+}
+
+void GradSync::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& f : flat_grads_) f.zero_();
+}
+
+void GradSync::mark_ready(size_t param_index) {
+  if (!sync_enabled_ || world_.size() == 1) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& b = buckets_[bucket_of_[param_index]];
+  if (b.pending > 0) --b.pending;
+  launch_ready_in_order(/*from_backward=*/true);
+}
+
+void GradSync::launch_ready_in_order(bool from_backward) {
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
+    auto& b = buckets_[next_bucket_];
+    b.work = world_.all_reduce_async(b.view);
+    if (from_backward) ++launched_in_backward_;
+    ++next_bucket_;
+  }
+}
+
+void GradSync::finish() {
+  if (world_.size() == 1) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Parameters that got no gradient this step still take part, with zeros.
+    for (auto& b : buckets_) b.pending = 0;
+    launch_ready_in_order(/*from_backward=*/false);
+  }
+  const double inv = 1.0 / world_.size();
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    world_.wait(buckets_[i].work, "gradient all-reduce (bucket " + std::to_string(i) + " of " +
+                                      std::to_string(buckets_.size()) + ")");
+    buckets_[i].view.mul_(inv);
+  }
+  reset_step();
+}
+
+void GradSync::broadcast_buffers() {
+  if (world_.size() == 1) return;
+  torch::NoGradGuard no_grad;
+  for (auto& b : buffers_) {
+    auto t = b;
+    world_.broadcast(t, 0, "buffers");
+  }
+}
+
+}  // namespace ddp

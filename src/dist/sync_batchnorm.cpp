@@ -1,0 +1,230 @@
+// BatchNorm with optional global-batch statistics and its exact backward.
+
+// GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
+// libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
+// below and from libstdc++'s copy helpers (GCC bug 107852); before the
+// includes, so that it covers the header code they inline.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+
+#include "ddp/dist/sync_batchnorm.h"
+
+#include <atomic>
+
+#include "ddp/error.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/batch_norm_nhwc.h"
+#endif
+
+namespace ddp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Shape {1, C, 1, ...} to broadcast a per-channel vector against the input.
+std::vector<int64_t> channel_shape(const torch::Tensor& x) {
+  std::vector<int64_t> s(static_cast<size_t>(x.dim()), 1);
+  s[1] = x.size(1);
+  return s;
+}
+
+std::vector<int64_t> reduce_dims(const torch::Tensor& x) {
+  std::vector<int64_t> d{0};
+  for (int64_t i = 2; i < x.dim(); ++i) d.push_back(i);
+  return d;
+}
+
+// Forward: each rank contributes (count, mean, M2) per channel; they are
+// combined with Chan's parallel formula, which stays accurate when the mean
+// is large against the spread (sum/sum-of-squares would cancel). Gathering is
+// an all-reduce of a zero matrix in which each rank fills its own row.
+// Statistics accumulate in double, as LibTorch's own CPU batch norm does, so
+// that N ranks track one rank's arithmetic as closely as summation order
+// allows. Backward: the two per-channel sums the input gradient needs are
+// summed over ranks; the weight and bias gradients stay local, because
+// gradient sync averages them afterwards, like every other parameter's.
+struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight,
+                               torch::Tensor bias, torch::Tensor running_mean,
+                               torch::Tensor running_var, double eps, double momentum,
+                               World* world) {
+    const auto dims = reduce_dims(x);
+    const auto shape = channel_shape(x);
+    const int64_t C = x.size(1);
+    auto xd = x.to(torch::kDouble);
+    const double n_local = static_cast<double>(x.numel() / std::max<int64_t>(C, 1));
+    auto row = torch::zeros({2 * C + 1}, xd.options());
+    if (n_local > 0) {
+      auto mean_l = xd.mean(dims);
+      row[0] = n_local;
+      row.narrow(0, 1, C).copy_(mean_l);
+      row.narrow(0, 1 + C, C).copy_((xd - mean_l.view(shape)).pow(2).sum(dims));
+    }
+    auto table = torch::zeros({world->size(), 2 * C + 1}, xd.options());
+    table[world->rank()].copy_(row);
+    world->all_reduce(table, "SyncBatchNorm statistics");
+    auto counts = table.select(1, 0).unsqueeze(1);  // W x 1
+    auto means = table.narrow(1, 1, C);
+    auto m2s = table.narrow(1, 1 + C, C);
+    auto n = counts.sum();
+    const double n_total = n.item<double>();
+    TORCH_CHECK(n_total > 0, "SyncBatchNorm: the global batch is empty");
+    auto mean = (counts * means).sum(0) / n;
+    auto m2 = (m2s + counts * (means - mean).pow(2)).sum(0);
+    auto invstd = (m2 / n + eps).rsqrt();
+
+    if (running_mean.defined()) {
+      torch::NoGradGuard no_grad;
+      running_mean.mul_(1 - momentum).add_(mean.to(running_mean.scalar_type()), momentum);
+      auto unbiased = n_total > 1 ? m2 / (n_total - 1) : m2 / n;
+      running_var.mul_(1 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
+    }
+
+    // y = x * alpha + beta, per channel.
+    auto alpha = weight.defined() ? invstd * weight.to(torch::kDouble) : invstd;
+    auto beta = (weight.defined() ? bias.to(torch::kDouble) : torch::zeros_like(mean)) - mean * alpha;
+    auto y = x * alpha.to(x.scalar_type()).view(shape) + beta.to(x.scalar_type()).view(shape);
+    ctx->save_for_backward({x, weight, mean, invstd});
+    ctx->saved_data["n"] = n_total;
+    ctx->saved_data["world"] = reinterpret_cast<int64_t>(world);
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto x = saved[0], weight = saved[1], mean = saved[2], invstd = saved[3];
+    auto* world = reinterpret_cast<World*>(ctx->saved_data["world"].toInt());
+    const double n = ctx->saved_data["n"].toDouble();
+    const auto dims = reduce_dims(x);
+    const auto shape = channel_shape(x);
+    const int64_t C = x.size(1);
+
+    auto dy = grads[0].to(torch::kDouble);
+    auto xhat = (x.to(torch::kDouble) - mean.view(shape)) * invstd.view(shape);
+    auto sum_dy = dy.sum(dims);
+    auto sum_dy_xhat = (dy * xhat).sum(dims);
+    auto both = torch::cat({sum_dy, sum_dy_xhat});
+    world->all_reduce(both, "SyncBatchNorm backward");
+    auto g_sum_dy = both.narrow(0, 0, C), g_sum_dy_xhat = both.narrow(0, C, C);
+
+    auto scale = weight.defined() ? invstd * weight.to(torch::kDouble) : invstd;
+    auto dx = scale.view(shape) *
+              (dy - (g_sum_dy / n).view(shape) - xhat * (g_sum_dy_xhat / n).view(shape));
+    torch::Tensor dw, db;
+    if (weight.defined()) {
+      dw = sum_dy_xhat.to(weight.scalar_type());
+      db = sum_dy.to(weight.scalar_type());
+    }
+    return {dx.to(x.scalar_type()), dw, db, torch::Tensor(), torch::Tensor(),
+            torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+std::atomic<bool> g_nhwc_kernels{true};  // use_nhwc_batchnorm_kernels()
+
+#ifdef DDP_WITH_CUDA_KERNELS
+// Local (unsynced) training statistics through ddptrain's NHWC kernels.
+struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                               torch::Tensor running_mean, torch::Tensor running_var, double eps, double momentum) {
+    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps);
+    ctx->save_for_backward({x, weight, out[1], out[2]});
+    return out[0];
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3]);
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
+  return g_nhwc_kernels.load() && bn.options.affine() && bn.options.track_running_stats() &&
+         bn.weight.scalar_type() == torch::kFloat && bn.running_mean.scalar_type() == torch::kFloat &&
+         cuda::bn_nhwc_supported(x);
+}
+#endif
+
+}  // namespace
+
+void use_nhwc_batchnorm_kernels(bool on) { g_nhwc_kernels.store(on); }
+
+bool have_nhwc_batchnorm_kernels() {
+#ifdef DDP_WITH_CUDA_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+BatchNormImpl::BatchNormImpl(BatchNormOptions options_) : options(std::move(options_)) { reset(); }
+
+void BatchNormImpl::reset() {
+  const int64_t c = options.num_features();
+  if (options.affine()) {
+    weight = register_parameter("weight", torch::ones({c}));
+    bias = register_parameter("bias", torch::zeros({c}));
+  } else {
+    weight = register_parameter("weight", torch::Tensor(), /*requires_grad=*/false);
+    bias = register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  }
+  if (options.track_running_stats()) {
+    running_mean = register_buffer("running_mean", torch::zeros({c}));
+    running_var = register_buffer("running_var", torch::ones({c}));
+    num_batches_tracked = register_buffer("num_batches_tracked", torch::zeros({}, torch::kLong));
+  }
+}
+
+void BatchNormImpl::pretty_print(std::ostream& stream) const {
+  stream << "ddp::BatchNorm" << options.dim() << "d(" << options.num_features()
+         << ", eps=" << options.eps() << ", momentum=" << options.momentum()
+         << (synced() ? ", synced" : "") << ")";
+}
+
+torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
+  const int d = options.dim();
+  const bool rank_ok = d == 1 ? (input.dim() == 2 || input.dim() == 3) : input.dim() == d + 2;
+  check_user(rank_ok, "BatchNorm" + std::to_string(d) + "d got a " + std::to_string(input.dim()) +
+                          "-D input " + c10::str(input.sizes()) + ".",
+             "the layer before it produces the wrong shape; check the model's input size.");
+  check_user(input.size(1) == options.num_features(),
+             "BatchNorm expected " + std::to_string(options.num_features()) + " channels, got " +
+                 std::to_string(input.size(1)) + " (input " + c10::str(input.sizes()) + ").",
+             "the model's channel counts do not match its data.");
+  const bool use_batch_stats = is_training() || !options.track_running_stats();
+  if (is_training() && options.track_running_stats()) num_batches_tracked.add_(1);
+  if (use_batch_stats && synced()) {
+    return SyncBatchNormFn::apply(input, weight, bias,
+                                  is_training() ? running_mean : torch::Tensor(),
+                                  is_training() ? running_var : torch::Tensor(), options.eps(),
+                                  options.momentum(), world_);
+  }
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (is_training() && nhwc_kernels_apply(input, *this))
+    return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum());
+#endif
+  return torch::batch_norm(input, weight, bias, running_mean, running_var, use_batch_stats,
+                           options.momentum(), options.eps(), at::globalContext().userEnabledCuDNN());
+}
+
+int convert_sync_batchnorm(torch::nn::Module& module, World& world) {
+  int converted = 0;
+  for (const auto& item : module.named_modules()) {
+    auto& m = *item.value();
+    if (auto* bn = dynamic_cast<BatchNormImpl*>(&m)) {
+      bn->set_world(&world);
+      ++converted;
+    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m) ||
+               dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m) ||
+               dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) {
+      throw UserError("module '" + item.key() + "' is a torch::nn::BatchNorm, which cannot be synchronised in place.",
+                      "build the model with ddp::BatchNorm2d (same parameters and names), or pass --sync-bn false.");
+    }
+  }
+  return converted;
+}
+
+}  // namespace ddp

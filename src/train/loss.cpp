@@ -1,0 +1,33 @@
+// Loss functions with shape checks.
+#include "ddp/train/loss.h"
+
+#include "ddp/error.h"
+
+namespace ddp {
+
+torch::Tensor compute_loss(const torch::Tensor& output, const torch::Tensor& target, const LossOptions& o) {
+  const std::string shapes = "output " + c10::str(output.sizes()) + " and target " + c10::str(target.sizes());
+  if (o.kind() == "cross-entropy") {
+    check_user(output.dim() == 2 && target.dim() == 1 && output.size(0) == target.size(0),
+               "cross-entropy needs B x classes logits and B class indices; got " + shapes + ".",
+               "for regression use --loss mse or l1 with targets shaped like the outputs.");
+    check_user(!target.is_floating_point(), "cross-entropy needs integer class indices; got a " +
+                   std::string(c10::toString(target.scalar_type())) + " target with " + shapes + ".",
+               "convert labels with .to(torch::kLong).");
+    auto logp = torch::log_softmax(output.to(torch::kFloat), 1);
+    auto nll = torch::nll_loss(logp, target);
+    if (o.label_smoothing() <= 0) return nll;
+    // Smoothed target: (1 - eps) on the label, eps spread over all classes.
+    auto uniform = -logp.mean(1).mean();
+    return (1 - o.label_smoothing()) * nll + o.label_smoothing() * uniform;
+  }
+  check_user(o.kind() == "mse" || o.kind() == "l1", "loss '" + o.kind() + "' is not known.",
+             "use cross-entropy, mse or l1.");
+  check_user(output.sizes() == target.sizes(),
+             o.kind() + " loss would broadcast " + shapes + " and silently compare the wrong elements.",
+             "make the target the same shape as the output (e.g. one value per output), or use --loss cross-entropy for class labels.");
+  auto diff = output.to(torch::kFloat) - target.to(torch::kFloat);
+  return o.kind() == "mse" ? diff.pow(2).mean() : diff.abs().mean();
+}
+
+}  // namespace ddp

@@ -1,0 +1,250 @@
+// The training step: autocast, loss scaling, clipping, the flat optimizer,
+// and CUDA graph capture of the whole thing.
+#include "ddp/train/train_step.h"
+
+#include <cstdio>
+#ifdef DDP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+#include <optional>
+
+#include "ddp/compat.h"
+#include "ddp/error.h"
+#include "ddp/dist/sync_batchnorm.h"
+
+namespace ddp {
+
+#ifdef DDP_WITH_CUDA
+struct TrainStep::Graph {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
+  torch::Tensor x, y, loss;  // static input and output buffers
+  bool ready = false;
+};
+#else
+struct TrainStep::Graph {
+  bool ready = false;
+};
+#endif
+
+namespace {
+
+// Scales every flat gradient so that their joint L2 norm is at most
+// `max_norm`, without reading the norm back to the host.
+void clip_flat(const std::vector<torch::Tensor>& grads, double max_norm) {
+  std::vector<torch::Tensor> norms;
+  for (const auto& g : grads) norms.push_back(g.norm(2).to(torch::kFloat));
+  auto total = torch::stack(norms).norm(2);
+  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
+}
+
+bool has_synced_batchnorm(torch::nn::Module& model) {
+  for (const auto& m : model.modules())
+    if (auto* bn = m->as<BatchNormImpl>(); bn && bn->synced()) return true;
+  return false;
+}
+
+}  // namespace
+
+TrainStep::TrainStep(Net& model, World& world, TrainStepOptions options)
+    : model_(model), world_(world), o_(std::move(options)) {
+  const auto dev = world_.device();
+  check_user(o_.amp() == "off" || o_.amp() == "bf16" || o_.amp() == "fp16", "unknown --amp '" + o_.amp() + "'.",
+             "use --amp off, bf16 or fp16.");
+  amp_on_ = o_.amp() != "off";
+  fp16_ = o_.amp() == "fp16";
+  amp_dtype_ = fp16_ ? c10::ScalarType::Half : c10::ScalarType::BFloat16;
+  const bool fused = o_.optimizer().fused() && compat::kHasFusedOptimizers && dev.is_cuda();
+
+  if (o_.cuda_graph()) {
+    graph_wanted_ = true;
+    if (!dev.is_cuda())
+      fall_back("it needs a CUDA device");
+    else if (o_.accum_steps() > 1)
+      fall_back("gradient accumulation (--accum-steps > 1) is not captured");
+    else if (!fused)
+      fall_back("this LibTorch has no fused (capturable) optimizer kernels");
+    else if (has_synced_batchnorm(model_))
+      fall_back("SyncBatchNorm reads the global batch size on the host; use --sync-bn off to capture");
+    else
+      graph_ = std::make_unique<Graph>();
+  }
+  {
+    // Autograd runs each parameter's gradient accumulation on the stream
+    // that was current when its accumulator node was made (GradSync makes
+    // them). With a graph that must be the capture stream: an accumulation
+    // on the legacy default stream would break the capture.
+#ifdef DDP_WITH_CUDA
+    std::optional<c10::cuda::CUDAStreamGuard> on_side;
+    if (graph_) on_side.emplace(graph_->stream);
+#endif
+    sync_ = std::make_unique<GradSync>(
+        model_, world_, GradSyncOptions().bucket_cap_mb(o_.bucket_cap_mb()).channels_last(o_.channels_last()));
+#ifdef DDP_WITH_CUDA
+    // GradSync copied the parameters into its flat buffers on the capture
+    // stream and released their old storage, which belongs to the default
+    // stream's pool: wait for the copies before anything can reuse it (a
+    // race that once gave a different first loss).
+    if (graph_) torch::cuda::synchronize(dev.index());
+#endif
+  }
+  optimizer_ = std::make_unique<FlatOptimizer>(sync_->flat_params(), sync_->flat_grads(), o_.optimizer());
+
+  if (fp16_) {
+    check_user(dev.is_cuda(), "--amp fp16 needs a CUDA device; this rank runs on " + dev.str() + ".",
+               "use --amp bf16 or --amp off on CPU.");
+    check_user(optimizer_->capturable(), "--amp fp16 needs LibTorch's fused CUDA optimizers (LibTorch 2.2 or later).",
+               "use --amp bf16 with this build.");
+    auto f = torch::TensorOptions().dtype(torch::kFloat).device(dev);
+    scale_ = torch::full({1}, 65536.0, f);  // PyTorch GradScaler's defaults
+    growth_tracker_ = torch::zeros({1}, f.dtype(torch::kInt));
+    found_inf_ = torch::zeros({1}, f);
+  }
+}
+
+TrainStep::~TrainStep() = default;
+
+void TrainStep::fall_back(const std::string& why) {
+  graph_wanted_ = false;
+  fallback_ = why;
+  graph_.reset();
+  if (world_.is_main()) std::fprintf(stderr, "ddptrain: --cuda-graph: %s; running eager.\n", why.c_str());
+}
+
+bool TrainStep::graphed() const { return graph_ && graph_->ready; }
+
+torch::Tensor TrainStep::prepare(const torch::Tensor& x) const {
+  if (o_.channels_last() && x.dim() == 4) return x.contiguous(at::MemoryFormat::ChannelsLast);
+  return x;
+}
+
+torch::Tensor TrainStep::step_body(const torch::Tensor& x, const torch::Tensor& y, bool last_micro) {
+  torch::Tensor loss;
+  {
+    std::optional<GradSync::NoSync> no_sync;
+    if (!last_micro) no_sync.emplace(*sync_);
+    {
+      auto amp = autocast(x.device().type());
+      loss = compute_loss(model_.forward(x), y, o_.loss());
+    }
+    auto scaled = o_.accum_steps() > 1 ? loss / o_.accum_steps() : loss;
+    if (fp16_) scaled = scaled * scale_;
+    scaled.backward();
+  }
+  if (last_micro) {
+    torch::NoGradGuard no_grad;
+    sync_->finish();
+    torch::Tensor found_inf;
+    if (fp16_) {
+      found_inf_.zero_();
+      at::_amp_foreach_non_finite_check_and_unscale_(sync_->flat_grads(), found_inf_, scale_.reciprocal());
+      found_inf = found_inf_;
+    }
+    if (o_.clip_grad_norm() > 0) clip_flat(sync_->flat_grads(), o_.clip_grad_norm());
+    optimizer_->step(found_inf);
+    if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
+    sync_->zero_grad();
+  }
+  return loss.detach();
+}
+
+torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr) {
+  if (last_micro) optimizer_->set_lr(lr);
+#ifdef DDP_WITH_CUDA
+  if (graph_wanted_ && graph_) {
+    auto& g = *graph_;
+    const bool fits = !g.ready || (x.sizes() == g.x.sizes() && x.strides() == g.x.strides() && y.sizes() == g.y.sizes());
+    if (g.ready && fits) {
+      g.x.copy_(x, /*non_blocking=*/true);
+      g.y.copy_(y, /*non_blocking=*/true);
+      g.graph.replay();
+      return g.loss.clone();
+    }
+    if (fits && eager_steps_ >= o_.graph_warmup()) {
+      if (try_capture(x, y)) return run(x, y, last_micro, lr);
+      return step_body(x, y, last_micro);  // capture failed: eager from now on
+    }
+    // Warm-up steps, and batches of another shape (an epoch's last, smaller
+    // one), run eagerly on the capture stream: per-stream state (cuBLAS
+    // workspaces) then exists before capture, as PyTorch advises, and the
+    // gradient accumulators keep the stream they were made on.
+    if (fits) ++eager_steps_;
+    auto current = c10::cuda::getCurrentCUDAStream();
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(g.stream);
+    torch::Tensor loss;
+    {
+      c10::cuda::CUDAStreamGuard on_side(g.stream);
+      loss = step_body(x, y, last_micro);
+    }
+    at::cuda::CUDAEvent done;
+    done.record(g.stream);
+    done.block(current);
+    return loss;
+  }
+#endif
+  return step_body(x, y, last_micro);
+}
+
+bool TrainStep::try_capture(const torch::Tensor& x, const torch::Tensor& y) {
+#ifdef DDP_WITH_CUDA
+  auto& g = *graph_;
+  torch::cuda::synchronize();
+  g.x = x.clone();
+  g.y = y.clone();
+  const bool cache = at::autocast::is_autocast_cache_enabled();
+  at::autocast::set_autocast_cache_enabled(false);
+  try {
+    c10::cuda::CUDAStreamGuard on_side(g.stream);
+    compat::begin_capture(g.graph);
+    g.loss = step_body(g.x, g.y, /*last_micro=*/true);
+    g.graph.capture_end();
+  } catch (const c10::Error& e) {
+    at::autocast::set_autocast_cache_enabled(cache);
+    // Leave capture mode by hand and drop the half-made graph without its
+    // destructor, which is not safe on a broken capture; the little memory
+    // it holds is not worth a crash.
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(g.stream.stream(), &status) == cudaSuccess && status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(g.stream.stream(), &broken);
+      if (broken) cudaGraphDestroy(broken);
+    }
+    (void)cudaGetLastError();
+    (void)graph_.release();
+    std::string what = e.what_without_backtrace();
+    fall_back("capture failed (" + what.substr(0, what.find('\n')) + ")");
+    return false;
+  }
+  at::autocast::set_autocast_cache_enabled(cache);
+  torch::cuda::synchronize();
+  g.ready = true;
+  if (world_.is_main()) std::fprintf(stderr, "ddptrain: --cuda-graph: captured the training step after %lld eager steps.\n",
+                                     static_cast<long long>(eager_steps_));
+  return true;
+#else
+  (void)x;
+  (void)y;
+  return false;
+#endif
+}
+
+void TrainStep::save(torch::serialize::OutputArchive& archive) const {
+  optimizer_->save(archive);
+  if (fp16_) {
+    archive.write("scaler/scale", scale_.detach().cpu(), true);
+    archive.write("scaler/growth_tracker", growth_tracker_.detach().cpu(), true);
+  }
+}
+
+void TrainStep::load(torch::serialize::InputArchive& archive) {
+  optimizer_->load(archive);
+  torch::Tensor t;
+  torch::NoGradGuard no_grad;
+  if (fp16_ && archive.try_read("scaler/scale", t, true)) scale_.copy_(t);
+  if (fp16_ && archive.try_read("scaler/growth_tracker", t, true)) growth_tracker_.copy_(t);
+}
+
+}  // namespace ddp

@@ -1,0 +1,419 @@
+// Checkpoints, resume, preemption, restarts and bad input, with the real
+// binary and real processes.
+#include <signal.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/io/checkpoint.h"
+#include "ddp/error.h"
+#include "ddp/dist/launch.h"
+#include "ddp/models/registry.h"
+#include "ddp/dist/sync_batchnorm.h"
+#include "support/testing.h"
+#include "support/tfevents.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ddp::testing::run_process;
+
+std::vector<std::string> run_args(const std::string& save_path, std::vector<std::string> extra) {
+  std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--save_path", save_path, "--progress", "plain",
+                             "--log-every", "5", "--timeout", "60", "--backend", "gloo"};
+  const auto root = ddp::testing::fashion_mnist_root();
+  a.insert(a.end(), {"--data_root", root.empty() ? std::string("/nonexistent") : root});
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::string find_file(const std::string& dir, const std::string& name) {
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.path().filename() == name) return e.path().string();
+  return "";
+}
+
+std::vector<nlohmann::json> metrics(const std::string& dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(find_file(dir, "metrics.jsonl"));
+  std::string line;
+  while (std::getline(f, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// metrics.csv's step rows as (step, train loss).
+std::vector<std::pair<int64_t, double>> step_rows(const std::string& dir) {
+  std::vector<std::pair<int64_t, double>> out;
+  std::ifstream f(find_file(dir, "metrics.csv"));
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("step,", 0) != 0) continue;
+    std::vector<std::string> c;
+    std::stringstream ss(line);
+    for (std::string cell; std::getline(ss, cell, ',');) c.push_back(cell);
+    out.emplace_back(std::stoll(c.at(2)), std::stod(c.at(4)));
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> weights(const std::string& checkpoint) {
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  ddp::load_checkpoint(checkpoint, *model, nullptr, torch::kCPU, "");
+  std::vector<torch::Tensor> out;
+  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
+  for (auto& b : model->buffers()) out.push_back(b.detach().clone());
+  return out;
+}
+
+void expect_bit_equal(const std::string& a, const std::string& b) {
+  auto wa = weights(a), wb = weights(b);
+  ASSERT_EQ(wa.size(), wb.size());
+  for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(torch::equal(wa[i], wb[i])) << "tensor " << i;
+}
+
+const std::vector<std::string> kSmall{"--size", "2", "--epochs", "2", "--train-samples", "3000", "--test-samples", "500"};
+
+// SIGTERM mid-epoch: every rank stops at the same step, a checkpoint is
+// written, the exit status says so, and --resume auto finishes the run with
+// weights bit-identical to an uninterrupted run (augmentation on).
+TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto straight = ddp::testing::temp_dir("straight"), split = ddp::testing::temp_dir("split");
+  auto a = run_process(run_args(straight, kSmall));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+
+  auto child = ddp::testing::start_process(run_args(split, kSmall));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "epoch 1/2 step 10/")) << "training never started";
+  kill(child.pid, SIGTERM);
+  auto b1 = ddp::testing::finish_process(child, 60);
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  EXPECT_NE(b1.output.find("stopped by a signal"), std::string::npos) << b1.output;
+  ASSERT_FALSE(find_file(split, "preempt.pt").empty());
+
+  auto b2 = run_process(run_args(split, [] { auto v = kSmall; v.insert(v.end(), {"--resume", "auto"}); return v; }()));
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("resume: "), std::string::npos);
+  expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(split, "epoch_2.pt"));
+  auto ma = metrics(straight), mb = metrics(split);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t e = 0; e < 2; ++e) {
+    EXPECT_NEAR(ma[e]["train_loss"].get<double>(), mb[e]["train_loss"].get<double>(), 1e-12);
+    EXPECT_EQ(ma[e]["test_loss"], mb[e]["test_loss"]);
+    EXPECT_EQ(ma[e]["test_acc"], mb[e]["test_acc"]);
+    EXPECT_EQ(ma[e]["lr"], mb[e]["lr"]);
+  }
+  // metrics.csv and the event file go on where the run stopped: the same
+  // log points as the straight run, each once.
+  auto sa = step_rows(straight), sb = step_rows(split);
+  ASSERT_EQ(sa.size(), sb.size());
+  for (size_t i = 0; i < sa.size(); ++i) {
+    EXPECT_EQ(sa[i].first, sb[i].first) << "row " << i;
+    EXPECT_NEAR(sa[i].second, sb[i].second, 1e-8 * sa[i].second) << "row " << i;
+  }
+  const auto events = ddp::testing::event_files(fs::path(find_file(split, "metrics.csv")).parent_path().string());
+  ASSERT_EQ(events.size(), 1u);
+  std::vector<int64_t> logged;
+  for (const auto& e : ddp::testing::read_event_file(events[0]).scalars)
+    if (e.tag == "train/loss") logged.push_back(e.step);
+  ASSERT_EQ(logged.size(), sb.size());
+  for (size_t i = 0; i < sb.size(); ++i) EXPECT_EQ(logged[i], sb[i].first) << "event " << i;
+}
+
+// A worker that crashes prints where, and the launcher names the rank and
+// the signal and stops the other rank.
+TEST(Launcher, CrashedWorkerPrintsItsStackAndIsNamed) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("segv");
+  auto r = run_process(run_args(dir, kSmall), {{"DDPTRAIN_FAIL_AT_STEP", "1:3:segv"}});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 60);
+  EXPECT_NE(r.output.find("ddptrain: worker crashed; native stack:"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  pc 0x"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 was killed by signal 11 (SIGSEGV)"), std::string::npos) << r.output;
+}
+
+// A worker that fails is restarted with the group, from the last checkpoint.
+TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto straight = ddp::testing::temp_dir("straight2"), restarted = ddp::testing::temp_dir("restarted");
+  auto a = run_process(run_args(straight, kSmall));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  // 3000 samples / 2 ranks / batch 64 = 24 steps per epoch: fail in epoch 2.
+  auto args = kSmall;
+  args.insert(args.end(), {"--save_epoch", "1", "--max-restarts", "1"});
+  auto r = run_process(run_args(restarted, args), {{"DDPTRAIN_FAIL_AT_STEP", "1:30"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with code 1; restart 1 of 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("injected failure"), std::string::npos);
+  expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(restarted, "epoch_2.pt"));
+  EXPECT_EQ(metrics(restarted).size(), 2u);
+}
+
+// On one GPU: a run stopped after epoch 1 and resumed continues in its own
+// run directory (the CUDA wheel's libtorch.so once crashed this path through
+// its broken std::filesystem::remove_all) with every epoch in metrics.jsonl.
+TEST(Resume, ResumeOnOneGpuContinuesTheRun_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto dir = ddp::testing::temp_dir("gpu_resume");
+  std::vector<std::string> a{DDPTRAIN_EXE, "--model", "resnet18", "--stem", "small", "--size", "1", "--backend", "nccl",
+                             "--dataset", "synthetic", "--train-samples", "2048", "--test-samples", "512",
+                             "--amp", "bf16", "--cuda-graph", "--save_path", dir, "--progress", "plain"};
+  auto first = a;
+  first.insert(first.end(), {"--epochs", "1"});
+  auto r1 = run_process(first);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  auto second = a;
+  second.insert(second.end(), {"--epochs", "2", "--resume", "auto"});
+  auto r2 = run_process(second);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  EXPECT_NE(r2.output.find("resume: "), std::string::npos) << r2.output;
+  EXPECT_NE(r2.output.find("epoch 2/2"), std::string::npos) << r2.output;
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << "resume made a new run dir";
+  auto m = metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[1]["epoch"].get<int>(), 2);
+}
+
+// kill -9 at any moment leaves every checkpoint under its final name loadable.
+// The kill is aimed: the test watches the run directory and kills as soon
+// as (or a little after) a checkpoint's temporary file appears, so that it
+// lands while a write is in progress.
+bool writing_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (it->path().filename().string().find(".pt.tmp.") != std::string::npos) return true;
+  return false;
+}
+
+TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
+  DDP_SKIP_UNLESS_GLOO();
+  int landed = 0;
+  for (int attempt = 0; attempt < 6; ++attempt) {
+    auto dir = ddp::testing::temp_dir("kill9");
+    // ResNet-18 checkpoints (~130 MB with Adam state) take a while to write.
+    auto child = ddp::testing::start_process(
+        {DDPTRAIN_EXE, "--model", "resnet18", "--size", "1", "--backend", "gloo", "--epochs", "100", "--save_epoch", "1",
+         "--train-samples", "32", "--test-samples", "32", "--batch", "32", "--keep-last", "0", "--save_path", dir,
+         "--progress", "none", "--data_root", "/nonexistent"});
+    // Let one checkpoint complete, so that there is a previous one to keep.
+    ASSERT_TRUE(ddp::testing::wait_for_output(child, "saved ", 120));
+    auto t0 = std::chrono::steady_clock::now();
+    while (!writing_checkpoint(dir) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) usleep(200);
+    usleep(static_cast<useconds_t>(15000 * (attempt % 3)));  // early, and further into the write
+    const bool mid_write = writing_checkpoint(dir);
+    kill(-child.pid, SIGKILL);
+    ddp::testing::finish_process(child, 10);
+    if (mid_write && writing_checkpoint(dir)) ++landed;  // the temporary outlived the writer
+    int finals = 0;
+    for (const auto& e : fs::recursive_directory_iterator(dir)) {
+      if (e.path().extension() != ".pt") continue;
+      ++finals;
+      EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";
+    }
+    EXPECT_GE(finals, 1);
+  }
+  EXPECT_GE(landed, 1) << "no kill landed during a write; the test proved nothing";
+}
+
+// Loading a checkpoint puts the random generators back where they were when
+// it was written: the same draws follow, on the CPU and on the model's GPU.
+void expect_rng_restored(const torch::Device& device) {
+  auto dir = ddp::testing::temp_dir("rng");
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  model->to(device);
+  torch::manual_seed(11);
+  ddp::save_checkpoint(dir + "/a.pt", *model, nullptr, ddp::CheckpointMeta{});
+  auto cpu_before = torch::rand({8}), dev_before = torch::rand({8}, device);
+  torch::rand({100}, device);  // move both generators on
+  torch::rand({100});
+  ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, device, "");
+  EXPECT_TRUE(torch::equal(torch::rand({8}), cpu_before));
+  EXPECT_TRUE(torch::equal(torch::rand({8}, device), dev_before)) << device;
+}
+
+TEST(Checkpoint, RngStatesRoundTrip) { expect_rng_restored(torch::kCPU); }
+
+TEST(Checkpoint, RngStatesRoundTripOnGpu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  expect_rng_restored(torch::Device(torch::kCUDA, 0));
+}
+
+TEST(Checkpoint, VersionAndArchitectureMismatchAreClearErrors) {
+  auto dir = ddp::testing::temp_dir("ckpt");
+  ddp::models::ModelSpec spec;
+  auto model = ddp::models::make_model(spec);
+  ddp::CheckpointMeta meta;
+  meta.arch = "cnn/auto/1x28x28/10";
+  ddp::save_checkpoint(dir + "/a.pt", *model, nullptr, meta);
+  EXPECT_NO_THROW(ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, torch::kCPU, meta.arch));
+  try {
+    ddp::load_checkpoint(dir + "/a.pt", *model, nullptr, torch::kCPU, "resnet18/small/1x28x28/10");
+    FAIL();
+  } catch (const ddp::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("is for model 'cnn/auto/1x28x28/10'"), std::string::npos) << e.what();
+  }
+  std::ofstream(dir + "/junk.pt") << "not a checkpoint";
+  EXPECT_THROW(ddp::load_checkpoint(dir + "/junk.pt", *model, nullptr, torch::kCPU, ""), ddp::UserError);
+  EXPECT_FALSE(ddp::is_checkpoint(dir + "/junk.pt"));
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");  // neither name matches epoch_N.pt
+}
+
+// A state_dict written by PyTorch (Python) with DDP's "module." prefix loads
+// into the same architecture built in C++ and gives the same outputs.
+struct TinyImpl : ddp::Net {
+  TinyImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)))),
+        bn(register_module("bn", ddp::BatchNorm2d(4))),
+        fc(register_module("fc", torch::nn::Linear(64, 3))) {}
+  torch::Tensor forward(torch::Tensor x) override {
+    x = torch::relu(bn(conv(x)));
+    return fc(torch::avg_pool2d(x, 2).flatten(1));
+  }
+  torch::nn::Conv2d conv;
+  ddp::BatchNorm bn;
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Tiny);
+
+TEST(Pretrain, PyTorchStateDictLoadsAndMatchesPythonOutputs) {
+  const std::string data = DDP_TEST_DATA_DIR;
+  Tiny model;
+  auto report = ddp::load_pretrained(data + "/tiny_state_dict.pt", *model, torch::kCPU);
+  EXPECT_EQ(report.loaded.size(), 9u) << report.summary();  // 6 parameters + 3 BN buffers
+  model->eval();
+  auto x = torch::arange(2 * 3 * 8 * 8, torch::kFloat).reshape({2, 3, 8, 8}) / 100.0;
+  auto y = model->forward(x).flatten();
+  std::ifstream f(data + "/tiny_state_dict_expected.json");
+  auto expected = nlohmann::json::parse(f)["output"].get<std::vector<double>>();
+  ASSERT_EQ(y.numel(), static_cast<int64_t>(expected.size()));
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_NEAR(y[i].item<double>(), expected[i], 1e-5) << i;
+  EXPECT_EQ(model->bn->num_batches_tracked.item<int64_t>(), 7);
+}
+
+TEST(Pretrain, SkipKeepsANewHeadAndStrictNamesTheRest) {
+  const std::string path = std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt";
+  Tiny model;
+  auto before = model->fc->weight.clone();
+  auto report = ddp::load_pretrained(path, *model, torch::kCPU, "fc.*");
+  EXPECT_EQ(report.skipped.size(), 2u);
+  EXPECT_TRUE(torch::equal(before, model->fc->weight));
+  ddp::models::ModelSpec spec;  // the CNN: nothing fits
+  auto cnn = ddp::models::make_model(spec);
+  try {
+    ddp::load_pretrained(path, *cnn, torch::kCPU);
+    FAIL();
+  } catch (const ddp::UserError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("missing: "), std::string::npos) << m;
+    EXPECT_NE(m.find("unexpected: "), std::string::npos) << m;
+    EXPECT_NE(m.find("--pretrain-skip"), std::string::npos) << m;
+  }
+}
+
+// ---- bad input: one line naming the value and the fix, exit 2, fast ----
+
+struct BadCase {
+  std::string name;
+  std::vector<std::string> args;
+  std::string expect;
+  int code = ddp::exit_code::kUsage;
+};
+
+class BadInput : public ::testing::TestWithParam<BadCase> {};
+
+std::string write_bad_dataset(const std::string& kind) {
+  auto dir = ddp::testing::temp_dir("bad_" + kind);
+  auto put = [&](const std::string& name, std::vector<uint8_t> bytes) {
+    std::ofstream f(dir + "/" + name, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  };
+  auto be32 = [](uint32_t v) { return std::vector<uint8_t>{uint8_t(v >> 24), uint8_t(v >> 16), uint8_t(v >> 8), uint8_t(v)}; };
+  auto images = [&](uint32_t magic, uint32_t n, size_t pixels) {
+    std::vector<uint8_t> b = be32(magic);
+    for (uint32_t v : {n, 28u, 28u}) { auto x = be32(v); b.insert(b.end(), x.begin(), x.end()); }
+    b.resize(b.size() + pixels, 7);
+    return b;
+  };
+  auto labels = [&](uint32_t n, uint8_t value) {
+    std::vector<uint8_t> b = be32(2049);
+    auto x = be32(n);
+    b.insert(b.end(), x.begin(), x.end());
+    b.resize(b.size() + n, value);
+    return b;
+  };
+  const bool wrong_magic = kind == "magic", truncated = kind == "truncated", bad_label = kind == "label";
+  put("train-images-idx3-ubyte", images(wrong_magic ? 1234 : 2051, 10, truncated ? 100 : 10 * 784));
+  put("train-labels-idx1-ubyte", labels(10, bad_label ? 12 : 1));
+  put("t10k-images-idx3-ubyte", images(2051, 10, 10 * 784));
+  put("t10k-labels-idx1-ubyte", labels(kind == "count" ? 9 : 10, 1));
+  return dir;
+}
+
+TEST_P(BadInput, OneLineErrorAndExitCode) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto& c = GetParam();
+  auto dir = ddp::testing::temp_dir("bad");
+  std::vector<std::string> argv{DDPTRAIN_EXE, "--size", "1", "--backend", "gloo", "--epochs", "1",
+                                "--train-samples", "64", "--test-samples", "64", "--save_path", dir, "--progress", "none"};
+  argv.insert(argv.end(), c.args.begin(), c.args.end());
+  auto r = run_process(argv, {}, 30);
+  EXPECT_EQ(r.exit_code, c.code) << r.output;
+  EXPECT_LT(r.seconds, 10);
+  EXPECT_NE(r.output.find(c.expect), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("terminate called"), std::string::npos);
+  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace leaked";
+}
+
+std::string busy_port_holder() {
+  // A listening socket kept open for the whole test binary's life.
+  static int fd = -1;
+  static int port = 0;
+  if (fd < 0) {
+    fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    ::listen(fd, 1);
+    socklen_t len = sizeof(a);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+  }
+  return std::to_string(port);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BadInput,
+    ::testing::Values(
+        BadCase{"MissingDataset", {"--dataset", "fashion-mnist", "--data_root", "/nonexistent/fm"}, "apt-get install dataset-fashion-mnist"},
+        BadCase{"WrongMagic", {"--dataset", "mnist", "--data_root", write_bad_dataset("magic")}, "magic number 1234"},
+        BadCase{"TruncatedImages", {"--dataset", "mnist", "--data_root", write_bad_dataset("truncated")}, "truncated"},
+        BadCase{"CountsDisagree", {"--dataset", "mnist", "--data_root", write_bad_dataset("count")}, "t10k-labels-idx1-ubyte"},
+        BadCase{"LabelOutOfRange", {"--dataset", "mnist", "--data_root", write_bad_dataset("label")}, "label 12"},
+        BadCase{"InputTooSmallForModel", {"--dataset", "synthetic", "--model", "resnet18", "--stem", "imagenet"}, "--stem small"},
+        BadCase{"ShapesDoNotMatch", {"--dataset", "synthetic", "--loss", "l1"}, "would broadcast output [64, 10] and target [64]"},
+        BadCase{"NonFiniteLoss", {"--dataset", "synthetic", "--optimizer", "sgd", "--lr", "1e30", "--schedule", "constant", "--warmup-epochs", "0", "--train-samples", "640"}, "the training loss became", ddp::exit_code::kNonFinite},
+        BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "pass a free --port"},
+        BadCase{"UnwritableSavePath", {"--dataset", "synthetic", "--save_path", "/proc/ddp_forbidden"}, "pass a writable --save_path"},
+        BadCase{"CorruptCheckpoint", {"--dataset", "synthetic", "--resume", "/etc/hostname"}, "corrupt or not a ddptrain"},
+        BadCase{"MissingResume", {"--dataset", "synthetic", "--resume", "/nonexistent/epoch_3.pt"}, "--resume /nonexistent/epoch_3.pt does not exist."},
+        BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is neither a ddptrain checkpoint nor a PyTorch"},
+        BadCase{"MismatchedPretrain", {"--dataset", "synthetic", "--pretrain", std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt"}, "does not fit the model"},
+        BadCase{"ZeroBatch", {"--batch", "0"}, "--batch must be positive, got 0."},
+        BadCase{"NegativeEpochs", {"--epochs", "-2"}, "--epochs must be positive, got -2."},
+        BadCase{"ZeroLr", {"--lr", "0"}, "--lr must be positive, got 0."}),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace

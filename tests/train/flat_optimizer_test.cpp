@@ -1,0 +1,147 @@
+// The flat optimizer against LibTorch's per-tensor optimizers, and the
+// claim that its kernel count does not grow with the number of tensors.
+#include <ATen/record_function.h>
+
+#include "ddp/error.h"
+#include "ddp/train/flat_optimizer.h"
+#include "ddp/dist/grad_sync.h"
+#include "support/testing.h"
+
+namespace {
+
+struct Case {
+  std::string name;
+  double weight_decay;
+};
+
+// Runs `steps` updates with random gradients on the same start, once with
+// FlatOptimizer over one flat buffer and once with torch::optim over the
+// separate tensors that the flat buffer is cut into; returns max |diff|.
+double max_difference(const Case& c, const torch::Device& device, int steps) {
+  torch::manual_seed(0);
+  const std::vector<int64_t> sizes{7, 300, 1, 64, 1000};
+  int64_t total = 0;
+  for (auto n : sizes) total += n;
+  auto start = torch::randn({total}, torch::TensorOptions().device(device));
+  auto flat = start.clone();
+  auto flat_grad = torch::zeros_like(flat);
+  ddp::FlatOptimizer flat_opt({flat}, {flat_grad},
+                              ddp::FlatOptimizerOptions().name(c.name).lr(0.01).weight_decay(c.weight_decay));
+  std::vector<torch::Tensor> params;
+  for (auto& piece : start.clone().split_with_sizes(sizes)) params.push_back(piece.clone().requires_grad_());
+  std::unique_ptr<torch::optim::Optimizer> ref;
+  if (c.name == "sgd")
+    ref = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(c.weight_decay));
+  else if (c.name == "adam")
+    ref = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).weight_decay(c.weight_decay));
+  else
+    ref = std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(0.01).weight_decay(c.weight_decay));
+  for (int s = 0; s < steps; ++s) {
+    auto g = torch::randn({total}, flat.options());
+    flat_grad.copy_(g);
+    const double lr = 0.01 * (1.0 + 0.1 * s);  // a changing schedule
+    flat_opt.set_lr(lr);
+    flat_opt.step();
+    auto pieces = g.split_with_sizes(sizes);
+    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pieces[i].clone();
+    for (auto& group : ref->param_groups()) group.options().set_lr(lr);
+    ref->step();
+  }
+  EXPECT_EQ(flat_opt.steps_taken(), steps);
+  std::vector<torch::Tensor> detached;
+  for (auto& p : params) detached.push_back(p.detach());
+  auto expected = torch::cat(detached);
+  // The two must also have moved away from the start (the test can fail).
+  EXPECT_GT((flat - start).abs().max().item<double>(), 1e-3);
+  return (flat - expected).abs().max().item<double>();
+}
+
+// Names the case in gtest's and ctest's listings (not raw bytes).
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name << " wd=" << c.weight_decay; }
+
+class FlatOptimizerEquals : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FlatOptimizerEquals, PerTensorOptimizerOnCpu) {
+  EXPECT_LE(max_difference(GetParam(), torch::kCPU, 20), 1e-6);
+}
+
+TEST_P(FlatOptimizerEquals, PerTensorOptimizerOnGpu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  // The fused kernels reorder the arithmetic: equal to fp32 rounding.
+  EXPECT_LE(max_difference(GetParam(), torch::Device(torch::kCUDA, 0), 20), 2e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, FlatOptimizerEquals,
+                         ::testing::Values(Case{"sgd", 0.0}, Case{"sgd", 5e-4}, Case{"adam", 0.0}, Case{"adam", 1e-2},
+                                           Case{"adamw", 0.05}),
+                         [](const auto& info) {
+                           return info.param.name + (info.param.weight_decay > 0 ? "_wd" : "");
+                         });
+
+// Operators dispatched by one optimizer step over GradSync's flat buffers,
+// for an MLP of `layers` Linear layers (2 tensors each).
+int64_t ops_per_step(int layers, const std::string& optimizer) {
+  torch::nn::Sequential net;
+  for (int i = 0; i < layers; ++i) net->push_back(torch::nn::Linear(8, 8));
+  ddp::Placement p;
+  ddp::WorldOptions o;
+  o.use_cuda = false;
+  ddp::World world(p, o);
+  ddp::GradSync sync(*net, world);
+  ddp::FlatOptimizer opt(sync.flat_params(), sync.flat_grads(), ddp::FlatOptimizerOptions().name(optimizer));
+  net->forward(torch::randn({4, 8})).sum().backward();
+  opt.step();  // first step (lazy paths, if any)
+  static std::atomic<int64_t> count{0};
+  count = 0;
+  auto handle = at::addThreadLocalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction&) -> std::unique_ptr<at::ObserverContext> {
+        ++count;
+        return nullptr;
+      }));
+  opt.step();
+  at::removeCallback(handle);
+  return count.load();
+}
+
+TEST(FlatOptimizer, OperatorCountDoesNotGrowWithParameterTensors) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const std::string name : {"sgd", "adamw"}) {
+    const auto few = ops_per_step(2, name), many = ops_per_step(40, name);
+    EXPECT_GT(few, 0) << name;
+    EXPECT_EQ(few, many) << name << ": 4 tensors took " << few << " operators, 80 tensors took " << many;
+  }
+}
+
+TEST(FlatOptimizer, UnknownNameAndMismatchedBuffersAreErrors) {
+  auto a = torch::zeros({3});
+  EXPECT_THROW(ddp::FlatOptimizer({a}, {a.clone()}, ddp::FlatOptimizerOptions().name("lbfgs")), ddp::UserError);
+  EXPECT_THROW(ddp::FlatOptimizer({a}, {torch::zeros({4})}, ddp::FlatOptimizerOptions()), c10::Error);
+}
+
+TEST(FlatOptimizer, StateRoundTripsThroughAnArchive) {
+  auto p = torch::randn({10}), g = torch::randn({10});
+  ddp::FlatOptimizer a({p}, {g}, ddp::FlatOptimizerOptions().name("adamw"));
+  a.step();
+  a.step();
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  auto p2 = p.clone(), g2 = g.clone();
+  ddp::FlatOptimizer b({p2}, {g2}, ddp::FlatOptimizerOptions().name("adamw"));
+  torch::serialize::InputArchive in;
+  std::istringstream is(bytes.str());
+  in.load_from(is);
+  b.load(in);
+  EXPECT_EQ(b.steps_taken(), 2);
+  a.step();
+  b.step();
+  EXPECT_TRUE(torch::equal(p, p2));
+  ddp::FlatOptimizer c({p2.clone()}, {g2.clone()}, ddp::FlatOptimizerOptions().name("sgd"));
+  torch::serialize::InputArchive in2;
+  std::istringstream is2(bytes.str());
+  in2.load_from(is2);
+  EXPECT_THROW(c.load(in2), ddp::UserError);
+}
+
+}  // namespace
