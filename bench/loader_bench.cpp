@@ -132,7 +132,7 @@ double images_per_second(const DatasetPtr& data, const std::vector<int64_t>& ord
   const auto t0 = std::chrono::steady_clock::now();
   Loader loader(data, order, LoaderOptions(batch).workers(workers).prefetch(std::max<int64_t>(2, 2 * workers)).seed(1));
   int64_t seen = 0;
-  while (auto b = loader.next()) seen += b->input.size(0);
+  while (auto b = loader.next()) seen += b->batch_size();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return static_cast<double>(seen) / s;
 }

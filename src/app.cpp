@@ -1,10 +1,7 @@
 // Entry point shared by ddptrain and the template.
 #include "ddp/app.h"
 
-#include <dlfcn.h>
-#include <execinfo.h>
 #include <malloc.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <csignal>
@@ -26,6 +23,7 @@
 #include "ddp/dist/launch.h"
 #include "ddp/models/registry.h"
 #include "ddp/cmd/report.h"
+#include "ddp/dist/signals.h"
 
 namespace fs = std::filesystem;
 
@@ -91,76 +89,30 @@ int launch(const Config& c, int argc, char** argv) {
   return launch_workers(lo);
 }
 
-// First SIGTERM/SIGINT: checkpoint at the next agreed step and stop.
-// Second: stop at once.
-std::atomic<int> g_signals{0};
-void on_stop_signal(int sig) {
-  if (g_signals.fetch_add(1) >= 1) _exit(128 + sig);
-  request_stop();
+// Fault injection for tests of restarts and crash reports:
+// DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws on that rank after that optimizer
+// step (first attempt only); RANK:STEP:segv crashes there with SIGSEGV. It
+// hooks the trainer from outside; the loop knows nothing of it.
+void install_fault_injection_from_env() {
+  const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  int rank = -1;
+  long step = -1;
+  char how[8] = "";
+  if (!fail || (attempt && std::atoi(attempt) > 0) || std::sscanf(fail, "%d:%ld:%7s", &rank, &step, how) < 2) return;
+  const bool segv = std::string(how) == "segv";
+  Trainer::after_step_hook() = [rank, step, segv](const World& world, int64_t done) {
+    if (world.rank() != rank || done != step) return;
+    if (segv) std::raise(SIGSEGV);
+    throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(step));
+  };
 }
 
-// A worker that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints where, and
-// its native stack, to stderr before dying with the same signal, so that the
-// launcher's "rank N died" comes with a place to look. The faulting pc and,
-// on x86-64, the return address on top of the stack are printed by library
-// and offset as well: after a call through a bad pointer the unwinder stops
-// at the bad pc, and the return address still names the caller.
-// (dladdr and snprintf are not async-signal-safe; the process is dying.)
-void print_address(const char* what, void* a) {
-  Dl_info info{};
-  char line[512];
-  int n;
-  if (a && dladdr(a, &info) && info.dli_fname)
-    n = std::snprintf(line, sizeof(line), "  %s %p = %s+0x%lx (%s)\n", what, a, info.dli_fname,
-                      static_cast<unsigned long>(static_cast<char*>(a) - static_cast<char*>(info.dli_fbase)),
-                      info.dli_sname ? info.dli_sname : "?");
-  else
-    n = std::snprintf(line, sizeof(line), "  %s %p\n", what, a);
-  if (n > 0 && write(STDERR_FILENO, line, static_cast<size_t>(std::min<int>(n, sizeof(line) - 1))) < 0) {}
-}
-
-void on_crash(int sig, siginfo_t* info, void* context) {
-  static const char head[] = "ddptrain: worker crashed; native stack:\n";
-  if (write(STDERR_FILENO, head, sizeof(head) - 1) < 0) {}
-  print_address("fault address", info->si_addr);
-#if defined(__x86_64__)
-  const auto* uc = static_cast<ucontext_t*>(context);
-  print_address("pc", reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]));
-  print_address("return address", *reinterpret_cast<void**>(uc->uc_mcontext.gregs[REG_RSP]));
-#else
-  (void)context;
-#endif
-  void* frames[64];
-  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
-  signal(sig, SIG_DFL);
-  raise(sig);
-}
-
-void install_crash_handler() {
-  void* prime[1];
-  (void)backtrace(prime, 1);
-  // Its own stack, so that a stack overflow is reported too.
-  static char alt_stack[1 << 16];
-  stack_t ss{};
-  ss.ss_sp = alt_stack;
-  ss.ss_size = sizeof(alt_stack);
-  sigaltstack(&ss, nullptr);
-  struct sigaction sa {};
-  sa.sa_sigaction = on_crash;
-  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
-  sigemptyset(&sa.sa_mask);
-  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, nullptr);
-}
-
-int run_worker(Config c, Placement where, const PartsFactory& make_parts, const std::string& command) {
+int run_worker(Config c, Placement where, Task& task, const std::string& command) {
   // Lines reach the launcher's terminal (or log file) as they are written.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   install_crash_handler();
-  struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGTERM, &sa, nullptr);
-  sigaction(SIGINT, &sa, nullptr);
+  install_stop_handlers();
   // After a failure the launcher restarts the group (--max-restarts): pick
   // up from the newest checkpoint, as torchrun's elastic agent would.
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -184,8 +136,8 @@ int run_worker(Config c, Placement where, const PartsFactory& make_parts, const 
   DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
-  Parts parts = make_parts(c, world);
-  Trainer trainer(c, world, std::move(parts));
+  install_fault_injection_from_env();
+  Trainer trainer(c, world, task);
   trainer.fit();
   return exit_code::kOk;
 }
@@ -224,24 +176,6 @@ data::Splits load_data(const Config& c, bool verbose) {
   return data::make_synthetic(n_train, n_test, static_cast<uint64_t>(c.seed));
 }
 
-Parts default_parts(const Config& c, World& world) {
-  Parts p;
-  p.data = load_data(c, world.is_main());
-  models::ModelSpec spec;
-  spec.name = c.model;
-  spec.stem = c.stem;
-  const auto shape = p.data.train->input_shape();
-  check_user(shape.size() == 3, "the built-in models need C x H x W images; the dataset gives " +
-                                    c10::str(c10::IntArrayRef(shape)) + ".");
-  spec.in_channels = shape[0];
-  spec.input_hw = {shape[1], shape[2]};
-  spec.num_classes = p.data.train->num_classes();
-  p.model = models::make_model(spec);
-  p.arch = c.model + "/" + c.stem + "/" + std::to_string(shape[0]) + "x" + std::to_string(shape[1]) + "x" +
-           std::to_string(shape[2]) + "/" + std::to_string(spec.num_classes);
-  return p;
-}
-
 // LibTorch's CPU allocator uses malloc. glibc serves blocks above 128 KiB
 // with mmap and unmaps them on free, so every training step faults in and
 // zeroes its activations afresh: measured 4x slower (610 vs 2474 samples/s
@@ -254,7 +188,7 @@ void keep_freed_memory_in_heap() {
   mallopt(M_TOP_PAD, 256 << 20);
 }
 
-int main(int argc, char** argv, const PartsFactory& make_parts) {
+int main(int argc, char** argv, std::shared_ptr<Task> task) {
   keep_freed_memory_in_heap();
   const char* rank = std::getenv("RANK");
   const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
@@ -276,11 +210,16 @@ int main(int argc, char** argv, const PartsFactory& make_parts) {
       std::printf("wrote %s (a PyTorch state_dict: torch.load it and call load_state_dict)\n", argv[3]);
       return exit_code::kOk;
     }
-    Config c = parse_cli(static_cast<int>(args.size()), args.data());
+    // The task's flags and defaults join the table before parsing; the
+    // built-in task is the one --task names (so it is parsed twice).
+    Config defaults;
+    if (!task) task = make_builtin_task(parse_cli(static_cast<int>(args.size()), args.data()).task);
+    task->add_flags(defaults);
+    Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
     Placement where = placement_from_env();
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty()))
       return launch(c, argc, argv);
-    return run_worker(c, where, make_parts, command);
+    return run_worker(c, where, *task, command);
   } catch (const UserError& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;

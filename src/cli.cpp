@@ -21,13 +21,18 @@ bool Config::was_given(const std::string& name) const {
   return std::find(given.begin(), given.end(), name) != given.end();
 }
 
-std::string Flag::key() const {
+namespace {
+std::string key_of(const std::string& names) {
   std::string first = names.substr(0, names.find(','));
   return first.substr(first.find_first_not_of('-'));
 }
+}  // namespace
+
+std::string Flag::key() const { return key_of(names); }
+std::string TaskFlag::key() const { return key_of(names); }
 
 std::vector<Flag> flag_table(Config& c) {
-  return {
+  std::vector<Flag> table = {
       // group "seed": the seed template's flags, unchanged in name and meaning.
       {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch"},
       {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 2 CPU ranks", &c.size, {}, "launch"},
@@ -50,6 +55,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data"},
 
+      {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc) or regression (--loss mse|l1|huber; test_mse, test_mae, test_r2)", &c.task, {"classification", "regression"}, "model"},
       {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
       {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model"},
@@ -64,7 +70,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--momentum", "SGD momentum", &c.momentum, {}, "train"},
       {"--schedule", "learning-rate schedule after warmup", &c.schedule, {"constant", "step", "cosine", "onecycle"}, "train"},
       {"--warmup-epochs", "linear warmup length in epochs (may be fractional)", &c.warmup_epochs, {}, "train"},
-      {"--loss", "loss; mse and l1 need targets shaped like the outputs", &c.loss, {"cross-entropy", "mse", "l1"}, "train"},
+      {"--loss", "loss of the built-in tasks; mse, l1 and huber need targets shaped like the outputs", &c.loss, {"cross-entropy", "mse", "l1", "huber"}, "train"},
       {"--label-smoothing", "label smoothing for cross-entropy", &c.label_smoothing, {}, "train"},
       {"--clip-grad-norm", "clip the global gradient norm to this value (0: off)", &c.clip_grad_norm, {}, "train"},
       {"--accum-steps", "micro-batches per optimizer step (gradient accumulation)", &c.accum_steps, {}, "train"},
@@ -76,7 +82,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed"},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed"},
       {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply (auto), or LibTorch's (native)", &c.bn_kernel, {"auto", "native"}, "speed"},
-      {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off)", &c.stop_at_acc, {}, "train"},
+      {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train"},
+      {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train"},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench"},
 
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output"},
@@ -86,6 +93,10 @@ std::vector<Flag> flag_table(Config& c) {
       {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output"},
       {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output"},
   };
+  // The task's own flags, after the built-in ones.
+  for (auto& f : c.task_flags)
+    table.push_back({f.names, f.help, std::visit([](auto& v) -> FlagTarget { return &v; }, f.value), f.choices, "task"});
+  return table;
 }
 
 namespace {
@@ -121,6 +132,20 @@ void validate(const Config& c) {
   check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
              "e.g. --stop-at-acc 0.93.");
   positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");
+  if (!c.stop_at.empty()) {
+    const auto op = c.stop_at.find_first_of("<>=");
+    const auto eq = c.stop_at.find('=');
+    bool ok = op != std::string::npos && op > 0 && eq != std::string::npos && (eq == op || eq == op + 1) &&
+              (eq == op || c.stop_at[op] != '=');
+    if (ok) {
+      char* end = nullptr;
+      const std::string number = c.stop_at.substr(eq + 1);
+      std::strtod(number.c_str(), &end);
+      ok = !number.empty() && end && *end == '\0';
+    }
+    check_user(ok, "--stop-at '" + c.stop_at + "' is not METRIC=VALUE, METRIC>=VALUE or METRIC<=VALUE.",
+               "e.g. --stop-at test_acc=0.93 or --stop-at test_loss<=0.3.");
+  }
   check_user(c.nnodes >= 1, "--nnodes must be at least 1.");
   check_user(c.node_rank >= 0 && c.node_rank < c.nnodes,
              "--node-rank " + std::to_string(c.node_rank) + " is outside [0, " + std::to_string(c.nnodes) + ").");
@@ -133,8 +158,9 @@ void resolve_defaults(Config& c) {
 
 }  // namespace
 
-Config parse_cli(int argc, const char* const* argv) {
-  Config c;
+Config parse_cli(int argc, const char* const* argv, Config defaults) {
+  Config c = std::move(defaults);
+  c.given.clear();
   CLI::App app{
       "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
       "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or 2 CPU ranks)."};

@@ -1,21 +1,23 @@
-// Data-parallel training template: my dataset, my model, train.
+// Data-parallel training template: my dataset, my model, my task, train.
 //
-// Copy this folder, then edit the three marked parts. Everything else (the
-// launcher, the process group, the sampler, gradient sync, SyncBatchNorm,
-// checkpoints, metrics and the command line) comes from ddptrain, so
+// Copy this folder and edit the four marked parts. ddptrain brings the rest
+// (the launcher, the process group, the sampler, gradient sync,
+// SyncBatchNorm, mixed precision, checkpoints, logs and the command line):
 //   ./build/train                      trains on every GPU (or 2 CPU ranks)
 //   ./build/train --size 4 --epochs 20 --batch 128 --lr 3e-3
 //   torchrun --nproc-per-node 8 --no-python ./build/train
-// work as they are. `./build/train --help` lists every flag.
+// `./build/train --help` lists every flag; examples/ has more tasks.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddp/app.h>
 #include <ddp/dist/sync_batchnorm.h>
 
+namespace F = torch::nn::functional;
+
 // ---------------------------------------------------------------------------
-// 1. My dataset: a size, and one (input, target) example per index.
+// 1. My dataset: a size, and one example per index, as named tensors.
 //    This one is learnable on purpose: class k draws a bright square at a
-//    position that depends on k, on a noisy background. Replace it with
-//    your own files (see ddp/data/idx.h for a real reader).
+//    place that depends on k, on a noisy background. Read your own files
+//    here (config.data_root is --data_root).
 // ---------------------------------------------------------------------------
 class MyDataset : public ddp::data::Dataset {
  public:
@@ -31,12 +33,10 @@ class MyDataset : public ddp::data::Dataset {
     auto image = 0.3 * torch::randn({3, kSide, kSide}, gen);
     const int64_t row = (label / 4) * 10 + 2, col = (label % 4) * 7 + 2;
     image.slice(1, row, row + 6).slice(2, col, col + 6) += 2.0;
-    return {image, torch::tensor(label, torch::kLong)};
+    return {{"input", image}, {"target", torch::tensor(label, torch::kLong)}};
   }
 
-  std::vector<int64_t> input_shape() const override { return {3, kSide, kSide}; }
-  int64_t num_classes() const override { return kClasses; }
-  std::string name() const override { return "my-dataset"; }
+  std::string name() const override { return "my-dataset"; }  // shown in logs
 
   static constexpr int64_t kClasses = 10, kSide = 32;
 
@@ -46,11 +46,10 @@ class MyDataset : public ddp::data::Dataset {
 };
 
 // ---------------------------------------------------------------------------
-// 2. My model: LibTorch style (Impl + TORCH_MODULE), deriving from ddp::Net.
-//    Use ddp::BatchNorm2d so that --sync-bn can synchronise it across ranks.
-//    Or use a built-in one: ddp::models::make_model({"resnet18", ...}).
+// 2. My model: LibTorch style (Impl + TORCH_MODULE). Use ddp::BatchNorm2d so
+//    that --sync-bn can synchronise it across ranks.
 // ---------------------------------------------------------------------------
-struct MyModelImpl : ddp::Net {
+struct MyModelImpl : torch::nn::Module {
   MyModelImpl(int64_t in_channels, int64_t classes)
       : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_channels, 16, 3).padding(1)))),
         bn1(register_module("bn1", ddp::BatchNorm2d(16))),
@@ -58,7 +57,7 @@ struct MyModelImpl : ddp::Net {
         bn2(register_module("bn2", ddp::BatchNorm2d(32))),
         fc(register_module("fc", torch::nn::Linear(32 * 4 * 4, classes))) {}
 
-  torch::Tensor forward(torch::Tensor x) override {
+  torch::Tensor forward(torch::Tensor x) {
     x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
     x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
     return fc(torch::adaptive_avg_pool2d(x, {4, 4}).flatten(1));  // keeps where things are
@@ -73,18 +72,53 @@ struct MyModelImpl : ddp::Net {
 TORCH_MODULE(MyModel);
 
 // ---------------------------------------------------------------------------
-// 3. Train: hand the model and the data to ddptrain. The loss is chosen with
-//    --loss (cross-entropy, mse, l1); --help shows the rest.
+// 3. My task: the data and model it trains, the loss, and the metrics.
 // ---------------------------------------------------------------------------
-int main(int argc, char** argv) {
-  return ddp::main(argc, argv, [](const ddp::Config& config, ddp::World&) {
-    const int64_t n_train = config.train_samples > 0 ? config.train_samples : 8000;
-    const int64_t n_test = config.test_samples > 0 ? config.test_samples : 2000;
-    ddp::Parts parts;
-    parts.data.train = std::make_shared<MyDataset>(n_train, /*seed=*/1);
-    parts.data.test = std::make_shared<MyDataset>(n_test, /*seed=*/2);
-    parts.model = MyModel(3, MyDataset::kClasses).ptr();
-    parts.arch = "my-model";
-    return parts;
-  });
-}
+struct MyTask : ddp::Task {
+  MyModel model{nullptr};
+
+  void add_flags(ddp::Config& config) override {
+    config.augment = "none";  // a flip would move the square that defines the class
+  }
+
+  ddp::data::Splits make_data(const ddp::Config& config, ddp::World&) override {
+    ddp::data::Splits data;
+    data.train = std::make_shared<MyDataset>(config.train_samples > 0 ? config.train_samples : 8000, /*seed=*/1);
+    data.test = std::make_shared<MyDataset>(config.test_samples > 0 ? config.test_samples : 2000, /*seed=*/2);
+    return data;
+  }
+
+  ddp::ModulePtr make_model(const ddp::Config&, const ddp::data::Splits&) override {
+    arch_ = "my-model";  // --resume refuses a checkpoint of another architecture
+    model = MyModel(3, MyDataset::kClasses);
+    return model.ptr();
+  }
+
+  // The loss to minimise (and, optionally, named scalars to log).
+  ddp::StepOutput training_step(const ddp::data::Batch& batch) override {
+    return F::cross_entropy(model(batch.input()), batch.target());
+  }
+
+  // Sums over the batch; ddptrain adds them up over batches and ranks.
+  ddp::TensorMap validation_step(const ddp::data::Batch& batch) override {
+    auto logits = model(batch.input()).to(torch::kFloat);
+    const auto& y = batch.target();
+    return {{"loss", F::cross_entropy(logits, y, F::CrossEntropyFuncOptions().reduction(torch::kSum))},
+            {"correct", logits.argmax(1).eq(y).sum()},
+            {"count", torch::tensor(static_cast<double>(y.size(0)))}};
+  }
+
+  // The metrics, from the totals over the whole test set.
+  ddp::Metrics validation_metrics(const ddp::Totals& t) override {
+    const double n = t.at("count").item<double>();
+    return {{"test_loss", t.at("loss").item<double>() / n}, {"test_acc", t.at("correct").item<double>() / n}};
+  }
+
+  // The metric that picks best.pt and that --stop-at compares against.
+  ddp::Monitor monitor() const override { return {"test_acc", ddp::Goal::kMax}; }
+};
+
+// ---------------------------------------------------------------------------
+// 4. Train.
+// ---------------------------------------------------------------------------
+int main(int argc, char** argv) { return ddp::main(argc, argv, std::make_shared<MyTask>()); }

@@ -3,28 +3,25 @@
 // ddp::main() is what `ddptrain` and the copyable template both call. It
 // parses the flags, and then either starts local workers (when no launcher
 // started this process and more than one rank is wanted) or runs as one
-// worker: joins the World, asks `make_parts` for the model and data, and
-// runs the Trainer. Errors become one line on stderr and an exit code.
+// worker: joins the World and runs the Trainer on the task, which brings
+// the data, the model, the loss and the metrics (train/task.h). Errors become one line on stderr and an exit code.
 #pragma once
 
 #include <functional>
 
 #include "ddp/cli.h"
+#include "ddp/train/task.h"
 #include "ddp/train/trainer.h"
 #include "ddp/dist/world.h"
 
 namespace ddp {
 
-using PartsFactory = std::function<Parts(const Config&, World&)>;
-
-/// Builds the built-in model and dataset that the flags name.
-Parts default_parts(const Config& config, World& world);
-
 /// Loads the dataset the flags name (Fashion-MNIST, MNIST or synthetic,
 /// falling back to synthetic with a message when the files are missing).
 data::Splits load_data(const Config& config, bool verbose);
 
-/// Runs ddptrain; returns the process exit code.
-int main(int argc, char** argv, const PartsFactory& make_parts = default_parts);
+/// Runs ddptrain with `task` (your own, or nullptr: the built-in one that
+/// --task names); returns the process exit code.
+int main(int argc, char** argv, std::shared_ptr<Task> task = nullptr);
 
 }  // namespace ddp

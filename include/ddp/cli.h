@@ -7,13 +7,25 @@
 #pragma once
 
 #include <iosfwd>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 namespace ddp {
+
+/// A flag that a task adds (Task::add_flags): its row in the flag table, and
+/// its value, which holds the default until the command line sets it.
+struct TaskFlag {
+  std::string names;   // e.g. "--aux-weight"
+  std::string help;
+  std::variant<int, double, std::string, bool> value;
+  std::vector<std::string> choices;  // empty: any value of the type
+  std::string key() const;           // "aux-weight"
+};
 
 struct Config {
   // The seed template's flags, same names and meanings.
@@ -38,7 +50,8 @@ struct Config {
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string augment = "standard";
   int workers = 1;
-  // Model and optimisation.
+  // The task, model and optimisation.
+  std::string task = "classification";  // ddptrain's built-in tasks: classification | regression
   std::string model = "cnn";
   std::string stem = "auto";
   std::string optimizer = "adamw";
@@ -73,11 +86,36 @@ struct Config {
   bool tf32 = true;
   std::string bn_kernel = "auto";      // auto: ddptrain's NHWC bf16 kernels where they apply
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
+  std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
   int bench_steps = 100;            // `ddptrain bench`
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;
   bool was_given(const std::string& name) const;
+
+  /// The task's own flags, in the order it added them.
+  std::vector<TaskFlag> task_flags;
+  /// Adds a task flag with its default, e.g. add_flag("--aux-weight",
+  /// "weight of the auxiliary loss", 0.3). It joins --help, config files,
+  /// the printed config and config.toml.
+  template <typename T>
+  void add_flag(const std::string& names, const std::string& help, T default_value,
+                std::vector<std::string> choices = {}) {
+    using V = std::conditional_t<std::is_same_v<T, const char*>, std::string,
+                                 std::conditional_t<std::is_same_v<T, float>, double, T>>;
+    task_flags.push_back({names, help, V(default_value), std::move(choices)});
+  }
+  /// The value of task flag `name` (without dashes); std::logic_error if
+  /// there is no such flag of type T (a bug in the task, not user input).
+  template <typename T>
+  T flag(const std::string& name) const {
+    for (const auto& f : task_flags)
+      if (f.key() == name) {
+        if (const T* v = std::get_if<T>(&f.value)) return *v;
+        throw std::logic_error("task flag --" + name + " is not of the type asked for");
+      }
+    throw std::logic_error("no task flag --" + name + "; add it in Task::add_flags");
+  }
 };
 
 using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
@@ -97,7 +135,9 @@ std::vector<Flag> flag_table(Config& config);
 /// Parses argv into a Config. `--config FILE` reads TOML first; flags given
 /// on the command line override it, and unknown keys are errors. Throws
 /// UserError for bad flags, keys or values; prints --help and exits 0.
-Config parse_cli(int argc, const char* const* argv);
+/// `defaults` holds the defaults (a task's flags and its defaults of the
+/// built-in ones).
+Config parse_cli(int argc, const char* const* argv, Config defaults = Config());
 
 nlohmann::json config_to_json(const Config& config);
 /// The config as TOML that `--config FILE` reads back to the same values

@@ -2,6 +2,7 @@
 #include "ddp/cmd/report.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -78,7 +79,7 @@ std::string run_report(const std::string& run_dir) {
 
   std::ostringstream out;
   out << "run          " << run_dir << "\n";
-  out << "config       model " << value_of(config, "model") << ", " << value_of(config, "optimizer") << " lr "
+  out << "config       " << (config.contains("task") ? "task " + value_of(config, "task") + ", " : std::string()) << "model " << value_of(config, "model") << ", " << value_of(config, "optimizer") << " lr "
       << value_of(config, "lr") << " (" << value_of(config, "schedule") << "), weight decay "
       << value_of(config, "weight-decay") << ", batch " << value_of(config, "batch") << " per rank, dataset "
       << value_of(config, "dataset") << " (" << samples(config, "train-samples") << " train, " << samples(config, "test-samples")
@@ -87,13 +88,31 @@ std::string run_report(const std::string& run_dir) {
   out << "epochs       " << epochs.size() << " of " << value_of(config, "epochs") << " done\n";
   if (!epochs.empty()) {
     const auto& last = epochs.back();
-    const auto best = *std::max_element(epochs.begin(), epochs.end(),
-                                        [](const auto& a, const auto& b) { return a.test_acc < b.test_acc; });
     double seconds = 0, samples_per_second = 0;
     for (const auto& m : epochs) seconds += m.epoch_seconds, samples_per_second += m.samples_per_second;
-    out << "test acc     final " << fixed(100 * last.test_acc, 2) << "% (epoch " << last.epoch << "), best "
-        << fixed(100 * best.test_acc, 2) << "% (epoch " << best.epoch << ")\n";
-    out << "test loss    final " << fixed(last.test_loss, 4) << "\n";
+    // The monitor metric first, with its best epoch; then the task's other
+    // metrics at the last epoch, by name.
+    auto shown = [](const std::string& name, double v) {
+      const bool fraction = name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0;
+      return fraction ? fixed(100 * v, 2) + "%" : fixed(v, 4);
+    };
+    auto padded = [](std::string label) { return label + std::string(label.size() < 12 ? 13 - label.size() : 1, ' '); };
+    const std::string monitor = last.monitor;
+    if (!monitor.empty()) {
+      const bool want_max = last.goal == "max";
+      const EpochMetrics* best = nullptr;
+      for (const auto& m : epochs) {
+        const double v = m.value(monitor);
+        if (std::isfinite(v) && (!best || (want_max ? v > best->value(monitor) : v < best->value(monitor)))) best = &m;
+      }
+      out << padded(metric_label(monitor)) << "final " << shown(monitor, last.value(monitor)) << " (epoch " << last.epoch << ")";
+      if (best)
+        out << ", best " << shown(monitor, best->value(monitor)) << " (epoch " << best->epoch << "), "
+            << (want_max ? "higher" : "lower") << " is better";
+      out << "\n";
+    }
+    for (const auto& [name, v] : last.values)
+      if (name != monitor) out << padded(metric_label(name)) << "final " << shown(name, v) << "\n";
     out << "train loss   " << fixed(epochs.front().train_loss, 4) << " (epoch " << epochs.front().epoch << ") -> "
         << fixed(last.train_loss, 4) << " (epoch " << last.epoch << ")\n";
     out << "throughput   " << fixed(samples_per_second / static_cast<double>(epochs.size()), 0)

@@ -32,9 +32,8 @@ std::optional<Batch> DeviceFeeder::fetch() {
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!batch) return batch;
   auto move = [&](Batch& b) {
-    b.input = b.input.to(device_, /*non_blocking=*/true);
-    b.target = b.target.to(device_, /*non_blocking=*/true);
-    if (prepare_) b.input = prepare_(b.input);
+    for (auto& [name, t] : b) t = t.to(device_, /*non_blocking=*/true);
+    if (prepare_ && b.contains("input")) b.input() = prepare_(b.input());
   };
 #ifdef DDP_WITH_CUDA
   if (cuda_) {
@@ -61,8 +60,7 @@ std::optional<Batch> DeviceFeeder::next() {
     auto current = c10::cuda::getCurrentCUDAStream(device_.index());
     cuda_->copied.block(current);
     // The tensors were made on the side stream and are used on this one.
-    batch->input.record_stream(current.unwrap());
-    batch->target.record_stream(current.unwrap());
+    for (auto& [name, t] : *batch) t.record_stream(current.unwrap());
   }
 #endif
   ahead_ = fetch();  // starts the next copy now, so it overlaps this step

@@ -184,12 +184,12 @@ Batch ImageFolderDataset::get_keyed_batch(const std::vector<int64_t>& indices, c
                                           int64_t first_position) const {
   const int64_t s = options_.transform().size(), b = static_cast<int64_t>(indices.size());
   Batch batch{torch::empty({b, 3, s, s}), torch::empty({b}, torch::kLong)};
-  int64_t* labels = batch.target.data_ptr<int64_t>();
+  int64_t* labels = batch.target().data_ptr<int64_t>();
   for (int64_t j = 0; j < b; ++j) {
     const int64_t i = indices[static_cast<size_t>(j)];
     TORCH_CHECK(i >= 0 && i < size(), name_, ": index ", i, " outside [0, ", size(), ")");
     const torch::Tensor image = decode(i, key.rank, &labels[j]);
-    batch.input[j].copy_(transform_image(image, options_.transform(), key, first_position + j));
+    batch.input()[j].copy_(transform_image(image, options_.transform(), key, first_position + j));
   }
   return batch;
 }
@@ -200,7 +200,7 @@ Batch ImageFolderDataset::get_batch(const std::vector<int64_t>& indices) const {
 
 Example ImageFolderDataset::get(int64_t index) const {
   Batch b = get_batch({index});
-  return {b.input[0], b.target[0]};
+  return {b.input()[0], b.target()[0]};
 }
 
 std::vector<int64_t> ImageFolderDataset::input_shape() const {

@@ -70,8 +70,7 @@ Batch Loader::build(int64_t k) const {
   Batch batch = dataset_->get_keyed_batch(chunk, key, first);
   if (options_.transform()) options_.transform()(batch, key, first);
   if (options_.pin_memory() && torch::cuda::is_available()) {
-    batch.input = batch.input.pin_memory();
-    batch.target = batch.target.pin_memory();
+    for (auto& [name, t] : batch) t = t.pin_memory();
   }
   return batch;
 }

@@ -1,6 +1,8 @@
 // Rendering of the synthetic dataset.
 #include "ddp/data/synthetic.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -175,6 +177,45 @@ Splits make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
   splits.test = std::make_shared<ImageTensorDataset>(test_images, test_labels, splits.mean,
                                                      splits.std, kClasses, "synthetic (test)");
   return splits;
+}
+
+namespace {
+
+class DiscRadiusDataset : public Dataset {
+ public:
+  DiscRadiusDataset(int64_t size, uint64_t seed, std::string name) : size_(size), seed_(seed), name_(std::move(name)) {}
+  int64_t size() const override { return size_; }
+  Example get(int64_t index) const override {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003 + static_cast<uint64_t>(index));
+    auto u = torch::rand({4}, gen);
+    const double radius = 3 + 8 * u[0].item<double>();  // 3 .. 11 pixels
+    const double cy = radius + (27 - 2 * radius) * u[1].item<double>();
+    const double cx = radius + (27 - 2 * radius) * u[2].item<double>();
+    auto rows = torch::arange(28, torch::kFloat).view({28, 1}), cols = torch::arange(28, torch::kFloat).view({1, 28});
+    auto dist = ((rows - cy).pow(2) + (cols - cx).pow(2)).sqrt();
+    auto disc = torch::sigmoid((radius - dist) * 2.0) * (1.5 + 0.5 * u[3].item<double>());
+    auto image = (disc + 0.3 * torch::randn({28, 28}, gen)).unsqueeze(0);
+    return {image, torch::tensor({static_cast<float>((radius - 3) / 8)})};
+  }
+  std::vector<int64_t> input_shape() const override { return {1, 28, 28}; }
+  std::string name() const override { return name_; }
+
+ private:
+  int64_t size_;
+  uint64_t seed_;
+  std::string name_;
+};
+
+}  // namespace
+
+Splits make_synthetic_regression(int64_t n_train, int64_t n_test, uint64_t seed) {
+  Splits s;
+  s.train = std::make_shared<DiscRadiusDataset>(n_train, 2 * seed + 1, "disc-radius (train)");
+  s.test = std::make_shared<DiscRadiusDataset>(n_test, 2 * seed + 2, "disc-radius (test)");
+  s.mean = {0.0};
+  s.std = {1.0};
+  s.synthetic = true;
+  return s;
 }
 
 }  // namespace ddp::data

@@ -74,7 +74,7 @@ torch::Tensor augment(const torch::Tensor& input, const AugmentOptions& options,
 
 Transform make_augment(AugmentOptions options) {
   return [options = std::move(options)](Batch& batch, const DrawKey& key, int64_t first_position) {
-    batch.input = augment(batch.input, options, key, first_position);
+    batch.input() = augment(batch.input(), options, key, first_position);
   };
 }
 

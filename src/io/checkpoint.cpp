@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -61,7 +62,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
   torch::serialize::OutputArchive archive;
   nlohmann::json header = {{"format", kCheckpointFormat}, {"arch", meta.arch},
                            {"epoch", meta.state.epoch},   {"step", meta.state.step},
-                           {"best_acc", meta.state.best_acc}, {"config", meta.config},
+                           {"best", std::isnan(meta.state.best) ? nlohmann::json() : nlohmann::json(meta.state.best)}, {"config", meta.config},
                            {"batch_in_epoch", meta.state.batch_in_epoch},
                            {"epoch_loss_sum", meta.state.epoch_loss_sum},
                            {"epoch_loss_count", meta.state.epoch_loss_count}};
@@ -134,7 +135,9 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
              "pass the same --model/--stem/data as the run that wrote it.");
   meta.state.epoch = h.value("epoch", 0);
   meta.state.step = h.value("step", 0);
-  meta.state.best_acc = h.value("best_acc", 0.0);
+  // "best" is null before the first validation; "best_acc" in format 2.
+  const auto best = h.contains("best") ? h["best"] : h.value("best_acc", nlohmann::json());
+  meta.state.best = best.is_number() ? best.get<double>() : std::numeric_limits<double>::quiet_NaN();
   meta.state.batch_in_epoch = h.value("batch_in_epoch", int64_t{0});
   meta.state.epoch_loss_sum = h.value("epoch_loss_sum", 0.0);
   meta.state.epoch_loss_count = h.value("epoch_loss_count", 0.0);

@@ -1,6 +1,7 @@
 // metrics.jsonl, metrics.csv, the TensorBoard event file and curves.svg.
 #include "ddp/io/metrics.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -17,8 +18,9 @@ namespace fs = std::filesystem;
 namespace ddp {
 namespace {
 
-const char* const kCsvHeader =
-    "kind,epoch,step,wall_time,train_loss,test_loss,test_acc,lr,epoch_seconds,samples_per_second";
+// metrics.csv's fixed columns; the task's metrics follow, in name order.
+const std::vector<std::string> kCsvBase = {"kind", "epoch", "step", "wall_time", "train_loss",
+                                           "lr", "epoch_seconds", "samples_per_second"};
 
 double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -38,13 +40,13 @@ std::string wall(double t) {
 
 std::string csv_row(const StepMetrics& s) {
   return "step," + std::to_string(s.epoch) + "," + std::to_string(s.step) + "," + wall(s.wall_time) + "," +
-         num(s.train_loss) + ",,," + num(s.lr) + ",," + num(s.samples_per_second);
+         num(s.train_loss) + "," + num(s.lr) + ",," + num(s.samples_per_second);
 }
 
-std::string csv_row(const EpochMetrics& m) {
-  return "epoch," + std::to_string(m.epoch) + "," + std::to_string(m.step) + "," + wall(m.wall_time) + "," +
-         num(m.train_loss) + "," + num(m.test_loss) + "," + num(m.test_acc) + "," + num(m.lr) + "," +
-         num(m.epoch_seconds) + "," + num(m.samples_per_second);
+std::string join(const std::vector<std::string>& cells) {
+  std::string out;
+  for (size_t i = 0; i < cells.size(); ++i) out += (i ? "," : "") + cells[i];
+  return out;
 }
 
 std::vector<std::string> split_csv(const std::string& line) {
@@ -56,7 +58,7 @@ std::vector<std::string> split_csv(const std::string& line) {
   return cells;
 }
 
-// A step row back from its cells (columns as in kCsvHeader).
+// A step row back from its cells (the fixed columns come first).
 StepMetrics parse_step_row(const std::vector<std::string>& c, const std::string& path) {
   try {
     StepMetrics s;
@@ -64,8 +66,8 @@ StepMetrics parse_step_row(const std::vector<std::string>& c, const std::string&
     s.step = std::stoll(c.at(2));
     s.wall_time = std::stod(c.at(3));
     s.train_loss = std::stod(c.at(4));
-    s.lr = std::stod(c.at(7));
-    s.samples_per_second = std::stod(c.at(9));
+    s.lr = std::stod(c.at(5));
+    s.samples_per_second = std::stod(c.at(7));
     return s;
   } catch (const std::exception&) {
     throw UserError("corrupt step row in " + path + ".", "delete the file to start a fresh one.");
@@ -88,31 +90,73 @@ void write_step_scalars(EventWriter& w, const StepMetrics& s) {
 
 void write_epoch_scalars(EventWriter& w, const EpochMetrics& m) {
   w.add_scalar("train/epoch_loss", m.train_loss, m.step, m.wall_time);
-  w.add_scalar("test/loss", m.test_loss, m.step, m.wall_time);
-  w.add_scalar("test/accuracy", m.test_acc, m.step, m.wall_time);
+  for (const auto& [name, v] : m.values) w.add_scalar(metric_tag(name), v, m.step, m.wall_time);
 }
+
+const char* const kFixedKeys[] = {"epoch", "step", "wall_time", "train_loss", "lr",
+                                  "epoch_seconds", "samples_per_second", "monitor", "goal"};
+
+// JSON has no NaN (an R squared of a constant target): null stands for it.
+nlohmann::json number(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(); }
 
 }  // namespace
 
+std::string metric_tag(const std::string& name) {
+  const auto cut = name.find('_');
+  if (cut == std::string::npos) return "metrics/" + name;
+  std::string rest = name.substr(cut + 1);
+  return name.substr(0, cut) + "/" + (rest == "acc" ? "accuracy" : rest);
+}
+
+std::string metric_label(const std::string& name) {
+  std::string tag = metric_tag(name);
+  if (tag.rfind("metrics/", 0) == 0) return name;
+  tag[tag.find('/')] = ' ';
+  return tag;
+}
+
+double EpochMetrics::value(const std::string& name) const {
+  auto it = values.find(name);
+  return it == values.end() ? std::nan("") : it->second;
+}
+
 nlohmann::json EpochMetrics::to_json() const {
-  return {{"epoch", epoch},     {"step", step},
-          {"wall_time", wall_time},
-          {"train_loss", train_loss},       {"test_loss", test_loss},
-          {"test_acc", test_acc}, {"lr", lr},                      {"epoch_seconds", epoch_seconds},
-          {"samples_per_second", samples_per_second}};
+  nlohmann::json j = {{"epoch", epoch},
+                      {"step", step},
+                      {"wall_time", wall_time},
+                      {"train_loss", number(train_loss)},
+                      {"lr", lr},
+                      {"epoch_seconds", epoch_seconds},
+                      {"samples_per_second", samples_per_second}};
+  for (const auto& [name, v] : values) j[name] = number(v);
+  if (!monitor.empty()) {
+    j["monitor"] = monitor;
+    j["goal"] = goal;
+  }
+  return j;
 }
 
 EpochMetrics EpochMetrics::from_json(const nlohmann::json& j) {
+  auto real = [](const nlohmann::json& v) { return v.is_number() ? v.get<double>() : std::nan(""); };
   EpochMetrics m;
   m.epoch = j.at("epoch").get<int64_t>();
   m.step = j.value("step", int64_t{0});  // absent in runs from before it was recorded
   m.wall_time = j.value("wall_time", 0.0);
-  m.train_loss = j.at("train_loss").get<double>();
-  m.test_loss = j.at("test_loss").get<double>();
-  m.test_acc = j.at("test_acc").get<double>();
+  m.train_loss = real(j.at("train_loss"));
   m.lr = j.at("lr").get<double>();
   m.epoch_seconds = j.at("epoch_seconds").get<double>();
   m.samples_per_second = j.at("samples_per_second").get<double>();
+  m.monitor = j.value("monitor", std::string());
+  m.goal = j.value("goal", std::string("min"));
+  for (const auto& [key, v] : j.items()) {
+    if (std::find(std::begin(kFixedKeys), std::end(kFixedKeys), key) != std::end(kFixedKeys)) continue;
+    if (v.is_number() || v.is_null()) m.values[key] = real(v);
+  }
+  // Runs from before "monitor" was recorded were classifiers.
+  if (m.monitor.empty() && m.values.count("test_acc")) {
+    m.monitor = "test_acc";
+    m.goal = "max";
+  }
   return m;
 }
 
@@ -146,15 +190,52 @@ EventWriter& MetricsLog::events() {
   return *events_;
 }
 
-void MetricsLog::append_csv(const std::string& row) const {
+void MetricsLog::append_csv(const std::string& row) {
   const auto csv = file("metrics.csv");
   std::error_code ec;
   const bool fresh = !fs::exists(csv, ec) || fs::file_size(csv, ec) == 0;
+  if (columns_.empty()) {
+    // An existing file (a resumed run) keeps its header.
+    std::ifstream in(csv);
+    std::string header;
+    columns_ = !fresh && std::getline(in, header) ? split_csv(header) : kCsvBase;
+  }
   std::ofstream f(csv, std::ios::app);
   check_user(static_cast<bool>(f), "cannot write " + csv + ".", "check that --save_path is writable.");
-  if (fresh) f << kCsvHeader << "\n";
-  f << row << "\n";
+  if (fresh) f << join(columns_) << "\n";
+  if (!row.empty()) f << row << "\n";
   f.flush();
+}
+
+std::string MetricsLog::epoch_row(const EpochMetrics& m) const {
+  std::vector<std::string> cells = {"epoch", std::to_string(m.epoch), std::to_string(m.step), wall(m.wall_time),
+                                    num(m.train_loss), num(m.lr), num(m.epoch_seconds), num(m.samples_per_second)};
+  for (size_t i = kCsvBase.size(); i < columns_.size(); ++i) {
+    auto it = m.values.find(columns_[i]);
+    cells.push_back(it == m.values.end() ? "" : num(it->second));
+  }
+  return join(cells);
+}
+
+void MetricsLog::rewrite_csv(const std::vector<std::string>& columns) {
+  const auto csv_path = file("metrics.csv");
+  std::ifstream in(csv_path);
+  std::string line, out = join(columns) + "\n";
+  std::vector<std::string> old;
+  if (std::getline(in, line)) old = split_csv(line);
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    const auto cells = split_csv(line);
+    std::vector<std::string> moved(columns.size());
+    for (size_t i = 0; i < old.size() && i < cells.size(); ++i) {
+      auto at = std::find(columns.begin(), columns.end(), old[i]);
+      if (at != columns.end()) moved[static_cast<size_t>(at - columns.begin())] = cells[i];
+    }
+    out += join(moved) + "\n";
+  }
+  in.close();
+  write_file_atomic(csv_path, out);
+  columns_ = columns;
 }
 
 void MetricsLog::log_step(StepMetrics s) {
@@ -171,7 +252,15 @@ void MetricsLog::append(EpochMetrics m) {
   check_user(static_cast<bool>(f), "cannot write " + path_ + ".", "check that --save_path is writable.");
   f << m.to_json().dump() << "\n";
   f.flush();
-  append_csv(csv_row(m));
+  if (columns_.empty()) append_csv("");  // only reads or writes the header
+  std::vector<std::string> columns = columns_;
+  for (const auto& [name, v] : m.values)
+    if (std::find(columns.begin(), columns.end(), name) == columns.end()) columns.push_back(name);
+  if (columns != columns_) {
+    std::sort(columns.begin() + static_cast<long>(kCsvBase.size()), columns.end());
+    rewrite_csv(columns);
+  }
+  append_csv(epoch_row(m));
   write_epoch_scalars(events(), m);
   epochs_.push_back(m);
   write_curves_svg(file("curves.svg"), epochs_);
@@ -192,7 +281,10 @@ void MetricsLog::truncate_to(int64_t epochs, int64_t steps) {
   // metrics.csv: the kept epoch rows and the step rows up to `steps`.
   const auto csv_path = file("metrics.csv");
   std::ifstream in(csv_path);
-  std::string line, csv = std::string(kCsvHeader) + "\n";
+  std::string line;
+  if (std::getline(in, line)) columns_ = split_csv(line);
+  if (columns_.empty()) columns_ = kCsvBase;
+  std::string csv = join(columns_) + "\n";
   std::vector<StepMetrics> kept_steps;
   while (std::getline(in, line)) {
     const auto c = split_csv(line);

@@ -126,14 +126,51 @@ void draw_panel(std::ostringstream& svg, double x0, const std::string& title, co
 
 }  // namespace
 
+namespace {
+
+bool is_loss(const std::string& name) { return name.size() >= 5 && name.compare(name.size() - 5, 5, "_loss") == 0; }
+bool is_fraction(const std::string& name) { return name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0; }
+
+// The right panel's metric: the monitor unless it is a loss (already on the
+// left), else R squared where there is one, else the first other metric.
+std::string second_panel_metric(const std::vector<EpochMetrics>& epochs) {
+  if (epochs.empty()) return "";
+  const auto& last = epochs.back();
+  if (!last.monitor.empty() && !is_loss(last.monitor)) return last.monitor;
+  std::string pick;
+  for (const auto& [name, v] : last.values)
+    if (!is_loss(name) && (pick.empty() || (name.size() > 3 && name.compare(name.size() - 3, 3, "_r2") == 0))) pick = name;
+  return pick;
+}
+
+std::string css_class(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+}  // namespace
+
 std::string curves_svg(const std::vector<EpochMetrics>& epochs) {
-  Series train{"train loss", "train-loss", "#1f77b4", {}}, test{"test loss", "test-loss", "#ff7f0e", {}},
-      acc{"test accuracy", "test-acc", "#2ca02c", {}};
+  static const char* const kColors[] = {"#ff7f0e", "#d62728", "#9467bd", "#8c564b", "#e377c2"};
+  // Left: every loss (train, test, and the task's own *_loss metrics).
+  std::vector<Series> losses = {{"train loss", "train-loss", "#1f77b4", {}}};
+  std::vector<std::string> loss_names;
+  for (const auto& m : epochs)
+    for (const auto& [name, v] : m.values)
+      if (is_loss(name) && std::find(loss_names.begin(), loss_names.end(), name) == loss_names.end())
+        loss_names.push_back(name);
+  for (size_t i = 0; i < loss_names.size(); ++i)
+    losses.push_back({metric_label(loss_names[i]), css_class(loss_names[i]), kColors[i % 5], {}});
+  // Right: one more metric (accuracy in per cent).
+  const std::string other = second_panel_metric(epochs);
+  const bool percent = is_fraction(other);
+  Series right{metric_label(other), css_class(other), "#2ca02c", {}};
   for (const auto& m : epochs) {
     const double e = static_cast<double>(m.epoch);
-    if (std::isfinite(m.train_loss)) train.points.emplace_back(e, m.train_loss);
-    if (std::isfinite(m.test_loss)) test.points.emplace_back(e, m.test_loss);
-    if (std::isfinite(m.test_acc)) acc.points.emplace_back(e, 100 * m.test_acc);
+    if (std::isfinite(m.train_loss)) losses[0].points.emplace_back(e, m.train_loss);
+    for (size_t i = 0; i < loss_names.size(); ++i)
+      if (std::isfinite(m.value(loss_names[i]))) losses[i + 1].points.emplace_back(e, m.value(loss_names[i]));
+    if (!other.empty() && std::isfinite(m.value(other))) right.points.emplace_back(e, (percent ? 100 : 1) * m.value(other));
   }
   double first = epochs.empty() ? 1 : static_cast<double>(epochs.front().epoch);
   double last = epochs.empty() ? 1 : static_cast<double>(epochs.back().epoch);
@@ -150,8 +187,12 @@ std::string curves_svg(const std::vector<EpochMetrics>& epochs) {
       << fmt(kHeight, 0) << "\" viewBox=\"0 0 " << fmt(2 * kPanelWidth, 0) << " " << fmt(kHeight, 0)
       << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
       << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  draw_panel(svg, 0, "loss", {train, test}, xa, -1e300, 1e300, false);
-  draw_panel(svg, kPanelWidth, "test accuracy (%)", {acc}, xa, 0, 100, true);
+  draw_panel(svg, 0, "loss", losses, xa, -1e300, 1e300, false);
+  if (other.empty())
+    draw_panel(svg, kPanelWidth, "no other metric", {}, xa, -1e300, 1e300, true);
+  else
+    draw_panel(svg, kPanelWidth, metric_label(other) + (percent ? " (%)" : ""), {right}, xa, percent ? 0 : -1e300,
+               percent ? 100 : 1e300, true);
   svg << "</svg>\n";
   return svg.str();
 }

@@ -21,13 +21,18 @@ torch::Tensor compute_loss(const torch::Tensor& output, const torch::Tensor& tar
     auto uniform = -logp.mean(1).mean();
     return (1 - o.label_smoothing()) * nll + o.label_smoothing() * uniform;
   }
-  check_user(o.kind() == "mse" || o.kind() == "l1", "loss '" + o.kind() + "' is not known.",
-             "use cross-entropy, mse or l1.");
+  check_user(o.kind() == "mse" || o.kind() == "l1" || o.kind() == "huber", "loss '" + o.kind() + "' is not known.",
+             "use cross-entropy, mse, l1 or huber.");
   check_user(output.sizes() == target.sizes(),
              o.kind() + " loss would broadcast " + shapes + " and silently compare the wrong elements.",
              "make the target the same shape as the output (e.g. one value per output), or use --loss cross-entropy for class labels.");
   auto diff = output.to(torch::kFloat) - target.to(torch::kFloat);
-  return o.kind() == "mse" ? diff.pow(2).mean() : diff.abs().mean();
+  if (o.kind() == "mse") return diff.pow(2).mean();
+  if (o.kind() == "l1") return diff.abs().mean();
+  // Huber with delta 1 (torch.nn.HuberLoss's default): quadratic near 0,
+  // linear beyond.
+  const auto a = diff.abs();
+  return torch::where(a < 1.0, 0.5 * a.pow(2), a - 0.5).mean();
 }
 
 }  // namespace ddp

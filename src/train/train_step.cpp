@@ -18,7 +18,8 @@ namespace ddp {
 struct TrainStep::Graph {
   at::cuda::CUDAGraph graph;
   c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool();
-  torch::Tensor x, y, loss;  // static input and output buffers
+  data::Batch input;   // static input buffers
+  StepOutput out{torch::Tensor()};  // static outputs
   bool ready = false;
 };
 #else
@@ -39,6 +40,32 @@ void clip_flat(const std::vector<torch::Tensor>& grads, double max_norm) {
   for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
 }
 
+// The (Net, options) constructor's task: options.loss() on the Net's output.
+class NetLossTask : public Task {
+ public:
+  NetLossTask(Net& net, LossOptions loss) : net_(net), loss_(std::move(loss)) {}
+  StepOutput training_step(const data::Batch& b) override { return compute_loss(net_.forward(b.input()), b.target(), loss_); }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+
+ private:
+  Net& net_;
+  LossOptions loss_;
+};
+
+// True when `b` has the same names, shapes and strides as the graph's
+// static inputs, so it can be copied into them.
+bool same_layout(const data::Batch& b, const data::Batch& like) {
+  if (b.size() != like.size()) return false;
+  auto it = like.begin();
+  for (const auto& [name, t] : b) {
+    const auto& [other_name, other] = *it++;
+    if (name != other_name || t.sizes() != other.sizes() || t.strides() != other.strides() ||
+        t.scalar_type() != other.scalar_type())
+      return false;
+  }
+  return true;
+}
+
 bool has_synced_batchnorm(torch::nn::Module& model) {
   for (const auto& m : model.modules())
     if (auto* bn = m->as<BatchNormImpl>(); bn && bn->synced()) return true;
@@ -48,7 +75,12 @@ bool has_synced_batchnorm(torch::nn::Module& model) {
 }  // namespace
 
 TrainStep::TrainStep(Net& model, World& world, TrainStepOptions options)
-    : model_(model), world_(world), o_(std::move(options)) {
+    : TrainStep(*new NetLossTask(model, options.loss()), model, world, options) {
+  own_task_.reset(&task_);
+}
+
+TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainStepOptions options)
+    : task_(task), model_(model), world_(world), o_(std::move(options)) {
   const auto dev = world_.device();
   check_user(o_.amp() == "off" || o_.amp() == "bf16" || o_.amp() == "fp16", "unknown --amp '" + o_.amp() + "'.",
              "use --amp off, bf16 or fp16.");
@@ -119,16 +151,24 @@ torch::Tensor TrainStep::prepare(const torch::Tensor& x) const {
   return x;
 }
 
-torch::Tensor TrainStep::step_body(const torch::Tensor& x, const torch::Tensor& y, bool last_micro) {
-  torch::Tensor loss;
+StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, double loss_scale) {
+  StepOutput out{torch::Tensor()};
   {
     std::optional<GradSync::NoSync> no_sync;
     if (!last_micro) no_sync.emplace(*sync_);
     {
-      auto amp = autocast(x.device().type());
-      loss = compute_loss(model_.forward(x), y, o_.loss());
+      auto amp = autocast(world_.device().type());
+      out = task_.training_step(batch);
     }
-    auto scaled = o_.accum_steps() > 1 ? loss / o_.accum_steps() : loss;
+    auto& loss = out.loss;
+    check_user(loss.defined() && loss.numel() == 1 && loss.is_floating_point(),
+               "training_step() must return a scalar floating-point loss; it returned " +
+                   (loss.defined() ? c10::str(loss.scalar_type(), " of shape ", loss.sizes()) : std::string("nothing")) + ".",
+               "return the batch's mean loss, e.g. torch::mse_loss(output, target).");
+    check_user(loss.requires_grad(), "the loss from training_step() does not depend on any trainable parameter.",
+               "compute it from the model's output (and not under torch::NoGradGuard).");
+    loss = loss.reshape({}).to(torch::kFloat);
+    auto scaled = loss_scale != 1.0 ? loss * loss_scale : loss;
     if (fp16_) scaled = scaled * scale_;
     scaled.backward();
   }
@@ -146,24 +186,31 @@ torch::Tensor TrainStep::step_body(const torch::Tensor& x, const torch::Tensor& 
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
     sync_->zero_grad();
   }
-  return loss.detach();
+  out.loss = out.loss.detach();
+  for (auto& [name, t] : out.logs) t = t.detach().reshape({}).to(torch::kFloat);
+  return out;
 }
 
 torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr) {
+  return run(data::Batch(x, y), last_micro, lr, 1.0 / o_.accum_steps()).loss;
+}
+
+StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, double loss_scale) {
   if (last_micro) optimizer_->set_lr(lr);
 #ifdef DDP_WITH_CUDA
   if (graph_wanted_ && graph_) {
     auto& g = *graph_;
-    const bool fits = !g.ready || (x.sizes() == g.x.sizes() && x.strides() == g.x.strides() && y.sizes() == g.y.sizes());
+    const bool fits = !g.ready || same_layout(batch, g.input);
     if (g.ready && fits) {
-      g.x.copy_(x, /*non_blocking=*/true);
-      g.y.copy_(y, /*non_blocking=*/true);
+      for (auto& [name, t] : g.input) t.copy_(batch.at(name), /*non_blocking=*/true);
       g.graph.replay();
-      return g.loss.clone();
+      StepOutput out(g.out.loss.clone());
+      for (const auto& [name, t] : g.out.logs) out.logs[name] = t.clone();
+      return out;
     }
     if (fits && eager_steps_ >= o_.graph_warmup()) {
-      if (try_capture(x, y)) return run(x, y, last_micro, lr);
-      return step_body(x, y, last_micro);  // capture failed: eager from now on
+      if (try_capture(batch)) return run(batch, last_micro, lr, loss_scale);
+      return step_body(batch, last_micro, loss_scale);  // capture failed: eager from now on
     }
     // Warm-up steps, and batches of another shape (an epoch's last, smaller
     // one), run eagerly on the capture stream: per-stream state (cuBLAS
@@ -174,32 +221,32 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
     at::cuda::CUDAEvent ready;
     ready.record(current);
     ready.block(g.stream);
-    torch::Tensor loss;
+    StepOutput out{torch::Tensor()};
     {
       c10::cuda::CUDAStreamGuard on_side(g.stream);
-      loss = step_body(x, y, last_micro);
+      out = step_body(batch, last_micro, loss_scale);
     }
     at::cuda::CUDAEvent done;
     done.record(g.stream);
     done.block(current);
-    return loss;
+    return out;
   }
 #endif
-  return step_body(x, y, last_micro);
+  return step_body(batch, last_micro, loss_scale);
 }
 
-bool TrainStep::try_capture(const torch::Tensor& x, const torch::Tensor& y) {
+bool TrainStep::try_capture(const data::Batch& batch) {
 #ifdef DDP_WITH_CUDA
   auto& g = *graph_;
   torch::cuda::synchronize();
-  g.x = x.clone();
-  g.y = y.clone();
+  g.input = data::Batch();
+  for (const auto& [name, t] : batch) g.input[name] = t.clone();
   const bool cache = at::autocast::is_autocast_cache_enabled();
   at::autocast::set_autocast_cache_enabled(false);
   try {
     c10::cuda::CUDAStreamGuard on_side(g.stream);
     compat::begin_capture(g.graph);
-    g.loss = step_body(g.x, g.y, /*last_micro=*/true);
+    g.out = step_body(g.input, /*last_micro=*/true, /*loss_scale=*/1.0);
     g.graph.capture_end();
   } catch (const c10::Error& e) {
     at::autocast::set_autocast_cache_enabled(cache);
@@ -225,8 +272,7 @@ bool TrainStep::try_capture(const torch::Tensor& x, const torch::Tensor& y) {
                                      static_cast<long long>(eager_steps_));
   return true;
 #else
-  (void)x;
-  (void)y;
+  (void)batch;
   return false;
 #endif
 }

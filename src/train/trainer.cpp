@@ -4,20 +4,22 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <csignal>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <iostream>
+#include <limits>
 #include <sstream>
 
 #include "ddp/compat.h"
 #include "ddp/data/device_feeder.h"
 #include "ddp/data/loader.h"
+#include "ddp/data/sampler.h"
 #include "ddp/data/transforms.h"
+#include "ddp/dist/signals.h"
+#include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
-#include "ddp/data/sampler.h"
-#include "ddp/dist/sync_batchnorm.h"
 
 namespace fs = std::filesystem;
 
@@ -35,7 +37,50 @@ std::string timestamp() {
   return buf;
 }
 
-std::atomic<int> g_stop{0};
+
+// "test_acc 91.23%" for accuracies, "test_loss 0.3120" otherwise.
+std::string format_metric(const std::string& name, double v) {
+  char buf[96];
+  const bool fraction = name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0;
+  if (fraction)
+    std::snprintf(buf, sizeof(buf), "%s %.2f%%", name.c_str(), 100 * v);
+  else
+    std::snprintf(buf, sizeof(buf), "%s %.4g", name.c_str(), v);
+  return buf;
+}
+
+// Validation sums, added over ranks in one all-reduce. Every rank must
+// return the same names and shapes; a first, fixed-size all-reduce of
+// (element count, name signature) checks that, so a mismatch is an error
+// instead of a collective of different sizes.
+Totals reduce_totals(World& world, const Totals& local, const torch::Device& dev) {
+  std::vector<torch::Tensor> flat;
+  double signature = 0;
+  int64_t numel = 0;
+  for (const auto& [name, t] : local) {
+    flat.push_back(t.reshape(-1));
+    numel += t.numel();
+    signature += static_cast<double>(std::hash<std::string>{}(name) % 1000003) * static_cast<double>(t.numel() + 1);
+  }
+  auto header = torch::tensor({static_cast<double>(numel), signature}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  auto expected = header.clone() * world.size();
+  world.all_reduce(header, "validation totals (shapes)");
+  check_user(torch::equal(header, expected),
+             "validation_step() returned different names or shapes on different ranks (rank " +
+                 std::to_string(world.rank()) + " has " + std::to_string(local.size()) + " totals).",
+             "return the same names, each of a fixed shape, for every batch on every rank.");
+  if (flat.empty()) return {};
+  auto all = torch::cat(flat);
+  world.all_reduce(all, "validation totals");
+  all = all.cpu();
+  Totals out;
+  int64_t at = 0;
+  for (const auto& [name, t] : local) {
+    out[name] = all.slice(0, at, at + t.numel()).reshape(t.sizes()).clone();
+    at += t.numel();
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -54,49 +99,59 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
       .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
 }
 
-void request_stop() { g_stop.store(1); }
-bool stop_requested() { return g_stop.load() != 0; }
 
-Trainer::Trainer(Config config, World& world, Parts parts)
-    : config_(std::move(config)), world_(world), parts_(std::move(parts)) {
-  auto& model = *parts_.model;
+std::function<void(const World&, int64_t)>& Trainer::after_step_hook() {
+  static std::function<void(const World&, int64_t)> hook;
+  return hook;
+}
+
+// The set-up order of every run, in one place.
+Trainer::Trainer(Config config, World& world, Task& task)
+    : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
+  // 1. The task's data and model, on this rank's device.
+  data_ = task_.make_data(config_, world_);
+  check_user(data_.train && data_.test, "make_data() returned no train or no test dataset.",
+             "return both splits (a test split may be empty: data::Splits{train, empty}).");
+  model_ = task_.make_model(config_, data_);
+  check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
+  check_flags_apply(config_, task_);
+  auto& model = *model_;
   model.to(world_.device());
+  // 2. Initial weights: every rank reads onto its own device (never all
+  //    onto GPU 0); GradSync then broadcasts rank 0's copy.
   if (!config_.pretrain.empty()) {
-    // Every rank reads onto its own device (never all onto GPU 0); GradSync
-    // then broadcasts rank 0's copy, so all ranks start identical.
     auto report = load_pretrained(config_.pretrain, model, world_.device(), config_.pretrain_skip);
     DDP_PRINT0(world_, "pretrain: %s: %s\n", config_.pretrain.c_str(), report.summary().c_str());
   }
+  // 3. SyncBatchNorm, before the step takes the parameters.
   const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
   if (sync_bn) convert_sync_batchnorm(model, world_);
-  step_ = std::make_unique<TrainStep>(model, world_, train_step_options(config_, world_.device()));
-  const int64_t per_rank = DistributedSampler({parts_.data.train->size(), world_.size(), world_.rank()}).num_samples();
+  // 4. The optimizer and schedule the flags ask for, as the task adjusts them.
+  const int64_t per_rank = DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
   const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
   steps_per_epoch_ = (batches + config_.accum_steps - 1) / config_.accum_steps;
   check_user(steps_per_epoch_ > 0, "the training set is empty.", "check --data_root and --train-samples.");
-  schedule_ = std::make_unique<LrSchedule>(
-      LrScheduleOptions()
-          .kind(config_.schedule)
-          .peak_lr(config_.lr)
-          .total_steps(steps_per_epoch_ * config_.epochs)
-          .warmup_steps(static_cast<int64_t>(std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_)))));
+  OptimizerSetup setup{train_step_options(config_, world_.device()).optimizer(),
+                       LrScheduleOptions()
+                           .kind(config_.schedule)
+                           .peak_lr(config_.lr)
+                           .total_steps(steps_per_epoch_ * config_.epochs)
+                           .warmup_steps(static_cast<int64_t>(
+                               std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_))))};
+  task_.configure_optimizer(config_, setup);
+  // 5. The training step: gradient sync (which broadcasts rank 0's
+  //    weights), the flat optimizer, precision, graph capture.
+  step_ = std::make_unique<TrainStep>(task_, model, world_,
+                                      train_step_options(config_, world_.device()).optimizer(setup.optimizer));
+  schedule_ = std::make_unique<LrSchedule>(setup.schedule);
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
-  // A resumed run continues in its checkpoint's run directory, so that
-  // metrics.jsonl goes on; a fresh one gets a new directory. The checkpoint
-  // is read (and so checked) before anything is written.
+  // 6. Resume, then the run directory: a resumed run continues in its
+  //    checkpoint's directory, so that metrics.jsonl goes on; a fresh one
+  //    gets a new directory. The checkpoint is read (and so checked) before
+  //    anything is written.
   const std::string resume_from = find_resume_checkpoint();
   if (!resume_from.empty()) resume(resume_from);
   open_run_dir(resume_from);
-  const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  // Fault injection for tests: DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws there
-  // (first attempt only); RANK:STEP:segv crashes there with SIGSEGV.
-  char how[8] = "";
-  if (fail && (!attempt || std::atoi(attempt) == 0) &&
-      std::sscanf(fail, "%d:%ld:%7s", &fail_rank_, &fail_step_, how) >= 2)
-    fail_segv_ = std::string(how) == "segv";
-  else
-    fail_rank_ = -1;
 }
 
 Trainer::~Trainer() = default;
@@ -141,67 +196,104 @@ void Trainer::open_run_dir(const std::string& resume_from) {
 }
 
 void Trainer::resume(const std::string& path) {
-  auto meta = load_checkpoint(path, *parts_.model, step_.get(), world_.device(), parts_.arch);
+  auto meta = load_checkpoint(path, *model_, step_.get(), world_.device(), task_.arch());
   state_ = meta.state;
   DDP_PRINT0(world_, "resume: %s (epoch %lld, step %lld)\n", path.c_str(), static_cast<long long>(state_.epoch),
              static_cast<long long>(state_.step));
 }
 
+void Trainer::print_start() const {
+  if (!world_.is_main()) return;
+  // One screen: the flags given, the world, the data, the run directory.
+  // Every value, defaults included, is in config.toml.
+  Config c = config_;
+  std::string given;
+  for (const auto& f : flag_table(c))
+    if (c.was_given(f.key())) {
+      std::ostringstream v;
+      std::visit([&](auto* p) { v << std::boolalpha << *p; }, f.target);
+      given += " --" + f.key() + " " + v.str();
+    }
+  std::printf("config:%s (all flags: %s/config.toml)\n", given.empty() ? " defaults" : given.c_str(), run_dir_.c_str());
+  std::printf("world: %d rank(s), backend %s, device %s; data: %s (%lld train, %lld test)%s; model %s; run dir %s\n",
+              world_.size(), world_.backend_name().c_str(), world_.device().str().c_str(), data_.train->name().c_str(),
+              static_cast<long long>(data_.train->size()), static_cast<long long>(data_.test->size()),
+              data_.synthetic ? " [SYNTHETIC data]" : "", task_.arch().c_str(), run_dir_.c_str());
+  std::fflush(stdout);
+}
+
+// The whole run: epochs of training and validation, logs and checkpoints.
 EpochMetrics Trainer::fit() {
-  if (world_.is_main()) {
-    std::ostringstream os;
-    print_config(config_, os);
-    std::printf("%s", os.str().c_str());
-    std::printf("world: %d rank(s), backend %s, device %s; data: %s (%lld train, %lld test); model %s; run dir %s\n",
-                world_.size(), world_.backend_name().c_str(), world_.device().str().c_str(),
-                parts_.data.train->name().c_str(), static_cast<long long>(parts_.data.train->size()),
-                static_cast<long long>(parts_.data.test->size()), parts_.arch.c_str(), run_dir_.c_str());
-    std::fflush(stdout);
-  }
+  print_start();
+  const auto started = Clock::now();
   EpochMetrics last;
   for (int64_t epoch = state_.epoch + 1; epoch <= config_.epochs; ++epoch) {
     auto t0 = Clock::now();
     int64_t samples = 0;
-    const double train_loss = train_epoch(epoch, samples);
+    Metrics logs;
+    // ---- train one epoch ----
+    const double train_loss = train_epoch(epoch, samples, logs);
     const double train_seconds = seconds_since(t0);
-    auto [test_loss, test_acc] = evaluate();
+    // ---- validate ----
+    Metrics metrics = evaluate();
+    for (const auto& [name, v] : logs) metrics[name] = v;
+    EpochEnd end{epoch, state_.step, metrics};
+    task_.on_epoch_end(end);
+    // ---- log ----
+    last = EpochMetrics();
     last.epoch = epoch;
     last.step = state_.step;
     last.train_loss = train_loss;
-    last.test_loss = test_loss;
-    last.test_acc = test_acc;
+    last.values = metrics;
+    last.monitor = monitor_.metric;
+    last.goal = monitor_.goal_name();
     last.lr = schedule_->at(std::max<int64_t>(state_.step - 1, 0));
     last.epoch_seconds = seconds_since(t0);
     last.samples_per_second = static_cast<double>(samples) / std::max(train_seconds, 1e-9);
     state_.epoch = epoch;
     metrics_->append(last);
-    DDP_PRINT0(world_,
-               "epoch %lld/%d  train_loss %.4f  test_loss %.4f  test_acc %.2f%%  %.1f s  %.0f samples/s  "
-               "data wait %.0f%%\n",
-               static_cast<long long>(epoch), config_.epochs, train_loss, test_loss, 100 * test_acc,
-               last.epoch_seconds, last.samples_per_second, 100 * data_wait_seconds_ / std::max(train_seconds, 1e-9));
-    const bool reached = config_.stop_at_acc > 0 && test_acc >= config_.stop_at_acc;
-    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached) save(epoch, test_acc);
+    if (world_.is_main()) {
+      std::string line = "epoch " + std::to_string(epoch) + "/" + std::to_string(config_.epochs) + "  " +
+                         format_metric("train_loss", train_loss);
+      for (const auto& [name, v] : metrics) line += "  " + format_metric(name, v);
+      char tail[128];
+      std::snprintf(tail, sizeof(tail), "  %.1f s  %.0f samples/s  data wait %.0f%%", last.epoch_seconds,
+                    last.samples_per_second, 100 * data_wait_seconds_ / std::max(train_seconds, 1e-9));
+      std::printf("%s%s\n", line.c_str(), tail);
+      std::fflush(stdout);
+    }
+    // ---- checkpoint, and stop if asked ----
+    auto monitored = metrics.find(monitor_.metric);
+    check_user(data_.test->size() == 0 || monitored != metrics.end(),
+               "the task's monitor metric '" + monitor_.metric + "' is not among its metrics (" +
+                   [&] {
+                     std::string s;
+                     for (const auto& [name, v] : metrics) s += (s.empty() ? "" : ", ") + name;
+                     return s;
+                   }() + ").",
+               "return it from validation_metrics(), or name one of these in monitor().");
+    const double value = monitored == metrics.end() ? std::numeric_limits<double>::quiet_NaN() : monitored->second;
+    const bool reached = reached_stop_at(metrics);
+    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached) save(epoch, value);
     if (reached) {
-      DDP_PRINT0(world_, "reached --stop-at-acc %.4f at epoch %lld; stopping.\n", config_.stop_at_acc,
-                 static_cast<long long>(epoch));
+      DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
       break;
     }
-    if (stop_after_epoch_ && epoch < config_.epochs)
+    if (stop_after_epoch_ && epoch < config_.epochs) {
+      world_.barrier("checkpoint before stopping");
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
                       ". Resume with --resume auto --save_path " + config_.save_path + ".");
+    }
   }
   world_.barrier("end of training");
-  if (world_.device().is_cuda())
-    DDP_PRINT0(world_, "peak GPU memory %.0f MiB (rank 0)\n",
-               static_cast<double>(compat::peak_cuda_bytes(world_.device().index())) / (1024.0 * 1024.0));
+  print_summary(last, seconds_since(started));
   return last;
 }
 
-double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
-  auto& model = *parts_.model;
+double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs) {
+  auto& model = *model_;
   model.train();
-  DistributedSampler sampler({parts_.data.train->size(), world_.size(), world_.rank(), true,
+  DistributedSampler sampler({data_.train->size(), world_.size(), world_.rank(), true,
                               static_cast<uint64_t>(config_.seed), false});
   sampler.set_epoch(epoch - 1);  // the order changes every epoch
   auto loader_options = data::LoaderOptions(config_.batch)
@@ -212,56 +304,69 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
                             .epoch(epoch - 1)
                             .rank(world_.rank())
                             .start_batch(state_.batch_in_epoch);
-  if (config_.augment == "standard" && !parts_.data.train_augmented)
+  if (config_.augment == "standard" && !data_.train_augmented)
     loader_options.transform(data::make_augment(data::AugmentOptions()));
-  data::Loader loader(parts_.data.train, sampler.indices(), loader_options);
+  data::Loader loader(data_.train, sampler.indices(), loader_options);
 
   const int64_t micro_batches = loader.num_batches();
   const int64_t display_every = is_bar_ ? std::max(1, config_.log_every / 10) : config_.log_every;
   Progress progress(world_.is_main() ? resolve_progress_mode(is_bar_ ? "bar" : config_.progress) : ProgressMode::kNone,
                     static_cast<int>(epoch), config_.epochs, micro_batches);
   const auto dev = world_.device();
-  // Loss sum and count stay on the device: no host sync per step.
-  // [loss sum, loss count, stop flag]; a resumed epoch starts from the saved
-  // global sums (held by rank 0 alone, so the all-reduce counts them once).
-  auto loss_sum = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  // Running sums stay on the device: no host sync per step. [loss sum,
+  // loss count, stop flag, then one sum per logged name]; a resumed epoch
+  // starts from the saved global sums (held by rank 0 alone, so the
+  // all-reduce counts them once).
+  const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(dev);
+  auto sums = torch::zeros({3 + static_cast<int64_t>(log_names_.size())}, f64);
   if (state_.batch_in_epoch > 0 && world_.is_main()) {
-    loss_sum[0] = state_.epoch_loss_sum;
-    loss_sum[1] = state_.epoch_loss_count;
+    sums[0] = state_.epoch_loss_sum;
+    sums[1] = state_.epoch_loss_count;
   }
   int64_t micro = state_.batch_in_epoch;
   state_.batch_in_epoch = 0;
   state_.epoch_loss_sum = state_.epoch_loss_count = 0;
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
+  const int accum = config_.accum_steps;
 
   data::DeviceFeeder feeder(loader, dev, [this](const torch::Tensor& t) { return step_->prepare(t); });
   while (auto batch = feeder.next()) {
-    const auto& x = batch->input;
-    const auto& y = batch->target;
-    const bool last_micro = (micro + 1) % config_.accum_steps == 0 || micro + 1 == micro_batches;
+    // Gradient accumulation: each optimizer step averages the micro-batches
+    // of its group; the epoch's last group may be smaller, and is averaged
+    // over its own size.
+    const int64_t group_start = micro - micro % accum;
+    const int64_t group_size = std::min<int64_t>(accum, micro_batches - group_start);
+    const bool last_micro = micro + 1 == group_start + group_size;
     if (last_micro) lr = schedule_->at(state_.step);
-    // ---- one micro-step (forward, loss, backward; on the last micro-batch
-    // also all-reduce, clip and the optimizer step), no host sync ----
-    auto loss = step_->run(x, y, last_micro, lr);
-    loss_sum[0] += loss.to(torch::kDouble);
-    loss_sum[1] += 1;
+    // ---- one micro-step (the task's forward and loss, backward; on the
+    // last micro-batch also all-reduce, clip and the optimizer step), no
+    // host sync ----
+    auto out = step_->run(*batch, last_micro, lr, 1.0 / static_cast<double>(group_size));
+    if (log_names_.empty() && !out.logs.empty()) {
+      for (const auto& [name, t] : out.logs) log_names_.push_back(name);
+      sums = torch::cat({sums, torch::zeros({static_cast<int64_t>(log_names_.size())}, f64)});
+    }
+    sums[0] += out.loss.to(torch::kDouble);
+    sums[1] += 1;
+    for (size_t i = 0; i < log_names_.size(); ++i) {
+      auto it = out.logs.find(log_names_[i]);
+      if (it != out.logs.end()) sums[3 + static_cast<int64_t>(i)] += it->second.to(torch::kDouble);
+    }
     ++micro;
-    samples_seen += x.size(0) * world_.size();
-    if (!dev.is_cuda() && !std::isfinite(loss.item<double>()))
-      throw NonFiniteLoss(epoch, state_.step, loss.item<double>(), run_dir_);
+    samples_seen += batch->batch_size() * world_.size();
+    if (!dev.is_cuda() && !std::isfinite(out.loss.item<double>()))
+      throw NonFiniteLoss(epoch, state_.step, out.loss.item<double>(), run_dir_);
     if (last_micro) {
       ++state_.step;
-      if (world_.rank() == fail_rank_ && state_.step == fail_step_) {
-        if (fail_segv_) std::raise(SIGSEGV);
-        throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(fail_step_));
-      }
+      task_.on_step_end(StepEnd{state_.step, epoch, lr});
+      if (after_step_hook()) after_step_hook()(world_, state_.step);
     }
     const bool log_point = micro % config_.log_every == 0 || micro == micro_batches;
     if (micro % display_every == 0 || log_point) {
       // The stop flag rides on the loss all-reduce, so every rank stops at
       // the same step boundary.
-      auto mean = loss_sum.clone();
+      auto mean = sums.clone();
       mean[2] = stop_requested() ? 1.0 : 0.0;
       world_.all_reduce(mean, "train loss");
       const double avg = mean[0].item<double>() / std::max(1.0, mean[1].item<double>());
@@ -284,59 +389,86 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen) {
   }
   progress.close();
   data_wait_seconds_ = feeder.wait_seconds();
-  auto total = loss_sum.clone();
+  auto total = sums.clone();
   world_.all_reduce(total, "epoch train loss");
-  return total[0].item<double>() / std::max(1.0, total[1].item<double>());
+  const double count = std::max(1.0, total[1].item<double>());
+  for (size_t i = 0; i < log_names_.size(); ++i) logs[log_names_[i]] = total[3 + static_cast<int64_t>(i)].item<double>() / count;
+  return total[0].item<double>() / count;
 }
 
-std::pair<double, double> Trainer::evaluate() {
-  auto& model = *parts_.model;
+Metrics Trainer::evaluate() {
+  const auto& test = data_.test;
+  if (test->size() == 0) return {};
+  check_user(test->size() >= world_.size(), "the test set has " + std::to_string(test->size()) +
+                                                " samples, fewer than the " + std::to_string(world_.size()) + " ranks.",
+             "use a larger test set (--test-samples) or fewer ranks.");
+  auto& model = *model_;
   model.eval();
   torch::NoGradGuard no_grad;
-  const auto& test = parts_.data.test;
   // Each test sample is seen by exactly one rank: no padding duplicates.
   data::Loader loader(test, shard_without_padding(test->size(), world_.rank(), world_.size()),
                       data::LoaderOptions(config_.batch * 2).workers(config_.workers).pin_memory(world_.device().is_cuda()));
   const auto dev = world_.device();
-  auto sums = torch::zeros({3}, torch::TensorOptions().dtype(torch::kDouble).device(dev));  // loss, correct, count
-  const bool classify = test->num_classes() > 0;
-  LossOptions plain = LossOptions().kind(config_.loss);
+  Totals totals;
   while (auto batch = loader.next()) {
-    auto x = step_->prepare(batch->input.to(dev, true)), y = batch->target.to(dev, true);
-    torch::Tensor out;
+    for (auto& [name, t] : *batch) t = t.to(dev, true);
+    if (batch->contains("input")) batch->input() = step_->prepare(batch->input());
+    TensorMap sums;
     {
       auto amp = step_->autocast(dev.type());
-      out = model.forward(x).to(torch::kFloat);
+      sums = task_.validation_step(*batch);
     }
-    const double n = static_cast<double>(x.size(0));
-    sums[0] += compute_loss(out, y, plain).to(torch::kDouble) * n;
-    if (classify) sums[1] += out.argmax(1).eq(y).sum().to(torch::kDouble);
-    sums[2] += n;
+    for (auto& [name, s] : sums) {
+      auto d = s.detach().to(dev, torch::kDouble);  // a count made on the CPU joins the rest
+      auto it = totals.find(name);
+      if (it == totals.end()) totals.emplace(name, d.clone());
+      else it->second += d;
+    }
   }
-  world_.all_reduce(sums, "evaluation totals");
-  const double count = std::max(1.0, sums[2].item<double>());
-  return {sums[0].item<double>() / count, sums[1].item<double>() / count};
+  model.train();
+  return task_.validation_metrics(reduce_totals(world_, totals, dev));
+}
+
+bool Trainer::reached_stop_at(const Metrics& metrics) const {
+  const std::string rule = !config_.stop_at.empty() ? config_.stop_at
+                           : config_.stop_at_acc > 0 ? "test_acc>=" + std::to_string(config_.stop_at_acc)
+                                                     : "";
+  if (rule.empty()) return false;
+  // NAME>=V, NAME<=V, or NAME=V (reaching V in the monitor's direction).
+  const auto op = rule.find_first_of("<>=");
+  const std::string name = rule.substr(0, op);
+  const bool at_least = rule.compare(op, 2, ">=") == 0, at_most = rule.compare(op, 2, "<=") == 0;
+  const double target = std::stod(rule.substr(rule.find('=') + 1));
+  auto it = metrics.find(name);
+  if (it == metrics.end()) {
+    std::string names;
+    for (const auto& [n, v] : metrics) names += (names.empty() ? "" : ", ") + n;
+    throw UserError("--stop-at names '" + name + "', which this task does not report (it reports " + names + ").",
+                    "use one of those names, e.g. --stop-at " + monitor_.metric + "=VALUE.");
+  }
+  const bool up = at_least || (!at_most && (name != monitor_.metric || monitor_.goal == Goal::kMax));
+  return up ? it->second >= target : it->second <= target;
 }
 
 void Trainer::save_and_stop(const std::string& path) {
   if (world_.is_main()) {
-    save_checkpoint(path, *parts_.model, step_.get(), CheckpointMeta{state_, parts_.arch, config_to_json(config_)});
+    save_checkpoint(path, *model_, step_.get(), CheckpointMeta{state_, task_.arch(), config_to_json(config_)});
   }
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
                   ". Resume with --resume auto --save_path " + config_.save_path + ".");
 }
 
-void Trainer::save(int64_t epoch, double test_acc) {
+void Trainer::save(int64_t epoch, double monitored) {
   if (!world_.is_main()) return;
-  CheckpointMeta meta{state_, parts_.arch, config_to_json(config_)};
+  CheckpointMeta meta{state_, task_.arch(), config_to_json(config_)};
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
-  if (test_acc > state_.best_acc) {
-    state_.best_acc = test_acc;
+  if (monitor_.better(monitored, state_.best)) {
+    state_.best = monitored;
     meta.state = state_;
-    save_checkpoint(run_dir_ + "/best.pt", *parts_.model, step_.get(), meta);
+    save_checkpoint(run_dir_ + "/best.pt", *model_, step_.get(), meta);
   }
-  save_checkpoint(path, *parts_.model, step_.get(), meta);
+  save_checkpoint(path, *model_, step_.get(), meta);
   std::printf("saved %s\n", path.c_str());
   if (config_.keep_last > 0) {
     // Drop the oldest epoch checkpoints beyond --keep-last.
@@ -349,6 +481,14 @@ void Trainer::save(int64_t epoch, double test_acc) {
     std::sort(found.begin(), found.end());
     for (size_t i = 0; i + static_cast<size_t>(config_.keep_last) < found.size(); ++i) fs::remove(found[i].second);
   }
+}
+
+void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
+  if (!world_.is_main()) return;
+  if (world_.device().is_cuda())
+    std::printf("peak GPU memory %.0f MiB (rank 0)\n",
+                static_cast<double>(compat::peak_cuda_bytes(world_.device().index())) / (1024.0 * 1024.0));
+  std::fflush(stdout);
 }
 
 }  // namespace ddp

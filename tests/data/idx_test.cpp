@@ -111,12 +111,12 @@ TEST(Idx, RealFashionMnistLoads) {
   EXPECT_TRUE(torch::equal(histogram, torch::full({10}, 6000, torch::kLong))) << histogram;
   EXPECT_EQ(train.labels()[0].item<int64_t>(), 9);  // "Ankle boot"
   EXPECT_EQ(test.labels()[0].item<int64_t>(), 9);
-  EXPECT_EQ(splits.train->get(0).target.item<int64_t>(), 9);
+  EXPECT_EQ(splits.train->get(0).target().item<int64_t>(), 9);
 
   // The stored statistics are those of the train images.
   const double mean = train.images().to(torch::kDouble).mean().item<double>() / 255.0;
   EXPECT_NEAR(mean, splits.mean[0], 1e-3);
-  const auto x = splits.train->get_batch({0, 1, 2, 3}).input;
+  const auto x = splits.train->get_batch({0, 1, 2, 3}).input();
   EXPECT_EQ(x.sizes(), (std::vector<int64_t>{4, 1, 28, 28}));
   EXPECT_EQ(x.scalar_type(), torch::kFloat);
   EXPECT_NEAR(x.min().item<double>(), -0.2860 / 0.3530, 1e-5);  // black pixels
@@ -129,13 +129,13 @@ TEST(Idx, SmallGzipFilesLoadAndNormalise) {
   ASSERT_EQ(splits.test->size(), 10);
   EXPECT_EQ(splits.train->input_shape(), (std::vector<int64_t>{1, 4, 3}));
   const auto e = splits.train->get(7);
-  EXPECT_EQ(e.target.item<int64_t>(), 7);
-  EXPECT_EQ(e.target.scalar_type(), torch::kLong);
-  EXPECT_NEAR(e.input[0][1][2].item<double>(), (7 / 255.0 - 0.2860) / 0.3530, 1e-6);
+  EXPECT_EQ(e.target().item<int64_t>(), 7);
+  EXPECT_EQ(e.target().scalar_type(), torch::kLong);
+  EXPECT_NEAR(e.input()[0][1][2].item<double>(), (7 / 255.0 - 0.2860) / 0.3530, 1e-6);
   // get_batch gathers the same values as get.
   const auto b = splits.train->get_batch({7, 3});
-  EXPECT_TRUE(torch::allclose(b.input[0], e.input));
-  EXPECT_EQ(b.target[1].item<int64_t>(), 3);
+  EXPECT_TRUE(torch::allclose(b.input()[0], e.input()));
+  EXPECT_EQ(b.target()[1].item<int64_t>(), 3);
 }
 
 TEST(Idx, RawFilesLoad) {
@@ -152,7 +152,7 @@ TEST(Idx, SampleLimitsKeepTheFirstSamples) {
   const auto splits = load_mnist_like(fake.root, "fashion-mnist", 5, 3);
   EXPECT_EQ(splits.train->size(), 5);
   EXPECT_EQ(splits.test->size(), 3);
-  EXPECT_EQ(splits.train->get(4).target.item<int64_t>(), 4);
+  EXPECT_EQ(splits.train->get(4).target().item<int64_t>(), 4);
   EXPECT_EQ(load_mnist_like(fake.root, "fashion-mnist", 1000, 0).train->size(), 20);
 }
 

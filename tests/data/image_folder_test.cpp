@@ -150,8 +150,8 @@ TEST(ImageFolder, CorruptFilesAreReportedOnceAndReplacedByTheNextGoodOne) {
   const std::vector<double> reds{20, 20, 60, 100, 20};
   const std::vector<int64_t> labels{0, 0, 0, 1, 0};
   for (int64_t j = 0; j < 5; ++j) {
-    EXPECT_NEAR(red_of(batch.input[j], o), reds[static_cast<size_t>(j)], 2.0) << j;  // JPEG rounding
-    EXPECT_EQ(batch.target[j].item<int64_t>(), labels[static_cast<size_t>(j)]) << j;
+    EXPECT_NEAR(red_of(batch.input()[j], o), reds[static_cast<size_t>(j)], 2.0) << j;  // JPEG rounding
+    EXPECT_EQ(batch.target()[j].item<int64_t>(), labels[static_cast<size_t>(j)]) << j;
   }
   EXPECT_EQ(data.corrupt_files(), (std::vector<std::string>{root + "/cls0/bad.jpg", root + "/cls1/junk.png"}));
   // One line per corrupt file, naming it.
@@ -204,20 +204,20 @@ TEST(ImageFolder, LoaderBatchesAreBitIdenticalFor0And1And3Workers) {
                                                    "mixed (train)");
   const auto reference = epoch_batches(data, 0, 2);
   ASSERT_EQ(reference.size(), 7u);  // 27 samples, batches of 4
-  EXPECT_EQ(reference[0].input.sizes(), (std::vector<int64_t>{4, 3, 24, 24}));
+  EXPECT_EQ(reference[0].input().sizes(), (std::vector<int64_t>{4, 3, 24, 24}));
   for (int64_t workers : {1, 3}) {
     const auto batches = epoch_batches(data, workers, 2);
     ASSERT_EQ(batches.size(), reference.size());
     for (size_t k = 0; k < batches.size(); ++k) {
-      EXPECT_TRUE(torch::equal(batches[k].input, reference[k].input)) << "workers " << workers << " batch " << k;
-      EXPECT_TRUE(torch::equal(batches[k].target, reference[k].target)) << "workers " << workers << " batch " << k;
+      EXPECT_TRUE(torch::equal(batches[k].input(), reference[k].input())) << "workers " << workers << " batch " << k;
+      EXPECT_TRUE(torch::equal(batches[k].target(), reference[k].target())) << "workers " << workers << " batch " << k;
     }
   }
   // The augmentation is live: another epoch crops and flips differently,
   // with the same labels.
   const auto other = epoch_batches(data, 3, 3);
-  EXPECT_FALSE(torch::equal(other[0].input, reference[0].input));
-  EXPECT_TRUE(torch::equal(other[0].target, reference[0].target));
+  EXPECT_FALSE(torch::equal(other[0].input(), reference[0].input()));
+  EXPECT_TRUE(torch::equal(other[0].target(), reference[0].target()));
 }
 
 TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {

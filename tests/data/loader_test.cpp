@@ -68,10 +68,10 @@ TEST(Loader, BatchesFollowTheIndexOrder) {
     ASSERT_EQ(batches.size(), 7u);
     std::vector<int64_t> seen;
     for (const auto& b : batches)
-      for (int64_t j = 0; j < b.target.size(0); ++j) seen.push_back(b.target[j].item<int64_t>());
+      for (int64_t j = 0; j < b.target().size(0); ++j) seen.push_back(b.target()[j].item<int64_t>());
     EXPECT_EQ(seen, indices) << "workers=" << workers;
-    EXPECT_EQ(batches.back().input.size(0), 2);  // 50 = 6 * 8 + 2
-    EXPECT_EQ(batches.front().input.sizes(), (std::vector<int64_t>{8, 1}));
+    EXPECT_EQ(batches.back().input().size(0), 2);  // 50 = 6 * 8 + 2
+    EXPECT_EQ(batches.front().input().sizes(), (std::vector<int64_t>{8, 1}));
     EXPECT_EQ(loader.batches_done(), 7);
     EXPECT_FALSE(loader.next().has_value());  // stays exhausted
   }
@@ -86,8 +86,8 @@ TEST(Loader, DropLastDropsThePartialBatch) {
     EXPECT_EQ(loader.num_batches(), 6);
     const auto batches = drain(loader);
     ASSERT_EQ(batches.size(), 6u);
-    for (const auto& b : batches) EXPECT_EQ(b.input.size(0), 8);
-    EXPECT_EQ(batches.back().target[7].item<int64_t>(), 47);
+    for (const auto& b : batches) EXPECT_EQ(b.input().size(0), 8);
+    EXPECT_EQ(batches.back().target()[7].item<int64_t>(), 47);
   }
   Loader exact(data, std::vector<int64_t>(indices.begin(), indices.begin() + 48),
                LoaderOptions(8).drop_last(true));
@@ -122,13 +122,13 @@ TEST(Loader, SameBatchesForAnyWorkerCountWithAugmentation) {
     const auto batches = drain(loader);
     ASSERT_EQ(batches.size(), reference.size());
     for (size_t k = 0; k < batches.size(); ++k) {
-      EXPECT_TRUE(torch::equal(batches[k].input, reference[k].input)) << "batch " << k;
-      EXPECT_TRUE(torch::equal(batches[k].target, reference[k].target)) << "batch " << k;
+      EXPECT_TRUE(torch::equal(batches[k].input(), reference[k].input())) << "batch " << k;
+      EXPECT_TRUE(torch::equal(batches[k].target(), reference[k].target())) << "batch " << k;
     }
   }
   // The transform ran: batch 0 differs from the plain gather.
   const std::vector<int64_t> first(indices.begin(), indices.begin() + 32);
-  EXPECT_FALSE(torch::equal(reference[0].input, splits.train->get_batch(first).input));
+  EXPECT_FALSE(torch::equal(reference[0].input(), splits.train->get_batch(first).input()));
 }
 
 TEST(Loader, ReadsAtMostPrefetchBatchesAhead) {
@@ -199,9 +199,9 @@ TEST(Loader, PinMemoryIsHarmlessWithoutCuda) {
   Loader loader(data, {3, 1, 4}, LoaderOptions(2).pin_memory(true).workers(1));
   auto b = loader.next();
   ASSERT_TRUE(b.has_value());
-  EXPECT_EQ(b->target[1].item<int64_t>(), 1);
+  EXPECT_EQ(b->target()[1].item<int64_t>(), 1);
   if (!torch::cuda::is_available()) {
-    EXPECT_FALSE(b->input.is_pinned());
+    EXPECT_FALSE(b->input().is_pinned());
   }
 }
 

@@ -74,7 +74,7 @@ TEST(Synthetic, NormalisedWithItsOwnStatistics) {
   const auto s = make_synthetic(2000, 10, 0);
   std::vector<int64_t> all(2000);
   for (int64_t i = 0; i < 2000; ++i) all[i] = i;
-  const auto x = s.train->get_batch(all).input;
+  const auto x = s.train->get_batch(all).input();
   EXPECT_NEAR(x.mean().item<double>(), 0.0, 1e-3);
   EXPECT_NEAR(x.std().item<double>(), 1.0, 1e-3);
 }
@@ -111,16 +111,16 @@ TEST(Synthetic, LinearModelLearnsIt) {
   torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-3));
   for (int step = 0; step < 300; ++step) {
     const auto idx = torch::randint(4000, {64}, torch::kLong);
-    const auto x = train.input.index_select(0, idx).flatten(1);
-    const auto y = train.target.index_select(0, idx);
+    const auto x = train.input().index_select(0, idx).flatten(1);
+    const auto y = train.target().index_select(0, idx);
     opt.zero_grad();
     const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
     loss.backward();
     opt.step();
   }
   torch::NoGradGuard no_grad;
-  const auto predicted = model->forward(test.input.flatten(1)).argmax(1);
-  const double accuracy = predicted.eq(test.target).to(torch::kDouble).mean().item<double>();
+  const auto predicted = model->forward(test.input().flatten(1)).argmax(1);
+  const double accuracy = predicted.eq(test.target()).to(torch::kDouble).mean().item<double>();
   EXPECT_GT(accuracy, 0.85) << "chance is 0.1";
 }
 

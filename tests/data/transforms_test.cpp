@@ -120,10 +120,10 @@ TEST(Augment, BadOptionsAreUserErrors) {
 
 TEST(Augment, TransformChangesOnlyTheInput) {
   ddp::data::Batch batch{ramp_batch(8), torch::arange(8)};
-  const auto before = batch.input.clone();
+  const auto before = batch.input().clone();
   ddp::data::make_augment(AugmentOptions().pad(1))(batch, DrawKey{9, 0, 0}, 0);
-  EXPECT_TRUE(torch::equal(batch.input, augment(before, AugmentOptions().pad(1), {9, 0, 0}, 0)));
-  EXPECT_TRUE(torch::equal(batch.target, torch::arange(8)));
+  EXPECT_TRUE(torch::equal(batch.input(), augment(before, AugmentOptions().pad(1), {9, 0, 0}, 0)));
+  EXPECT_TRUE(torch::equal(batch.target(), torch::arange(8)));
 }
 
 }  // namespace

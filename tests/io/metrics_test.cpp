@@ -66,8 +66,8 @@ void log_epochs(ddp::MetricsLog& log, int64_t first, int64_t last, int64_t steps
     m.epoch = e;
     m.step = e * steps_per_epoch;
     m.train_loss = 1.0 / static_cast<double>(e);
-    m.test_loss = 1.2 / static_cast<double>(e);
-    m.test_acc = 0.5 + 0.1 * static_cast<double>(e);
+    m.values["test_loss"] = 1.2 / static_cast<double>(e);
+    m.values["test_acc"] = 0.5 + 0.1 * static_cast<double>(e);
     m.lr = 0.01 / static_cast<double>(e);
     m.epoch_seconds = 3.5;
     m.samples_per_second = 1234.5;
@@ -152,7 +152,7 @@ TEST(Metrics, TruncateKeepsEveryFileConsistent) {
   ddp::EpochMetrics m;
   m.epoch = 3;
   m.step = 18;
-  m.test_acc = 0.85;
+  m.values["test_acc"] = 0.85;
   log.append(m);
   rows = read_csv(dir + "/metrics.csv");
   EXPECT_EQ(rows_of(rows, "epoch").size(), 3u);

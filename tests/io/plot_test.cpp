@@ -71,8 +71,8 @@ std::vector<ddp::EpochMetrics> run_of(std::vector<double> train, std::vector<dou
     ddp::EpochMetrics m;
     m.epoch = static_cast<int64_t>(i) + 1;
     m.train_loss = train[i];
-    m.test_loss = test[i];
-    m.test_acc = acc[i];
+    m.values["test_loss"] = test[i];
+    m.values["test_acc"] = acc[i];
     out.push_back(m);
   }
   return out;

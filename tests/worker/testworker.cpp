@@ -12,6 +12,8 @@
 #include "ddp/dist/launch.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
+#include "ddp/train/trainer.h"
+#include "two_inputs/task.h"
 
 namespace {
 
@@ -156,6 +158,27 @@ void syncbn_unequal(World& world, const std::string& out) {
   std::fclose(f);
 }
 
+// The two-input example's validation over this world, with the same seeded
+// weights on every rank: rank 0 writes the metrics and the totals behind
+// them. (ARGS: more flags, e.g. --test-samples 1001.)
+void task_metric(World& world, const std::string& out, int argc, char** argv) {
+  two_inputs::WeightedTask task;
+  Config defaults;
+  task.add_flags(defaults);
+  std::vector<const char*> args = {"task_metric", "--save_path", nullptr, "--progress", "none", "--sync-bn", "off"};
+  const std::string runs = out + "/runs";
+  args[2] = runs.c_str();
+  for (int i = 0; i < argc; ++i) args.push_back(argv[i]);
+  Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
+  torch::manual_seed(7);
+  Trainer trainer(c, world, task);
+  const Metrics m = trainer.validate();
+  if (!world.is_main()) return;
+  std::FILE* f = std::fopen((out + "/metrics_world" + std::to_string(world.size()) + ".txt").c_str(), "w");
+  for (const auto& [name, v] : m) std::fprintf(f, "%s %.17g\n", name.c_str(), v);
+  std::fclose(f);
+}
+
 int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
   WorldOptions wo;
   wo.use_cuda = false;
@@ -169,6 +192,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     overlap(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "task_metric") {
+    task_metric(world, out, argc, argv);
   } else if (scenario == "throw") {
     if (world.rank() == 1) throw std::runtime_error("injected failure on rank 1");
     auto t = torch::ones({1});

@@ -1,9 +1,12 @@
 // The dataset interface, in the seed template's spirit: a size, and one
-// (input, target) example per index. Datasets that hold everything in memory
-// may also override get_batch() to gather a whole batch at once.
+// example per index, as named tensors ("input", "target", or any names of
+// your own). Datasets that hold everything in memory may also override
+// get_batch() to gather a whole batch at once.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,15 +15,48 @@
 
 namespace ddp::data {
 
-struct Example {
-  torch::Tensor input;   // float32, C x H x W (images) or any shape
-  torch::Tensor target;  // int64 scalar class index, or float tensor for regression
+/// Named tensors: one example, or a batch of them (each name stacked along a
+/// new first dimension). The built-in datasets give "input" and "target";
+/// a dataset of your own may give any names ("input", "target", "weight",
+/// "mask", ...), and the task reads them by name. Ordered by name, so every
+/// rank walks them in the same order.
+class TensorDict {
+ public:
+  TensorDict() = default;
+  /// {"input": input, "target": target}: what the built-in datasets give.
+  TensorDict(torch::Tensor input, torch::Tensor target);
+  TensorDict(std::initializer_list<std::pair<const std::string, torch::Tensor>> items) : items_(items) {}
+
+  /// The tensor called `name`, inserted (undefined) if absent, as std::map does.
+  torch::Tensor& operator[](const std::string& name) { return items_[name]; }
+  /// The tensor called `name`; a UserError listing the names present if absent.
+  const torch::Tensor& at(const std::string& name) const;
+  torch::Tensor& at(const std::string& name);
+  bool contains(const std::string& name) const { return items_.count(name) > 0; }
+  const torch::Tensor& input() const { return at("input"); }
+  torch::Tensor& input() { return at("input"); }
+  const torch::Tensor& target() const { return at("target"); }
+  torch::Tensor& target() { return at("target"); }
+
+  std::vector<std::string> names() const;
+  size_t size() const { return items_.size(); }
+  bool empty() const { return items_.empty(); }
+  /// Length of the first dimension ("input" if present, else the first name).
+  int64_t batch_size() const;
+  auto begin() { return items_.begin(); }
+  auto end() { return items_.end(); }
+  auto begin() const { return items_.begin(); }
+  auto end() const { return items_.end(); }
+
+ private:
+  std::map<std::string, torch::Tensor> items_;
 };
 
-struct Batch {
-  torch::Tensor input;   // B x ...
-  torch::Tensor target;  // B (classes) or B x ... (regression)
-};
+using Example = TensorDict;
+using Batch = TensorDict;
+
+/// Stacks examples name by name; every example must have the same names.
+Batch stack(const std::vector<Example>& examples);
 
 /// What a sample's random draws depend on, besides its position in this
 /// rank's order for the epoch.
@@ -46,12 +82,13 @@ class Dataset {
   /// the default ignores both and calls get_batch(indices).
   virtual Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                                 int64_t first_position) const;
-  /// Shape of one input, e.g. {1, 28, 28}.
-  virtual std::vector<int64_t> input_shape() const = 0;
-  /// Classes for classification; 0 for regression.
-  virtual int64_t num_classes() const = 0;
+  /// Shape of one "input", e.g. {1, 28, 28}; empty when not known. The
+  /// built-in models are sized from it.
+  virtual std::vector<int64_t> input_shape() const { return {}; }
+  /// Classes for classification; 0 otherwise (regression, or not known).
+  virtual int64_t num_classes() const { return 0; }
   /// Shown in logs, e.g. "fashion-mnist (train)".
-  virtual std::string name() const = 0;
+  virtual std::string name() const { return "dataset"; }
 };
 
 using DatasetPtr = std::shared_ptr<const Dataset>;

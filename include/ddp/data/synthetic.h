@@ -28,4 +28,11 @@ namespace ddp::data {
 /// named "synthetic (train)" and "synthetic (test)".
 Splits make_synthetic(int64_t n_train = 60000, int64_t n_test = 10000, uint64_t seed = 0);
 
+/// A learnable regression, the seed template's MSE-on-a-scalar task done
+/// right: 1 x 28 x 28 images of a bright disc of random radius and place on
+/// a noisy background; the target (shape {1}) is the radius, scaled to
+/// [0, 1]. A small CNN reaches R squared above 0.9 in an epoch. Samples are
+/// made on demand, a pure function of (seed, split, index).
+Splits make_synthetic_regression(int64_t n_train = 20000, int64_t n_test = 4000, uint64_t seed = 0);
+
 }  // namespace ddp::data

@@ -8,6 +8,7 @@
 // kill at any moment leaves either the old file or the new one, never half.
 #pragma once
 
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,7 +22,8 @@ constexpr int kCheckpointFormat = 2;  // 2: flat optimizer state
 struct TrainState {
   int64_t epoch = 0;    // epochs completed
   int64_t step = 0;     // optimizer steps completed
-  double best_acc = 0;  // best test accuracy so far
+  // The best value of the task's monitor metric so far (NaN: none yet).
+  double best = std::numeric_limits<double>::quiet_NaN();
   // Where an interrupted epoch stopped (all zero when a checkpoint ends an
   // epoch): micro-batches done, and the train-loss sum and count over all
   // ranks so far, so that the resumed epoch reports the same mean.

@@ -1,23 +1,31 @@
 // The run's record, in the run directory, written by rank 0 only.
 //
+// The task names its metrics (task.h): a classifier reports test_loss and
+// test_acc, a regression test_mse, test_mae and test_r2, a task of your own
+// whatever it returns. Every file below carries them by name.
+//
 // metrics.jsonl  one JSON object per epoch: epoch, step, wall_time,
-//                train_loss, test_loss, test_acc, lr, epoch_seconds,
-//                samples_per_second.
+//                train_loss, lr, epoch_seconds, samples_per_second, the
+//                task's metrics by name, and "monitor"/"goal" (the metric
+//                that picks best.pt, and whether min or max is better).
 // metrics.csv    the same epochs plus the trainer's log points, for
 //                spreadsheets and pandas. Columns:
-//                  kind,epoch,step,wall_time,train_loss,test_loss,test_acc,lr,epoch_seconds,samples_per_second
-//                kind is "step" (a log point: train_loss is the mean over
-//                the epoch so far, samples_per_second since the epoch
-//                began; test_loss, test_acc, epoch_seconds empty) or
-//                "epoch" (every column). step counts optimizer steps since
-//                the run began; wall_time is Unix seconds.
+//                  kind,epoch,step,wall_time,train_loss,lr,epoch_seconds,samples_per_second
+//                then one column per metric, in name order (the header is
+//                rewritten when a new name appears). kind is "step" (a log
+//                point: train_loss is the mean over the epoch so far,
+//                samples_per_second since the epoch began; the metric
+//                columns and epoch_seconds empty) or "epoch" (every
+//                column). step counts optimizer steps since the run
+//                began; wall_time is Unix seconds.
 // events.out.tfevents.<secs>.<host>
 //                TensorBoard scalars: train/loss, train/lr,
-//                train/samples_per_second at log points; train/epoch_loss,
-//                test/loss, test/accuracy at the end of each epoch; all
-//                against the optimizer step (see tensorboard.h).
-// curves.svg     loss and accuracy against epoch, rewritten after each
-//                epoch (see plot.h).
+//                train/samples_per_second at log points; train/epoch_loss
+//                and one tag per metric at the end of each epoch (test_loss
+//                -> test/loss, test_acc -> test/accuracy, test_r2 ->
+//                test/r2), all against the optimizer step (tensorboard.h).
+// curves.svg     losses, and the monitor metric, against epoch, rewritten
+//                after each epoch (see plot.h).
 //
 // Every line is flushed as soon as it is complete, so a crash loses at most
 // the epoch in progress. When a run resumes, truncate_to() cuts all four back
@@ -27,6 +35,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -48,15 +58,25 @@ struct EpochMetrics {
   int64_t epoch = 0;          // 1-based
   int64_t step = 0;           // optimizer steps done at the end of the epoch
   double train_loss = 0;      // mean over all ranks and steps
-  double test_loss = 0;
-  double test_acc = 0;        // fraction in [0, 1]
+  /// The task's metrics and logs by name, e.g. test_loss, test_acc (a
+  /// fraction in [0, 1]), test_r2.
+  std::map<std::string, double> values;
+  std::string monitor;        // the metric that picks best.pt ("" if unknown)
+  std::string goal = "min";   // min | max
   double lr = 0;              // at the end of the epoch
   double epoch_seconds = 0;
   double samples_per_second = 0;
   double wall_time = 0;       // Unix seconds; 0: the log stamps it
+  /// values[name], or NaN when absent.
+  double value(const std::string& name) const;
   nlohmann::json to_json() const;
   static EpochMetrics from_json(const nlohmann::json& j);
 };
+
+/// TensorBoard tag and display name of a metric: its first '_' becomes '/'
+/// (or ' '), and "acc" reads "accuracy": test_acc -> test/accuracy.
+std::string metric_tag(const std::string& name);
+std::string metric_label(const std::string& name);
 
 /// Reads metrics.jsonl; UserError naming the file and line if it is corrupt.
 std::vector<EpochMetrics> read_epoch_metrics(const std::string& jsonl_path);
@@ -80,10 +100,14 @@ class MetricsLog {
  private:
   EventWriter& events();
   std::string file(const std::string& name) const;
-  void append_csv(const std::string& row) const;
+  void append_csv(const std::string& row);
+  /// Rewrites metrics.csv under `columns`, moving each cell to its column.
+  void rewrite_csv(const std::vector<std::string>& columns);
+  std::string epoch_row(const EpochMetrics& m) const;
 
   std::string path_, dir_;
   std::vector<EpochMetrics> epochs_;  // for curves.svg
+  std::vector<std::string> columns_;  // metrics.csv's header
   std::unique_ptr<EventWriter> events_;
 };
 

@@ -1,4 +1,6 @@
-// curves.svg: train and test loss, and test accuracy, against epoch.
+// curves.svg: the losses (train, test, and any other *_loss metric) on the
+// left, and one more metric on the right (the monitor, e.g. test accuracy,
+// or R squared for a regression), against epoch.
 //
 // Two panels with axes, ticks, grid and a legend, one polyline and one
 // marker per epoch for each series, so that the run can be looked at in any

@@ -13,7 +13,7 @@
 namespace ddp {
 
 struct LossOptions {
-  TORCH_ARG(std::string, kind) = "cross-entropy";  // cross-entropy | mse | l1
+  TORCH_ARG(std::string, kind) = "cross-entropy";  // cross-entropy | mse | l1 | huber
   TORCH_ARG(double, label_smoothing) = 0.0;
 };
 

@@ -1,6 +1,7 @@
 // One training step of data-parallel SGD, and what makes it fast on a GPU.
 //
-// run() does a micro-batch: forward under autocast, loss, backward (with the
+// run() does a micro-batch: the task's training_step() (forward and loss)
+// under autocast, then backward (with the
 // gradient all-reduce overlapping it, see grad_sync.h). On the last
 // micro-batch of an optimizer step it also waits for the gradients, unscales
 // them (fp16), clips them, and steps the flat optimizer. Nothing in it reads
@@ -22,6 +23,7 @@
 #include "ddp/dist/grad_sync.h"
 #include "ddp/train/loss.h"
 #include "ddp/models/net.h"
+#include "ddp/train/task.h"
 #include "ddp/dist/world.h"
 
 namespace ddp {
@@ -35,15 +37,21 @@ struct TrainStepOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25;
   TORCH_ARG(int, graph_warmup) = 3;
   TORCH_ARG(FlatOptimizerOptions, optimizer);
+  /// The loss of the (Net, options) constructor, which trains a Net on
+  /// "input" and "target" with compute_loss(); unused with a Task.
   TORCH_ARG(LossOptions, loss);
 };
 
 class TrainStep : public Stateful {
  public:
+  /// Trains `model` (the module task.make_model() returned) with the task's
+  /// training_step().
+  TrainStep(Task& task, torch::nn::Module& model, World& world, TrainStepOptions options);
+  /// Trains a Net on {"input", "target"} batches with options.loss().
   TrainStep(Net& model, World& world, TrainStepOptions options);
   ~TrainStep() override;
 
-  /// The batch in the memory format the model runs in (channels-last or not).
+  /// An input in the memory format the model runs in (channels-last or not).
   torch::Tensor prepare(const torch::Tensor& x) const;
 
   /// Autocast as --amp asks, for a forward pass on `device` (training and
@@ -53,7 +61,11 @@ class TrainStep : public Stateful {
   }
 
   /// One micro-batch (see above); `lr` is used when this is the last one.
-  /// Returns the batch's mean loss, detached, on the device.
+  /// `loss_scale` divides the loss before backward (gradient accumulation:
+  /// 1 / the micro-batches in this optimizer step). Returns the task's loss
+  /// and logs, detached, on the device.
+  StepOutput run(const data::Batch& batch, bool last_micro, double lr, double loss_scale = 1.0);
+  /// run() on {"input": x, "target": y}; returns the loss.
   torch::Tensor run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr);
 
   /// Optimizer state and the fp16 loss scale, for checkpoints.
@@ -71,11 +83,13 @@ class TrainStep : public Stateful {
   const std::string& graph_fallback() const { return fallback_; }
 
  private:
-  torch::Tensor step_body(const torch::Tensor& x, const torch::Tensor& y, bool last_micro);
-  bool try_capture(const torch::Tensor& x, const torch::Tensor& y);
+  StepOutput step_body(const data::Batch& batch, bool last_micro, double loss_scale);
+  bool try_capture(const data::Batch& batch);
   void fall_back(const std::string& why);
 
-  Net& model_;
+  std::unique_ptr<Task> own_task_;  // the (Net, options) constructor's
+  Task& task_;
+  torch::nn::Module& model_;
   World& world_;
   TrainStepOptions o_;
   std::unique_ptr<GradSync> sync_;

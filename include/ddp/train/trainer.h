@@ -1,11 +1,14 @@
 // The training loop: one readable fit() that every run goes through.
 //
-// Set-up happens in a fixed order (device, SyncBatchNorm, gradient sync,
-// optimizer, schedule, run directory, resume), then fit() loops over epochs:
-// train, evaluate on a sharded test set, log, checkpoint. Everything the loop
-// needs beyond that lives in its own module.
+// Set-up happens in a fixed order, in the constructor: the task's data and
+// model, --pretrain, SyncBatchNorm, the training step (gradient sync,
+// optimizer), the schedule, resume, the run directory. Then fit() loops over
+// epochs: train, evaluate on a sharded test set, log, checkpoint. The task
+// (task.h) decides what a batch means; everything else the loop needs lives
+// in its own module.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -15,42 +18,42 @@
 #include "ddp/io/metrics.h"
 #include "ddp/models/net.h"
 #include "ddp/train/lr_schedule.h"
+#include "ddp/train/task.h"
 #include "ddp/train/train_step.h"
 #include "ddp/dist/world.h"
 
 namespace ddp {
 
-/// What a run trains: the model, its data, and a name for its architecture
-/// (checked when resuming).
-struct Parts {
-  std::shared_ptr<Net> model;
-  data::Splits data;
-  std::string arch = "custom";
-};
-
 /// The training-step settings the flags ask for (also sets cuDNN autotuning
 /// and TF32 on CUDA).
 TrainStepOptions train_step_options(const Config& config, const torch::Device& device);
 
-/// Asks every Trainer in this process to checkpoint and stop at the next
-/// step boundary that all ranks agree on (called from signal handlers).
-void request_stop();
-bool stop_requested();
 
 class Trainer {
  public:
-  Trainer(Config config, World& world, Parts parts);
+  Trainer(Config config, World& world, Task& task);
   ~Trainer();
 
   /// Trains every epoch and returns the last epoch's metrics.
   EpochMetrics fit();
+  /// One pass over the test set, sharded across ranks (every sample counted
+  /// once): the task's validation metrics.
+  Metrics validate() { return evaluate(); }
 
   const std::string& run_dir() const { return run_dir_; }
+  torch::nn::Module& model() { return *model_; }
+
+  /// A test hook: called after every optimizer step on this rank (fault
+  /// injection, see tests/worker). Unset in normal runs.
+  static std::function<void(const World&, int64_t step)>& after_step_hook();
 
  private:
-  double train_epoch(int64_t epoch, int64_t& samples_seen);
-  std::pair<double, double> evaluate();  // test loss, test accuracy
-  void save(int64_t epoch, double test_acc);
+  double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
+  Metrics evaluate();
+  void save(int64_t epoch, double monitored);
+  bool reached_stop_at(const Metrics& metrics) const;
+  void print_start() const;
+  void print_summary(const EpochMetrics& last, double seconds) const;
   [[noreturn]] void save_and_stop(const std::string& path);
   std::string find_resume_checkpoint() const;
   void open_run_dir(const std::string& resume_from);
@@ -58,7 +61,10 @@ class Trainer {
 
   Config config_;
   World& world_;
-  Parts parts_;
+  Task& task_;
+  data::Splits data_;
+  ModulePtr model_;
+  Monitor monitor_;
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<LrSchedule> schedule_;
   TrainState state_;
@@ -68,11 +74,7 @@ class Trainer {
   double data_wait_seconds_ = 0;  // host time the last epoch waited for batches
   bool is_bar_ = false;
   bool stop_after_epoch_ = false;
-  // Fault injection for tests of restarts: fail on this rank at this step,
-  // in the first attempt only (DDPTRAIN_FAIL_AT_STEP=rank:step).
-  int fail_rank_ = -1;
-  int64_t fail_step_ = -1;
-  bool fail_segv_ = false;
+  std::vector<std::string> log_names_;  // training_step()'s logs, fixed at the first step
 };
 
 }  // namespace ddp

@@ -1,0 +1,92 @@
+// Stop and crash signals of a worker (see signals.h).
+#include "ddp/dist/signals.h"
+
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+
+namespace ddp {
+namespace {
+
+// First SIGTERM/SIGINT: checkpoint at the next agreed step and stop.
+// Second: stop at once.
+std::atomic<int> g_stop{0};
+std::atomic<int> g_signals{0};
+void on_stop_signal(int sig) {
+  if (g_signals.fetch_add(1) >= 1) _exit(128 + sig);
+  request_stop();
+}
+
+// A worker that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints where, and
+// its native stack, to stderr before dying with the same signal, so that the
+// launcher's "rank N died" comes with a place to look. The faulting pc and,
+// on x86-64, the return address on top of the stack are printed by library
+// and offset as well: after a call through a bad pointer the unwinder stops
+// at the bad pc, and the return address still names the caller.
+// (dladdr and snprintf are not async-signal-safe; the process is dying.)
+void print_address(const char* what, void* a) {
+  Dl_info info{};
+  char line[512];
+  int n;
+  if (a && dladdr(a, &info) && info.dli_fname)
+    n = std::snprintf(line, sizeof(line), "  %s %p = %s+0x%lx (%s)\n", what, a, info.dli_fname,
+                      static_cast<unsigned long>(static_cast<char*>(a) - static_cast<char*>(info.dli_fbase)),
+                      info.dli_sname ? info.dli_sname : "?");
+  else
+    n = std::snprintf(line, sizeof(line), "  %s %p\n", what, a);
+  if (n > 0 && write(STDERR_FILENO, line, static_cast<size_t>(std::min<int>(n, sizeof(line) - 1))) < 0) {}
+}
+
+void on_crash(int sig, siginfo_t* info, void* context) {
+  static const char head[] = "ddptrain: worker crashed; native stack:\n";
+  if (write(STDERR_FILENO, head, sizeof(head) - 1) < 0) {}
+  print_address("fault address", info->si_addr);
+#if defined(__x86_64__)
+  const auto* uc = static_cast<ucontext_t*>(context);
+  print_address("pc", reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]));
+  print_address("return address", *reinterpret_cast<void**>(uc->uc_mcontext.gregs[REG_RSP]));
+#else
+  (void)context;
+#endif
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), STDERR_FILENO);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+}  // namespace
+
+void install_crash_handler() {
+  void* prime[1];
+  (void)backtrace(prime, 1);
+  // Its own stack, so that a stack overflow is reported too.
+  static char alt_stack[1 << 16];
+  stack_t ss{};
+  ss.ss_sp = alt_stack;
+  ss.ss_size = sizeof(alt_stack);
+  sigaltstack(&ss, nullptr);
+  struct sigaction sa {};
+  sa.sa_sigaction = on_crash;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL}) sigaction(sig, &sa, nullptr);
+}
+
+void request_stop() { g_stop.store(1); }
+bool stop_requested() { return g_stop.load() != 0; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGTERM, &sa, nullptr);
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+}  // namespace ddp

@@ -1,0 +1,204 @@
+// The Task interface: built-in regression, tasks of one's own (the examples),
+// task flags, flags a program ignores, monitors where lower is better, and a
+// custom metric reduced across ranks. Real processes, real Gloo groups.
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/io/checkpoint.h"
+#include "ddp/models/registry.h"
+#include "ddp/train/task.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ddp::testing::read_file;
+using ddp::testing::run_process;
+
+std::vector<nlohmann::json> read_metrics(const std::string& save_path) {
+  std::vector<nlohmann::json> out;
+  for (const auto& e : fs::recursive_directory_iterator(save_path))
+    if (e.path().filename() == "metrics.jsonl") {
+      std::ifstream f(e.path());
+      std::string line;
+      while (std::getline(f, line))
+        if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+    }
+  return out;
+}
+
+std::string run_dir_of(const std::string& save_path) {
+  for (const auto& e : fs::directory_iterator(save_path))
+    if (e.is_directory()) return e.path().string();
+  return "";
+}
+
+std::vector<std::string> cpu_run(const std::string& exe, const std::string& save_path, std::vector<std::string> extra) {
+  std::vector<std::string> a{exe, "--save_path", save_path, "--progress", "plain", "--backend", "gloo", "--timeout", "120"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// ddptrain --task regression: the seed's MSE-on-a-scalar case as a one-flag
+// run on learnable data. No accuracy anywhere; best.pt follows test_loss,
+// where lower is better.
+TEST(Task, BuiltinRegressionLearnsAndBestFollowsTheLowestLoss) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("task_regression");
+  auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "2", "--epochs", "3",
+                                                   "--train-samples", "6000", "--test-samples", "1000"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto m = read_metrics(dir);
+  ASSERT_EQ(m.size(), 3u);
+  for (const char* key : {"test_loss", "test_mse", "test_mae", "test_r2"}) EXPECT_TRUE(m[2].contains(key)) << key;
+  EXPECT_GE(m[2]["test_r2"].get<double>(), 0.8) << r.output;  // stated in the README
+  EXPECT_EQ(m[2]["monitor"], "test_loss");
+  EXPECT_EQ(m[2]["goal"], "min");
+  const auto run = run_dir_of(dir);
+  for (const std::string file : {"/metrics.jsonl", "/metrics.csv", "/curves.svg"})
+    EXPECT_EQ(read_file(run + file).find("acc"), std::string::npos) << file << " mentions accuracy";
+  EXPECT_EQ(r.output.find("acc"), std::string::npos) << r.output;
+  auto report = run_process({DDPTRAIN_EXE, "report", run});
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_EQ(report.output.find("acc"), std::string::npos) << report.output;
+  EXPECT_NE(report.output.find("lower is better"), std::string::npos) << report.output;
+  EXPECT_NE(read_file(run + "/curves.svg").find("test r2"), std::string::npos);
+
+  // best.pt holds the epoch with the lowest test_loss, and its value.
+  size_t best_epoch = 0;
+  for (size_t i = 1; i < m.size(); ++i)
+    if (m[i]["test_loss"].get<double>() < m[best_epoch]["test_loss"].get<double>()) best_epoch = i;
+  ddp::models::ModelSpec spec;
+  spec.num_classes = 1;
+  auto model = ddp::models::make_model(spec);
+  auto meta = ddp::load_checkpoint(run + "/best.pt", *model, nullptr, torch::kCPU, "cnn/auto/1x28x28/1");
+  EXPECT_EQ(meta.state.epoch, static_cast<int64_t>(best_epoch + 1));
+  EXPECT_DOUBLE_EQ(meta.state.best, m[best_epoch]["test_loss"].get<double>());
+}
+
+// --stop-at in the direction of the monitor, and its errors.
+TEST(Task, StopAtAMetricWhereLowerIsBetter) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("task_stop_at");
+  auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "1", "--epochs", "3",
+                                                   "--train-samples", "1000", "--test-samples", "200",
+                                                   "--stop-at", "test_loss=100"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_metrics(dir).size(), 1u) << r.output;  // any loss is <= 100: stop after epoch 1
+  EXPECT_NE(r.output.find("reached --stop-at"), std::string::npos) << r.output;
+
+  auto unknown = run_process(cpu_run(DDPTRAIN_EXE, ddp::testing::temp_dir("task_stop_bad"),
+                                     {"--task", "regression", "--size", "1", "--epochs", "1", "--train-samples", "200",
+                                      "--test-samples", "50", "--stop-at", "test_acc=0.9"}));
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+  EXPECT_NE(unknown.output.find("--stop-at names 'test_acc', which this task does not report"), std::string::npos)
+      << unknown.output;
+  EXPECT_NE(ddp::testing::user_error([] { ddp::testing::parse_args({"--stop-at", "test_loss"}); })
+                .find("is not METRIC=VALUE"),
+            std::string::npos);
+}
+
+// A task's flag joins the table: --help, config.toml, and --config.
+TEST(Task, TaskFlagRoundTripsThroughConfigToml) {
+  ddp::Config defaults;
+  defaults.add_flag("--aux-weight", "weight of the auxiliary loss", 0.1);
+  defaults.add_flag("--head", "which head", std::string("small"), {"small", "big"});
+  const char* argv[] = {"prog", "--aux-weight", "0.25", "--head", "big"};
+  auto c = ddp::parse_cli(5, argv, defaults);
+  EXPECT_EQ(c.flag<double>("aux-weight"), 0.25);
+  EXPECT_EQ(c.flag<std::string>("head"), "big");
+  EXPECT_TRUE(c.was_given("aux-weight"));
+  const auto toml = ddp::config_to_toml(c);
+  EXPECT_NE(toml.find("aux-weight = 0.25"), std::string::npos) << toml;
+  EXPECT_NE(toml.find("head = 'big'"), std::string::npos) << toml;
+  EXPECT_EQ(ddp::config_to_json(c)["aux-weight"], 0.25);
+  const auto file = ddp::testing::temp_dir("task_flag") + "/config.toml";
+  std::ofstream(file) << toml;
+  const char* again[] = {"prog", "--config", file.c_str()};
+  auto d = ddp::parse_cli(3, again, defaults);
+  EXPECT_EQ(d.flag<double>("aux-weight"), 0.25);
+  EXPECT_EQ(d.flag<std::string>("head"), "big");
+  // Its choices are checked like a built-in flag's.
+  const char* bad[] = {"prog", "--head", "huge"};
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::parse_cli(3, bad, defaults); }).find("huge"), std::string::npos);
+}
+
+TEST(Task, TaskFlagShowsInHelpAndInTheRunsConfig) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto help = run_process({EXAMPLE_two_inputs, "--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("--aux-weight"), std::string::npos) << help.output;
+  const auto dir = ddp::testing::temp_dir("task_flag_run");
+  auto r = run_process(cpu_run(EXAMPLE_two_inputs, dir, {"--size", "1", "--epochs", "1", "--train-samples", "256",
+                                                         "--test-samples", "64", "--aux-weight", "0.5"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(read_file(run_dir_of(dir) + "/config.toml").find("aux-weight = 0.5"), std::string::npos);
+}
+
+// A flag that the program would ignore is an error, not a silent no-op.
+TEST(Task, FlagThatTheProgramIgnoresIsReported) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const std::vector<std::string> flags :
+       {std::vector<std::string>{"--model", "resnet18"}, {"--dataset", "cifar10"}, {"--loss", "mse"}, {"--task", "regression"}}) {
+    auto args = cpu_run(EXAMPLE_two_inputs, ddp::testing::temp_dir("task_ignored"),
+                        {"--size", "1", "--epochs", "1", "--train-samples", "64", "--test-samples", "16"});
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto r = run_process(args);
+    EXPECT_EQ(r.exit_code, 2) << flags[0] << "\n" << r.output;
+    EXPECT_NE(r.output.find(flags[0] + " does not apply to this program"), std::string::npos) << r.output;
+  }
+  // The built-in task reads --model and --loss: no complaint there.
+  auto ok = run_process(cpu_run(DDPTRAIN_EXE, ddp::testing::temp_dir("task_builtin"),
+                                {"--size", "1", "--epochs", "1", "--dataset", "synthetic", "--train-samples", "128",
+                                 "--test-samples", "32", "--loss", "cross-entropy", "--model", "cnn"}));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// Example (a): the seed's task as it was meant.
+TEST(Task, RegressionExampleReachesStatedR2) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("example_regression");
+  auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "2", "--train-samples", "8000",
+                                                         "--test-samples", "1000"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto m = read_metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_GE(m[1]["test_r2"].get<double>(), 0.9) << r.output;  // stated in the README
+}
+
+// Example (b): two inputs, a custom loss with its own flag, macro-F1.
+TEST(Task, TwoInputExampleReachesStatedMacroF1) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("example_two_inputs");
+  auto r = run_process(cpu_run(EXAMPLE_two_inputs, dir, {"--size", "2", "--epochs", "2", "--train-samples", "6000",
+                                                         "--test-samples", "1001"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto m = read_metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_GE(m[1]["test_f1"].get<double>(), 0.9) << r.output;  // stated in the README
+  EXPECT_EQ(m[1]["monitor"], "test_f1");
+  for (const char* logged : {"train_ce", "train_aux"}) EXPECT_TRUE(m[1].contains(logged)) << logged;
+  EXPECT_LT(m[1]["train_ce"].get<double>(), m[0]["train_ce"].get<double>());
+  EXPECT_TRUE(fs::exists(run_dir_of(dir) + "/best.pt"));
+}
+
+// The custom metric over 2 ranks with uneven shards (1001 test samples:
+// 501 and 500) equals the 1-rank value: every count is exact.
+TEST(Task, CustomMetricOverTwoUnevenRanksEqualsOneRank) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("task_metric");
+  for (const char* ranks : {"1", "2"}) {
+    auto r = run_process({DDP_TESTWORKER, "--launch", ranks, "task_metric", dir, "--test-samples", "1001",
+                          "--train-samples", "64"});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  const auto one = read_file(dir + "/metrics_world1.txt"), two = read_file(dir + "/metrics_world2.txt");
+  ASSERT_NE(one.find("test_f1 "), std::string::npos) << one;
+  EXPECT_EQ(one, two);
+}
+
+}  // namespace
