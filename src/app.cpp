@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <ctime>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -92,11 +93,28 @@ int launch(const Config& c, int argc, char** argv) {
 }
 
 // First SIGTERM/SIGINT: checkpoint at the next agreed step and stop.
-// Second: stop at once.
+// Second: stop at once. `pkill ddptrain`, `systemctl stop` and Slurm signal
+// the launcher and every worker together, and the launcher forwards its copy,
+// so one request can arrive twice within milliseconds. So a copy from our
+// launcher never counts as a second request (it escalates with SIGKILL
+// itself), nor does any signal within a second of the first.
 std::atomic<int> g_signals{0};
-void on_stop_signal(int sig) {
-  if (g_signals.fetch_add(1) >= 1) _exit(128 + sig);
-  request_stop();
+std::atomic<int64_t> g_first_signal_ns{0};
+pid_t g_launcher_pid = 0;
+int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+void on_stop_signal(int sig, siginfo_t* info, void*) {
+  const int64_t now = monotonic_ns();
+  if (g_signals.fetch_add(1) == 0) {
+    g_first_signal_ns.store(now);
+    request_stop();
+    return;
+  }
+  const bool from_launcher = g_launcher_pid > 0 && info && info->si_pid == g_launcher_pid;
+  if (!from_launcher && now - g_first_signal_ns.load() >= 1000000000) _exit(128 + sig);
 }
 
 // A worker that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints where, and
@@ -156,8 +174,10 @@ int run_worker(Config c, Placement where, const PartsFactory& make_parts, const 
   // Lines reach the launcher's terminal (or log file) as they are written.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   install_crash_handler();
+  if (where.launched()) g_launcher_pid = getppid();
   struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
+  sa.sa_sigaction = on_stop_signal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);

@@ -187,9 +187,11 @@ EpochMetrics Trainer::fit() {
                  static_cast<long long>(epoch));
       break;
     }
-    if (stop_after_epoch_ && epoch < config_.epochs)
+    if (stop_after_epoch_ && epoch < config_.epochs) {
+      world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
                       ". Resume with --resume auto --save_path " + config_.save_path + ".");
+    }
   }
   world_.barrier("end of training");
   if (world_.device().is_cuda())
