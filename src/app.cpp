@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <ctime>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -112,7 +113,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   // Lines reach the launcher's terminal (or log file) as they are written.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   install_crash_handler();
-  install_stop_handlers();
+  install_stop_handlers(where.launched() ? getppid() : 0);
   // After a failure the launcher restarts the group (--max-restarts): pick
   // up from the newest checkpoint, as torchrun's elastic agent would.
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");

@@ -27,6 +27,15 @@
 #endif
 #include <ATen/autocast_mode.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #define DDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||      \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -201,6 +210,55 @@ inline void set_cuda_math(bool tf32) {
   at::globalContext().setBenchmarkCuDNN(true);
   at::globalContext().setAllowTF32CuBLAS(tf32);
   at::globalContext().setAllowTF32CuDNN(tf32);
+}
+
+
+/// Whether a store server can be bound to one address (below).
+#if DDP_TORCH_AT_LEAST(2, 4)
+constexpr bool kStoreBindsToAddress = true;
+#else
+constexpr bool kStoreBindsToAddress = false;
+#endif
+
+/// Starts a TCPStore server on `host`:`port`; port 0 lets the kernel choose
+/// (read it back with getPort()), with no window between finding a port and
+/// taking it. From 2.4 we bind the listening socket to `host` alone and hand
+/// it to c10d (masterListenFd, which only its classic backend takes); 1.13 to
+/// 2.3 have no such option, so there c10d listens on every interface.
+inline c10::intrusive_ptr<::c10d::TCPStore> listen_store(const std::string& host, int port,
+                                                         std::chrono::milliseconds timeout) {
+  ::c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(port);
+  so.isServer = true;
+  so.waitWorkers = false;
+  so.timeout = timeout;
+#if DDP_TORCH_AT_LEAST(2, 4)
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  TORCH_CHECK(getaddrinfo(host.c_str(), nullptr, &hints, &found) == 0 && found, "cannot resolve ", host);
+  sockaddr_in a = *reinterpret_cast<sockaddr_in*>(found->ai_addr);
+  freeaddrinfo(found);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TORCH_CHECK(fd >= 0, "socket(): ", std::strerror(errno));
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  socklen_t len = sizeof(a);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || ::listen(fd, 1024) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    const int err = errno;
+    ::close(fd);
+    TORCH_CHECK(false, "cannot listen on ", host, ":", port, ": ", std::strerror(err));
+  }
+  so.port = ntohs(a.sin_port);
+  so.masterListenFd = fd;
+  so.useLibUV = false;
+#else
+  (void)host;
+#endif
+  return c10::make_intrusive<::c10d::TCPStore>(host, so);
 }
 
 }  // namespace ddp::compat

@@ -1,10 +1,13 @@
 // Bucketed, overlapped gradient all-reduce over a flat gradient buffer.
 #include "ddp/dist/grad_sync.h"
 
+#include <limits>
 #include <map>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
+
+#include "ddp/error.h"
 
 namespace ddp {
 namespace {
@@ -31,6 +34,81 @@ torch::Tensor shaped_view(const torch::Tensor& flat, int64_t offset, const torch
   return slice.as_strided(like.sizes(), {c * h * w, 1, w * c, c});
 }
 
+// Per parameter: dtype, requires_grad, number of dims, then up to kMaxDims
+// sizes. A row of zeros stands for "no parameter here".
+constexpr int64_t kMaxDims = 6;
+constexpr int64_t kSignature = 3 + kMaxDims;
+
+torch::Tensor signatures(const std::vector<torch::Tensor>& params) {
+  auto sig = torch::zeros({static_cast<int64_t>(params.size()), kSignature}, torch::kLong);
+  auto a = sig.accessor<int64_t, 2>();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& p = params[i];
+    a[i][0] = static_cast<int64_t>(p.scalar_type()) + 1;
+    a[i][1] = p.requires_grad() ? 1 : 0;
+    a[i][2] = p.dim();
+    for (int64_t d = 0; d < std::min<int64_t>(p.dim(), kMaxDims); ++d) a[i][3 + d] = p.size(d);
+  }
+  return sig;
+}
+
+std::string describe_signature(const torch::Tensor& row) {
+  auto r = row.accessor<int64_t, 1>();
+  if (r[0] == 0) return "missing";
+  std::string s = "[";
+  for (int64_t d = 0; d < std::min<int64_t>(r[2], kMaxDims); ++d) s += (d ? ", " : "") + std::to_string(r[3 + d]);
+  s += "] ";
+  s += c10::toString(static_cast<c10::ScalarType>(r[0] - 1));
+  if (!r[1]) s += " frozen";
+  return s;
+}
+
+// Every rank must hold the same parameters in the same order, as PyTorch's
+// DDP checks at construction: otherwise the broadcast and the buckets pair
+// unrelated tensors, or wait for collectives that never come. Rank 0's
+// signatures go to every rank, each compares its own, and all agree on the
+// first difference (lowest parameter, then lowest rank), so that every rank
+// throws the same error and none is left waiting.
+void check_same_parameters(torch::nn::Module& model, World& world) {
+  const auto named = model.named_parameters();
+  std::vector<torch::Tensor> params;
+  for (const auto& item : named) params.push_back(item.value());
+  const auto on = torch::TensorOptions().dtype(torch::kLong).device(world.device());
+  const auto mine = signatures(params);
+  auto count = torch::full({1}, mine.size(0), on);
+  world.broadcast(count, 0, "parameter count");
+  const int64_t n0 = count.cpu().item<int64_t>();
+  auto theirs = world.is_main() ? mine.to(world.device()) : torch::zeros({n0, kSignature}, on);
+  world.broadcast(theirs, 0, "parameter signatures");
+  theirs = theirs.cpu();
+  const int64_t n = mine.size(0), none = std::max(n, n0) + 1;
+  int64_t first = none;
+  for (int64_t i = 0; i < std::max(n, n0) && first == none; ++i)
+    if (i >= n || i >= n0 || !torch::equal(mine[i], theirs[i])) first = i;
+  auto where = torch::full({1}, first * world.size() + world.rank(), on);
+  const int64_t big = std::numeric_limits<int64_t>::max() / 2;
+  if (first == none) where.fill_(big);
+  world.all_reduce(where, "parameter check", c10d::ReduceOp::MIN);
+  const int64_t agreed = where.cpu().item<int64_t>();
+  if (agreed == big) return;
+  const int64_t index = agreed / world.size();
+  const int rank = static_cast<int>(agreed % world.size());
+  auto row = index < n ? mine[index].clone() : torch::zeros({kSignature}, torch::kLong);
+  auto row_dev = row.to(world.device());
+  world.broadcast(row_dev, rank, "differing parameter");
+  row = row_dev.cpu();
+  const std::string name = world.share_string(
+      "differing parameter", index < n ? named[index].key() : "(none: rank " + std::to_string(world.rank()) +
+                                                                " has " + std::to_string(n) + " parameters)",
+      rank);
+  throw UserError("the model on rank " + std::to_string(rank) + " differs from rank 0's at parameter " +
+                      std::to_string(index) + " '" + name + "': " + describe_signature(row) + " on rank " +
+                      std::to_string(rank) + ", " +
+                      describe_signature(index < n0 ? theirs[index] : torch::zeros({kSignature}, torch::kLong)) +
+                      " on rank 0.",
+                  "every rank must build the same model (same flags, same code, same parameter order).");
+}
+
 }  // namespace
 
 GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions options)
@@ -38,6 +116,7 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
   for (auto& p : model.parameters())
     if (p.requires_grad()) params_.push_back(p);
   buffers_ = model.buffers();
+  if (world_.size() > 1) check_same_parameters(model, world_);
 
   if (options_.broadcast_at_start() && world_.size() > 1) {
     torch::NoGradGuard no_grad;

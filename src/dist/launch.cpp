@@ -22,6 +22,7 @@
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "ddp/compat.h"
 #include "ddp/error.h"
 
 namespace ddp {
@@ -59,9 +60,10 @@ pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
   setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
   setenv("DDPTRAIN_LAUNCHER", "1", 1);
   setenv("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
-  // Across nodes, node 0's launcher hosts the store and every rank is a
-  // client of it (torchrun's static rendezvous uses the same variable).
-  if (o.nnodes > 1) setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  // The launcher (node 0's, across nodes) hosts the store and every rank is
+  // a client of it (torchrun's static rendezvous uses the same variable).
+  // DDPTRAIN_JOB_TOKEN, the job's secret key prefix, comes from the launcher.
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
   // Ranks on one machine share its cores: give each its slice for the BLAS
   // and OpenMP pools, which size themselves when the library loads, before
   // main() could change them. A value the user set wins.
@@ -104,7 +106,9 @@ int reap(std::vector<Worker>& ws) {
       w.running = false;
       w.status = st;
       w.exited_at = std::chrono::steady_clock::now();
-      bool ok = WIFEXITED(st) && WEXITSTATUS(st) == 0;
+      // A preempted rank (exit 75) saved what it had to and stops; its peers
+      // are finishing their part of the same stop, so that is no failure.
+      bool ok = WIFEXITED(st) && (WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == exit_code::kPreempted);
       if (!ok && failed < 0) failed = static_cast<int>(i);
     }
   }
@@ -155,6 +159,67 @@ std::string first_line(const std::exception& e) {
   return msg.substr(0, msg.find('\n'));
 }
 
+// The job's secret: every key the ranks trust lives under it, so a process
+// that connects to the store without it (another job on the same port, a
+// stray client) can neither feed the ranks nor be mistaken for one. 128 bits
+// from the kernel, or the user's DDPTRAIN_JOB_TOKEN (the same on every node).
+std::string job_token() {
+  if (const char* given = std::getenv("DDPTRAIN_JOB_TOKEN")) {
+    const std::string t = given;
+    check_user(t.size() >= 16 && t.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos,
+               "DDPTRAIN_JOB_TOKEN has " + std::to_string(t.size()) + " characters or non-hex ones.",
+               "give at least 16 hex digits, e.g. export DDPTRAIN_JOB_TOKEN=$(openssl rand -hex 16), on every node.");
+    return t;
+  }
+  unsigned char bytes[16];
+  std::FILE* f = std::fopen("/dev/urandom", "rb");
+  const bool ok = f && std::fread(bytes, 1, sizeof(bytes), f) == sizeof(bytes);
+  if (f) std::fclose(f);
+  if (!ok) throw std::runtime_error("cannot read /dev/urandom for the job token");
+  std::string t;
+  char hex[3];
+  for (unsigned char b : bytes) {
+    std::snprintf(hex, sizeof(hex), "%02x", b);
+    t += hex;
+  }
+  return t;
+}
+
+// Whether something listens on `port` (on any address, as c10d binds).
+bool port_in_use(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool busy = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 && errno == EADDRINUSE;
+  ::close(fd);
+  return busy;
+}
+
+// One node: the launcher hosts the job's store, so that the port is taken
+// before any rank starts (a busy port is one error here, not a rank joining
+// another job's store) and a chosen port is never given up and taken again.
+c10::intrusive_ptr<c10d::TCPStore> host_store(const LaunchOptions& o) {
+  // A busy port is the usual failure; say so in one line before c10d, which
+  // logs its own attempts to stderr, tries.
+  check_user(o.master_port == 0 || !port_in_use(o.master_port),
+             "port " + std::to_string(o.master_port) + " is already in use on this machine (another job or program "
+                 "listens there).",
+             "pass another --port, or omit --port to let ddptrain pick a free one.");
+  try {
+    return compat::listen_store(o.master_addr, o.master_port,
+                                std::chrono::milliseconds(static_cast<int64_t>(o.rendezvous_timeout * 1000)));
+  } catch (const std::exception& e) {
+    throw UserError("port " + std::to_string(o.master_port) + " on " + o.master_addr +
+                        " is not available for the job's rendezvous (" + first_line(e) + ").",
+                    "another job or program may listen there: pass another --port, or omit --port.");
+  }
+}
+
 // The launchers of a multi-node job, talking through one TCPStore that node
 // 0's launcher hosts on --port; the workers use the same store (as clients)
 // for their rendezvous, so it outlives any worker, like torchrun's agent
@@ -175,8 +240,10 @@ class NodeLink {
     if (o.node_rank > 0)
       std::fprintf(stderr, "ddptrain: node %d of %d: joining the job at %s (waiting up to %.0f s for node 0)\n",
                    o.node_rank, o.nnodes, where.c_str(), o.rendezvous_timeout);
+    c10::intrusive_ptr<c10d::Store> tcp;
     try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
+      tcp = o.node_rank == 0 ? compat::listen_store(o.master_addr, o.master_port, so.timeout)
+                             : c10::make_intrusive<c10d::TCPStore>(o.master_addr, so);
     } catch (const std::exception& e) {
       if (o.node_rank == 0)
         throw UserError("node 0 could not open the job's rendezvous store on port " + std::to_string(o.master_port) +
@@ -188,6 +255,25 @@ class NodeLink {
                       "start node 0 first (or within --timeout), give every node node 0's --address and the same "
                       "--port, and open that TCP port in node 0's firewall.");
     }
+    // Node 0 hands out its token unless the user gave every node one.
+    const bool given = std::getenv("DDPTRAIN_JOB_TOKEN") != nullptr;
+    if (o.node_rank == 0) {
+      token_ = job_token();
+      if (!given) tcp->set("ddptrain/launch/token", std::vector<uint8_t>(token_.begin(), token_.end()));
+    } else if (given) {
+      token_ = job_token();
+    } else {
+      try {
+        const auto v = tcp->get("ddptrain/launch/token");
+        token_.assign(v.begin(), v.end());
+      } catch (const std::exception& e) {
+        throw UserError("node " + std::to_string(o.node_rank) + " reached " + where +
+                            ", but no ddptrain node 0 answered there (" + first_line(e) + ").",
+                        "check that --address and --port are node 0's, and that DDPTRAIN_JOB_TOKEN is set on every "
+                        "node or on none.");
+      }
+    }
+    store_ = c10::make_intrusive<c10d::PrefixStore>("ddptrain/job/" + token_, tcp);
     // Every node must run as many ranks as node 0, or ranks would collide.
     const std::string key = "ddptrain/launch/ranks_per_node";
     if (o.node_rank == 0) {
@@ -199,8 +285,8 @@ class NodeLink {
       } catch (const std::exception& e) {
         throw UserError("node " + std::to_string(o.node_rank) + " reached " + where +
                             ", but no ddptrain node 0 answered there (" + first_line(e) + ").",
-                        "check that --address and --port are node 0's, and that no other program or job uses "
-                        "that port.");
+                        "check that --address and --port are node 0's, that no other program or job uses "
+                        "that port, and that every node has the same DDPTRAIN_JOB_TOKEN (or none has).");
       }
       const int theirs = std::atoi(std::string(v.begin(), v.end()).c_str());
       if (theirs != o.nproc_per_node) {
@@ -270,6 +356,7 @@ class NodeLink {
   }
 
   std::string address() const { return o_.master_addr + ":" + std::to_string(o_.master_port); }
+  const std::string& token() const { return token_; }
 
  private:
   static std::string key(int attempt, int node) {
@@ -278,7 +365,8 @@ class NodeLink {
   void set(const std::string& k, const std::string& v) { store_->set(k, std::vector<uint8_t>(v.begin(), v.end())); }
 
   const LaunchOptions& o_;
-  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::string token_;
+  c10::intrusive_ptr<c10d::Store> store_;  // under the job's token
 };
 
 // Runs one attempt's workers until they end; sets `cause_here` false when
@@ -337,6 +425,8 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  for (const auto& w : ws)
+    if (WIFEXITED(w.status) && WEXITSTATUS(w.status) == exit_code::kPreempted) return exit_code::kPreempted;
   return 0;
 }
 
@@ -348,7 +438,9 @@ int run_once(const LaunchOptions& o, NodeLink* link, int port, int attempt, std:
   if (!link) return code;
   // Every node posts how it ended; node 0 keeps the store up until all have
   // (no node may take a finished job for a lost node 0), briefly after a failure.
-  link->post(attempt, code == 0 ? "done" : (cause_here ? "fail:" : "stopped:") + why);
+  link->post(attempt, code == 0                       ? std::string("done")
+                      : code == exit_code::kPreempted ? std::string("preempted")
+                                                      : (cause_here ? "fail:" : "stopped:") + why);
   const std::string remote = link->wait_for_all(attempt, code == 0 ? o.rendezvous_timeout : 15.0);
   if (code == 0 && !remote.empty()) {
     why = remote;
@@ -425,9 +517,16 @@ int launch_workers(const LaunchOptions& o) {
              "--port is required with --nnodes " + std::to_string(o.nnodes) + ".",
              "give every node the same --address (node 0's) and --port.");
   std::unique_ptr<NodeLink> link;
+  c10::intrusive_ptr<c10d::TCPStore> store;  // one node: the job's store, hosted here
+  int port = o.master_port;
   if (o.nnodes > 1) {
     check_address(o);
     link = std::make_unique<NodeLink>(o);
+    setenv("DDPTRAIN_JOB_TOKEN", link->token().c_str(), 1);
+  } else {
+    store = host_store(o);
+    port = store->getPort();
+    setenv("DDPTRAIN_JOB_TOKEN", job_token().c_str(), 1);
   }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
@@ -436,11 +535,11 @@ int launch_workers(const LaunchOptions& o) {
   sigaction(SIGTERM, &sa, nullptr);
 
   for (int attempt = 0;; ++attempt) {
-    const int port = o.master_port > 0 ? o.master_port : find_free_port();
     std::string why;
     bool interrupted = false;
     int code = run_once(o, link.get(), port, attempt, why, interrupted);
     if (code == 0) return 0;
+    if (code == exit_code::kPreempted) return code;  // rank 0 said where it saved
     if (interrupted) {
       std::fprintf(stderr, "ddptrain: stopped by signal (%s).\n", why.c_str());
       return code;

@@ -9,18 +9,37 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
+#include <ctime>
 
 namespace ddp {
 namespace {
 
 // First SIGTERM/SIGINT: checkpoint at the next agreed step and stop.
-// Second: stop at once.
+// Second: stop at once. `pkill ddptrain`, `systemctl stop` and Slurm signal
+// the launcher and every worker together, and the launcher forwards its copy,
+// so one request can arrive twice within milliseconds. So a copy from our
+// launcher never counts as a second request (it escalates with SIGKILL
+// itself), nor does any signal within a second of the first.
 std::atomic<int> g_stop{0};
 std::atomic<int> g_signals{0};
-void on_stop_signal(int sig) {
-  if (g_signals.fetch_add(1) >= 1) _exit(128 + sig);
-  request_stop();
+std::atomic<int64_t> g_first_signal_ns{0};
+pid_t g_launcher_pid = 0;
+int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
+  timespec t{};
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
+}
+void on_stop_signal(int sig, siginfo_t* info, void*) {
+  const int64_t now = monotonic_ns();
+  if (g_signals.fetch_add(1) == 0) {
+    g_first_signal_ns.store(now);
+    request_stop();
+    return;
+  }
+  const bool from_launcher = g_launcher_pid > 0 && info && info->si_pid == g_launcher_pid;
+  if (!from_launcher && now - g_first_signal_ns.load() >= 1000000000) _exit(128 + sig);
 }
 
 // A worker that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints where, and
@@ -81,9 +100,11 @@ void install_crash_handler() {
 void request_stop() { g_stop.store(1); }
 bool stop_requested() { return g_stop.load() != 0; }
 
-void install_stop_handlers() {
+void install_stop_handlers(int launcher_pid) {
+  g_launcher_pid = launcher_pid;
   struct sigaction sa {};
-  sa.sa_handler = on_stop_signal;
+  sa.sa_sigaction = on_stop_signal;
+  sa.sa_flags = SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);

@@ -196,7 +196,10 @@ torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
              "the model's channel counts do not match its data.");
   const bool use_batch_stats = is_training() || !options.track_running_stats();
   if (is_training() && options.track_running_stats()) num_batches_tracked.add_(1);
-  if (use_batch_stats && synced()) {
+  // Only training communicates, as in PyTorch: in eval the ranks may run
+  // different numbers of batches, and batch statistics there (no running
+  // statistics kept) are each batch's own.
+  if (is_training() && synced()) {
     return SyncBatchNormFn::apply(input, weight, bias,
                                   is_training() ? running_mean : torch::Tensor(),
                                   is_training() ? running_var : torch::Tensor(), options.eps(),

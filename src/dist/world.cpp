@@ -169,10 +169,15 @@ World::World(const Placement& where, const WorldOptions& options)
   const std::string addr = where_.master_addr;
   try {
     store_ = c10::make_intrusive<c10d::TCPStore>(addr, so);
+    // Every key lives under the job's secret token when ddptrain's launcher
+    // gave one, so that a client without it cannot write what the ranks read.
+    std::string prefix = "ddp";
+    if (const char* token = env("DDPTRAIN_JOB_TOKEN")) prefix += std::string("/job/") + token;
     if (agent_store) {
       const char* attempt = env("TORCHELASTIC_RESTART_COUNT");
-      store_ = c10::make_intrusive<c10d::PrefixStore>(std::string("ddp/attempt") + (attempt ? attempt : "0"), store_);
+      prefix += std::string("/attempt") + (attempt ? attempt : "0");
     }
+    if (prefix != "ddp") store_ = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   } catch (const std::exception& e) {
     if (so.isServer)
       throw UserError("rank 0 could not open the rendezvous store on " + addr + ":" +
@@ -240,15 +245,23 @@ c10::intrusive_ptr<compat::Work> World::all_reduce_async(torch::Tensor& t) {
 
 void World::wait(const c10::intrusive_ptr<compat::Work>& work, const std::string& what) {
   try {
-    // Inside a CUDA graph capture the wait must be stream-ordered only (a
-    // timed wait polls events on the host, which capture forbids).
-    if (compat::stream_capturing())
-      work->wait();
-    else
-      work->wait(options_.timeout);
+    settle(work);
   } catch (const std::exception& e) {
     fail(what, e);
   }
+}
+
+void World::settle(const c10::intrusive_ptr<compat::Work>& work) const {
+  // On CUDA the wait must only order the current stream after NCCL's: a
+  // wait with a timeout makes ProcessGroupNCCL poll on the host until the
+  // collective is done (WorkNCCL::wait in 2.x), so the host could no longer
+  // queue work ahead, and a CUDA graph capture forbids it. A hang is still
+  // bounded: NCCL's watchdog enforces the group's timeout (--timeout).
+  // Gloo runs on the host anyway, and there the timed wait names the call.
+  if (device_.is_cuda() || compat::stream_capturing())
+    work->wait();
+  else
+    work->wait(options_.timeout);
 }
 
 void World::all_reduce(torch::Tensor& t, const std::string& what, c10d::ReduceOp op) {
@@ -256,7 +269,7 @@ void World::all_reduce(torch::Tensor& t, const std::string& what, c10d::ReduceOp
     std::vector<torch::Tensor> v{t};
     c10d::AllreduceOptions o;
     o.reduceOp = op;
-    pg_->allreduce(v, o)->wait(options_.timeout);
+    settle(pg_->allreduce(v, o));
   } catch (const std::exception& e) {
     fail(what, e);
   }
@@ -267,7 +280,7 @@ void World::broadcast(torch::Tensor& t, int root, const std::string& what) {
     std::vector<torch::Tensor> v{t};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    pg_->broadcast(v, o)->wait(options_.timeout);
+    settle(pg_->broadcast(v, o));
   } catch (const std::exception& e) {
     fail(what, e);
   }
@@ -276,6 +289,7 @@ void World::broadcast(torch::Tensor& t, int root, const std::string& what) {
 void World::barrier(const std::string& what) {
   auto t = torch::zeros({1}, torch::TensorOptions().device(device_));
   all_reduce(t, "barrier: " + what);
+  (void)t.item<float>();  // on CUDA the wait above is stream-ordered; a barrier holds the host too
 }
 
 std::string World::share_string(const std::string& key, const std::string& value_on_root, int root) {

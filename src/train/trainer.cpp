@@ -280,7 +280,7 @@ EpochMetrics Trainer::fit() {
       break;
     }
     if (stop_after_epoch_ && epoch < config_.epochs) {
-      world_.barrier("checkpoint before stopping");
+      world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
                       ". Resume with --resume auto --save_path " + config_.save_path + ".");
     }

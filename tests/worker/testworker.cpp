@@ -12,6 +12,7 @@
 #include "ddp/dist/launch.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
+#include "ddp/train/flat_optimizer.h"
 #include "ddp/train/trainer.h"
 #include "two_inputs/task.h"
 
@@ -131,6 +132,38 @@ void unused(World& world, const std::string& out) {
   save(torch::cat(g), out + "/grads_rank" + std::to_string(world.rank()) + ".pt");
 }
 
+// fc0 is frozen, fc1 trains, fc2 gets no gradient on any rank; AdamW with
+// weight decay. PyTorch leaves fc0 and fc2 untouched (their .grad is None).
+void frozen(World& world, const std::string& out) {
+  torch::manual_seed(7);
+  TwoHeads net;
+  for (auto& p : net->fc0->parameters()) p.set_requires_grad(false);
+  auto copy = [](torch::nn::Module& m) {
+    std::vector<torch::Tensor> v;
+    for (auto& p : m.parameters()) v.push_back(p.detach().clone());
+    return v;
+  };
+  GradSync sync(*net, world);
+  const auto fc0 = copy(*net->fc0), fc2 = copy(*net->fc2);
+  FlatOptimizer opt(sync.flat_params(), sync.flat_grads(),
+                    FlatOptimizerOptions().name("adamw").lr(0.1).weight_decay(0.1));
+  for (int step = 0; step < 3; ++step) {
+    sync.zero_grad();
+    net->fc1(net->fc0(torch::ones({2, 4}))).sum().backward();
+    sync.finish();
+    opt.step();
+  }
+  auto changed = [](const std::vector<torch::Tensor>& before, torch::nn::Module& m) {
+    const auto now = m.parameters();
+    bool any = false;
+    for (size_t i = 0; i < now.size(); ++i) any = any || !torch::equal(before[i], now[i].detach());
+    return any;
+  };
+  std::FILE* f = std::fopen((out + "/frozen_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%d %d\n", changed(fc0, *net->fc0) ? 1 : 0, changed(fc2, *net->fc2) ? 1 : 0);
+  std::fclose(f);
+}
+
 // Ranks hold 5 and 11 samples: the forward output, the input gradient and
 // the running statistics must equal plain batch norm over all 16 samples,
 // which every rank can compute itself as the reference.
@@ -179,15 +212,38 @@ void task_metric(World& world, const std::string& out, int argc, char** argv) {
   std::fclose(f);
 }
 
+// Eval mode with track_running_stats=false normalises each batch by its own
+// statistics and must not communicate: rank 0 runs 1 batch, rank 1 runs 3.
+void syncbn_eval(World& world, const std::string& out) {
+  auto bn = BatchNorm(BatchNormOptions(4).track_running_stats(false));
+  convert_sync_batchnorm(*bn, world);
+  bn->eval();
+  torch::NoGradGuard no_grad;
+  double worst = 0;
+  for (int b = 0; b < (world.rank() == 0 ? 1 : 3); ++b) {
+    torch::manual_seed(10 * world.rank() + b);
+    auto x = torch::randn({3 + b, 4, 5, 5}) * 2 + 1;
+    auto local = torch::batch_norm(x, bn->weight, bn->bias, {}, {}, true, 0.1, 1e-5, false);
+    worst = std::max(worst, (bn->forward(x) - local).abs().max().item<double>());
+  }
+  std::FILE* f = std::fopen((out + "/eval_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%.3g\n", worst);
+  std::fclose(f);
+}
+
 int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
   WorldOptions wo;
-  wo.use_cuda = false;
+  wo.use_cuda = std::getenv("DDP_TEST_CUDA") != nullptr;
   if (const char* t = std::getenv("DDP_TEST_TIMEOUT_MS")) wo.timeout = std::chrono::milliseconds(std::atoi(t));
   World world(placement_from_env(), wo);
   if (scenario == "equivalence") {
     equivalence(world, out, argc > 0 ? std::atoi(argv[0]) : 1, !(argc > 1 && std::string(argv[1]) == "local-bn"));
   } else if (scenario == "syncbn_unequal") {
     syncbn_unequal(world, out);
+  } else if (scenario == "frozen") {
+    frozen(world, out);
+  } else if (scenario == "syncbn_eval") {
+    syncbn_eval(world, out);
   } else if (scenario == "overlap") {
     overlap(world, out);
   } else if (scenario == "unused") {
@@ -198,6 +254,33 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     if (world.rank() == 1) throw std::runtime_error("injected failure on rank 1");
     auto t = torch::ones({1});
     world.all_reduce(t, "waiting for rank 1");
+  } else if (scenario == "mismatch") {
+    // Rank 1 builds a different head: GradSync must refuse, on every rank.
+    torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::Linear(4, world.rank() == 1 ? 5 : 3));
+    GradSync sync(*net, world);
+  } else if (scenario == "preempt") {
+    // Rank 1 stops at once; rank 0 takes a while to "save" first.
+    if (world.rank() == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      std::fclose(std::fopen((out + "/rank0_done").c_str(), "w"));
+    }
+    throw Preempted("stopped by a signal (test)");
+  } else if (scenario == "share") {
+    // Rank 0 shares late, so that a foreign write would come first.
+    if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    const std::string got = world.share_string("resume", "from rank 0");
+    std::FILE* f = std::fopen((out + "/share_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+    std::fprintf(f, "%s", got.c_str());
+    std::fclose(f);
+  } else if (scenario == "stall_grad") {
+    // Rank 1 never joins the gradient all-reduce.
+    DeepLinear net;
+    net->to(world.device());
+    GradSync sync(*net, world);
+    if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::hours(1));
+    net->forward(torch::randn({8, 64}, torch::TensorOptions().device(world.device()))).sum().backward();
+    sync.finish();
+    (void)net->layers[0]->weight.grad().sum().item<float>();
   } else if (scenario == "stall") {
     if (world.rank() == 1) std::this_thread::sleep_for(std::chrono::hours(1));
     auto t = torch::ones({1});
@@ -216,6 +299,7 @@ int main(int argc, char** argv) {
     if (argc >= 4 && std::strcmp(argv[1], "--launch") == 0) {
       LaunchOptions lo;
       lo.nproc_per_node = std::atoi(argv[2]);
+      if (const char* port = std::getenv("DDP_TEST_PORT")) lo.master_port = std::atoi(port);
       lo.argv.push_back(self_executable());
       for (int i = 3; i < argc; ++i) lo.argv.push_back(argv[i]);
       return launch_workers(lo);
@@ -225,6 +309,11 @@ int main(int argc, char** argv) {
       return 2;
     }
     return run_scenario(argv[1], argv[2], argc - 3, argv + 3);
+  } catch (const ddp::UserError& e) {
+    std::fprintf(stderr, "ddp_testworker rank %s: error: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "0", e.what());
+    return ddp::exit_code::kUsage;
+  } catch (const ddp::Preempted& e) {
+    return ddp::exit_code::kPreempted;
   } catch (const ddp::CollectiveError& e) {
     std::fprintf(stderr, "ddp_testworker rank %s: error: %s\n", std::getenv("RANK") ? std::getenv("RANK") : "0", e.what());
     return ddp::exit_code::kPeerFailed;

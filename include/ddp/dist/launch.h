@@ -7,10 +7,15 @@
 // others within a grace period and reports which rank died and how. With
 // max_restarts it starts the whole group again, like torchrun's elastic agent.
 //
-// With nnodes > 1 one launcher runs per node. Node 0's launcher hosts the
-// job's TCPStore on master_port (the workers join it as clients), and the
-// launchers report their node's end through it: a rank that fails on one
-// node stops the ranks of every node, and each launcher names that rank.
+// The launcher (node 0's, with nnodes > 1) hosts the job's TCPStore on
+// master_port before any worker starts, and the workers join it as clients;
+// every key lives under a per-job secret (DDPTRAIN_JOB_TOKEN, see
+// docs/security.md). A worker's exit 75 (preempted: it saved and stopped) is
+// not a failure: the launcher waits for the others and exits 75.
+//
+// With nnodes > 1 one launcher runs per node, and the launchers report their
+// node's end through the store: a rank that fails on one node stops the ranks
+// of every node, and each launcher names that rank.
 #pragma once
 
 #include <string>
@@ -34,7 +39,8 @@ struct LaunchOptions {
 /// Runs the workers to completion; returns the exit code for the launcher.
 int launch_workers(const LaunchOptions& options);
 
-/// A TCP port on this machine that nothing listens on right now.
+/// A TCP port on this machine that nothing listens on right now (racy: the
+/// launcher does not use it; tests do).
 int find_free_port();
 
 /// "rank 1 exited with code 3", "rank 0 was killed by signal 9 (SIGKILL)".

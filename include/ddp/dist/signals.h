@@ -3,7 +3,8 @@
 // install_stop_handlers(): the first SIGTERM or SIGINT asks the training
 // loop to stop at the next step boundary that every rank agrees on
 // (stop_requested() turns true; the loop checkpoints and exits 75, as
-// torchrun and Slurm expect of a preempted job); a second one exits at once.
+// torchrun and Slurm expect of a preempted job); a second one, at least a
+// second later and not the launcher's forwarded copy, exits at once.
 // install_crash_handler(): a crash (SIGSEGV, SIGBUS, SIGFPE, SIGILL) prints
 // where it happened and the native stack, on its own signal stack, then
 // dies with the same signal, so the launcher's "rank N died" comes with a
@@ -13,7 +14,8 @@
 
 namespace ddp {
 
-void install_stop_handlers();
+/// `launcher_pid`: the process that forwards signals to this one (0: none).
+void install_stop_handlers(int launcher_pid = 0);
 void install_crash_handler();
 
 /// True once a stop was asked for (by a signal or by request_stop()).

@@ -80,6 +80,8 @@ class World {
 
  private:
   [[noreturn]] void fail(const std::string& what, const std::exception& e) const;
+  /// Waits for `work` the way its device needs (see world.cpp).
+  void settle(const c10::intrusive_ptr<compat::Work>& work) const;
 
   Placement where_;
   WorldOptions options_;

@@ -1,0 +1,165 @@
+// The launcher with real processes: stopping a job by signal keeps its
+// checkpoint, and a job's rendezvous store is its own.
+#include <dirent.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "ddp/dist/launch.h"
+#include "ddp/error.h"
+#include "ddp/io/checkpoint.h"
+#include "ddp/models/registry.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ddp::testing::run_process;
+
+std::vector<std::string> train_args(const std::string& save_path, std::vector<std::string> extra) {
+  std::vector<std::string> a{DDPTRAIN_EXE, "--save_path", save_path, "--progress", "plain", "--timeout", "60",
+                             "--backend", "gloo", "--dataset", "synthetic", "--size", "2"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::string find_file(const std::string& dir, const std::string& name) {
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    if (e.path().filename() == name) return e.path().string();
+  return "";
+}
+
+// The processes whose parent is `pid` (read from /proc).
+std::vector<pid_t> children_of(pid_t pid) {
+  std::vector<pid_t> out;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string stat = ddp::testing::read_file(e.path().string() + "/stat");
+    // "pid (comm) state ppid ...": comm may hold spaces, so parse after ')'.
+    const auto close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream in(stat.substr(close + 1));
+    std::string state;
+    pid_t ppid = 0;
+    in >> state >> ppid;
+    if (ppid == pid) out.push_back(static_cast<pid_t>(std::stoi(name)));
+  }
+  return out;
+}
+
+// Rank 1 ends with exit 75 at once, rank 0 is still writing its checkpoint:
+// the launcher must not take rank 1's exit for a failure and stop rank 0.
+TEST(Launcher, PreemptedRankLetsTheOthersFinish) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("preempt_exit");
+  auto r = run_process({DDP_TESTWORKER, "--launch", "2", "preempt", dir}, {}, 60);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  EXPECT_TRUE(fs::exists(dir + "/rank0_done")) << "rank 0 was stopped before it finished\n" << r.output;
+  EXPECT_EQ(r.output.find("stopping the other ranks"), std::string::npos) << r.output;
+}
+
+// SIGTERM mid-epoch with no log point before the epoch's end: the ranks stop
+// after the epoch, and that epoch's checkpoint is complete and loadable.
+TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("epoch_stop");
+  // resnet18 makes rank 0's save take long enough that a peer which does not
+  // wait for it exits first.
+  auto child = ddp::testing::start_process(train_args(
+      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "3", "--batch", "16", "--train-samples",
+            "192", "--test-samples", "32"}));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
+  kill(child.pid, SIGTERM);
+  auto r = ddp::testing::finish_process(child, 240);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  EXPECT_NE(r.output.find("stopped by a signal after epoch 1"), std::string::npos) << r.output;
+  const auto path = find_file(dir, "epoch_1.pt");
+  ASSERT_FALSE(path.empty()) << r.output;
+  ddp::models::ModelSpec spec;
+  spec.name = "resnet18";
+  spec.in_channels = 1;
+  spec.input_hw = {28, 28};
+  spec.num_classes = 10;
+  auto model = ddp::models::make_model(spec);
+  EXPECT_NO_THROW(ddp::load_checkpoint(path, *model, nullptr, torch::kCPU, "")) << path;
+}
+
+// `pkill -TERM ddptrain`, `systemctl stop` or Slurm signal the launcher and
+// every worker at once; the launcher forwards its copy too. A worker must
+// take that as one request: checkpoint and exit 75.
+TEST(Preempt, SignalToEveryProcessOfTheJobStillCheckpoints) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("signal_all");
+  auto child = ddp::testing::start_process(
+      train_args(dir, {"--model", "cnn", "--log-every", "5", "--epochs", "2", "--train-samples", "3000",
+                       "--test-samples", "500"}));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "epoch 1/2 step 10/")) << "training never started";
+  const auto workers = children_of(child.pid);
+  ASSERT_EQ(workers.size(), 2u);
+  // Workers first, so that the launcher's forwarded copy is each worker's
+  // second signal.
+  for (pid_t w : workers) kill(w, SIGTERM);
+  kill(child.pid, SIGTERM);
+  auto r = ddp::testing::finish_process(child, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  EXPECT_FALSE(find_file(dir, "preempt.pt").empty()) << r.output;
+}
+
+// A port that nothing listens on now (the tests own the race).
+int unused_port() { return ddp::find_free_port(); }
+
+// A second job on the port of a running one fails at once, in one line that
+// names the port; the first job is not disturbed.
+TEST(Rendezvous, SecondJobOnABusyPortFailsInOneLine) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::string port = std::to_string(unused_port());
+  auto dir1 = ddp::testing::temp_dir("job1"), dir2 = ddp::testing::temp_dir("job2");
+  auto first = ddp::testing::start_process(train_args(
+      dir1, {"--port", port, "--model", "cnn", "--epochs", "2", "--train-samples", "2000", "--test-samples", "200"}));
+  ASSERT_TRUE(ddp::testing::wait_for_output(first, "world: ")) << "the first job never started";
+  auto second = run_process(train_args(
+      dir2, {"--port", port, "--model", "cnn", "--epochs", "1", "--train-samples", "200", "--test-samples", "50"}), {},
+      60);
+  EXPECT_EQ(second.exit_code, ddp::exit_code::kUsage) << second.output;
+  EXPECT_LT(second.seconds, 20) << second.output;
+  int lines = 0;
+  std::istringstream in(second.output);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) ++lines;
+  EXPECT_EQ(lines, 1) << second.output;
+  EXPECT_NE(second.output.find("port " + port), std::string::npos) << second.output;
+  auto r1 = ddp::testing::finish_process(first, 240);
+  EXPECT_EQ(r1.exit_code, 0) << r1.output;
+}
+
+// A process that connects to the job's store and writes the keys the ranks
+// read (here the string that rank 0 shares, as it shares the resume path)
+// must not reach the ranks: the job's keys live under its secret prefix.
+TEST(Rendezvous, ForeignKeysDoNotReachTheRanks) {
+  DDP_SKIP_UNLESS_GLOO();
+  const int port = unused_port();
+  auto dir = ddp::testing::temp_dir("foreign");
+  auto job = ddp::testing::start_process({DDP_TESTWORKER, "--launch", "2", "share", dir},
+                                         {{"DDP_TEST_PORT", std::to_string(port)}});
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(port);
+  so.isServer = false;
+  so.waitWorkers = false;
+  so.timeout = std::chrono::seconds(30);
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+  const std::string evil = "/tmp/not-the-job's-checkpoint";
+  for (const std::string key : {"ddp/share/resume/0", "ddp/attempt0/ddp/share/resume/0"})
+    store->set(key, std::vector<uint8_t>(evil.begin(), evil.end()));
+  auto r = ddp::testing::finish_process(job, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank = 0; rank < 2; ++rank)
+    EXPECT_EQ(ddp::testing::read_file(dir + "/share_rank" + std::to_string(rank) + ".txt"), "from rank 0")
+        << "rank " << rank;
+}
+
+}  // namespace
