@@ -1,10 +1,11 @@
 // A minimal pickle reader and writer for torch.save state_dict files.
 //
-// caffe2::serialize's zip reader and writer need no shim in compat.h: the
-// calls used here (Reader(path), hasRecord, getRecord(name) returning
-// tuple<DataPtr, size_t>, Writer(std::function<size_t(const void*, size_t)>),
-// writeRecord, writeEndOfFile) read the same in LibTorch 1.13 and 2.x, which
-// only adds defaulted arguments (an allocator, crc32, alignment).
+// Files are read by hand (ZipArchive below), not with caffe2::serialize's
+// PyTorchStreamReader, which allocates a record's declared size before it
+// checks it. They are written with caffe2's PyTorchStreamWriter, which needs
+// no shim in compat.h: the calls used (Writer(std::function<size_t(const
+// void*, size_t)>), writeRecord, writeEndOfFile) read the same in LibTorch
+// 1.13 and 2.x, which only adds defaulted arguments (crc32, alignment).
 #include "ddp/io/torch_pickle.h"
 
 #include <caffe2/serialize/inline_container.h>

@@ -9,7 +9,7 @@
 // tags dicts with torch.jit._pickle.restore_type_tag, a global the
 // weights_only unpickler rejects. No Debian library reads the format either.
 //
-// The format: a zip archive (caffe2's PyTorchStreamReader/Writer) with
+// The format: a zip archive (caffe2's PyTorchStreamWriter) with
 // <prefix>/data.pkl, a pickle of a dict name -> tensor, and one record
 // <prefix>/data/<key> per storage holding its raw little-endian bytes. A
 // tensor is pickled as the call
