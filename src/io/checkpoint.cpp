@@ -2,11 +2,13 @@
 #include "ddp/io/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <fnmatch.h>
 #include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <cmath>
@@ -14,6 +16,7 @@
 #include <fstream>
 #include <map>
 #include <regex>
+#include <sstream>
 
 #include "ddp/error.h"
 #include "ddp/io/torch_pickle.h"
@@ -23,81 +26,162 @@ namespace fs = std::filesystem;
 namespace ddp {
 namespace {
 
-void fsync_path(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
-// Moves tmp over path, then makes the rename itself durable.
-void commit(const std::string& tmp, const std::string& path) {
-  fsync_path(tmp);
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::string why = std::strerror(errno);
-    std::remove(tmp.c_str());
-    throw UserError("cannot write " + path + ": " + why + ".", "check that --save_path is writable and has space.");
-  }
-  fsync_path(fs::path(path).parent_path().string());
-}
-
 std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+
+// Every step of a write can fail with a full or broken disk (ENOSPC, EFBIG,
+// EIO), at write() or only at fsync() or close(): each one is checked, so
+// that a truncated file is never renamed over a good one.
+[[noreturn]] void write_failed(const std::string& path, const std::string& tmp, int err) {
+  if (!tmp.empty()) ::unlink(tmp.c_str());
+  throw UserError("cannot write " + path + ": " + std::strerror(err) + ".",
+                  "free space on that file system, or pass a writable --save_path.");
+}
+
+// The rename is durable only once the directory is synced. File systems
+// that cannot sync a directory say EINVAL; that is not an error.
+void fsync_dir(const std::string& path) {
+  std::string dir = fs::path(path).parent_path().string();
+  if (dir.empty()) dir = ".";
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) write_failed(path, "", errno);
+  const int err = ::fsync(fd) == 0 || errno == EINVAL ? 0 : errno;
+  ::close(fd);
+  if (err) write_failed(path, "", err);
+}
 
 }  // namespace
 
 void write_file_atomic(const std::string& path, const std::string& text) {
   const auto tmp = tmp_name(path);
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    check_user(static_cast<bool>(f), "cannot write " + path + ": " + std::strerror(errno) + ".",
-               "check that --save_path is writable.");
-    f << text;
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) write_failed(path, "", errno);
+  for (size_t done = 0; done < text.size();) {
+    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : EIO;
+      ::close(fd);
+      write_failed(path, tmp, err);
+    }
+    done += static_cast<size_t>(n);
   }
-  commit(tmp, path);
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    write_failed(path, tmp, err);
+  }
+  if (::close(fd) != 0) write_failed(path, tmp, errno);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) write_failed(path, tmp, errno);
+  fsync_dir(path);
+}
+
+namespace {
+
+// The counters, as they appear in the checkpoint's JSON header. New fields
+// go here and nowhere else; a missing field reads as its default.
+nlohmann::json state_to_json(const TrainState& s) {
+  return {{"epoch", s.epoch},
+          {"step", s.step},
+          {"best", std::isnan(s.best) ? nlohmann::json() : nlohmann::json(s.best)},  // JSON has no NaN
+          {"batch_in_epoch", s.batch_in_epoch},
+          {"epoch_loss_sum", s.epoch_loss_sum},
+          {"epoch_loss_count", s.epoch_loss_count}};
+}
+
+TrainState state_from_json(const nlohmann::json& j) {
+  TrainState s;
+  s.epoch = j.value("epoch", s.epoch);
+  s.step = j.value("step", s.step);
+  const auto best = j.contains("best") ? j["best"] : nlohmann::json();
+  if (best.is_number()) s.best = best.get<double>();
+  s.batch_in_epoch = j.value("batch_in_epoch", s.batch_in_epoch);
+  s.epoch_loss_sum = j.value("epoch_loss_sum", s.epoch_loss_sum);
+  s.epoch_loss_count = j.value("epoch_loss_count", s.epoch_loss_count);
+  return s;
+}
+
+// True if the file starts like a zip archive, as torch.save's files do
+// since PyTorch 1.6.
+bool is_zip(const std::string& path) {
+  char magic[4] = {};
+  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
+  return std::memcmp(magic, "PK\x03\x04", sizeof magic) == 0;
+}
+
+// The name of the JSON header among a checkpoint's tensors.
+const char* const kHeader = "ddptrain";
+
+std::map<std::string, torch::Tensor> read_checkpoint_file(const std::string& path) {
+  check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path given to --resume/--pretrain.");
+  check_user(is_zip(path), "checkpoint " + path + " is corrupt or not a ddptrain file (not a zip archive).",
+             "use another checkpoint (the previous epoch's, or best.pt).");
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : read_state_dict(path)) out[name] = t;
+  return out;
+}
+
+nlohmann::json header_of(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
+  auto it = tensors.find(kHeader);
+  check_user(it != tensors.end(), "checkpoint " + path + " has no ddptrain header.",
+             "it was not written by ddptrain; pass PyTorch weights with --pretrain instead.");
+  try {
+    return nlohmann::json::parse(tensor_string(it->second));
+  } catch (const std::exception&) {
+    throw UserError("checkpoint " + path + " has a damaged header.", "use another checkpoint.");
+  }
+}
+
+// The entries under "<prefix>/", with the prefix taken off.
+TensorMap under(const std::map<std::string, torch::Tensor>& tensors, const std::string& prefix) {
+  TensorMap out;
+  for (auto it = tensors.lower_bound(prefix + "/"); it != tensors.end() && it->first.rfind(prefix + "/", 0) == 0; ++it)
+    out[it->first.substr(prefix.size() + 1)] = it->second;
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor string_tensor(const std::string& s) {
+  auto t = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
+  if (!s.empty()) std::memcpy(t.data_ptr(), s.data(), s.size());
+  return t;
+}
+
+std::string tensor_string(const torch::Tensor& t) {
+  check_user(t.scalar_type() == torch::kUInt8 && t.dim() == 1, "a text entry of a checkpoint is not a byte tensor.",
+             "use another checkpoint.");
+  auto c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel()));
 }
 
 void save_checkpoint(const std::string& path, const torch::nn::Module& model,
                      const Stateful* optimizer, const CheckpointMeta& meta) {
-  torch::serialize::OutputArchive archive;
-  nlohmann::json header = {{"format", kCheckpointFormat}, {"arch", meta.arch},
-                           {"epoch", meta.state.epoch},   {"step", meta.state.step},
-                           {"best", std::isnan(meta.state.best) ? nlohmann::json() : nlohmann::json(meta.state.best)}, {"config", meta.config},
-                           {"batch_in_epoch", meta.state.batch_in_epoch},
-                           {"epoch_loss_sum", meta.state.epoch_loss_sum},
-                           {"epoch_loss_count", meta.state.epoch_loss_count}};
-  archive.write("ddptrain", c10::IValue(header.dump()));
-  torch::serialize::OutputArchive model_archive;
-  for (const auto& p : model.named_parameters()) model_archive.write(p.key(), p.value().detach().cpu());
-  for (const auto& b : model.named_buffers()) model_archive.write(b.key(), b.value().detach().cpu(), true);
-  archive.write("model", model_archive);
+  // One flat state_dict in torch.save's format (torch_pickle.h), so that
+  // the same bounded reader opens it and Python's torch.load(path,
+  // weights_only=True) does too: "ddptrain" (the JSON header as bytes),
+  // "model/<name>", "optimizer/<name>", "rng/cpu" and "rng/cuda".
+  const nlohmann::json header = {
+      {"format", kCheckpointFormat}, {"arch", meta.arch}, {"state", state_to_json(meta.state)}, {"config", meta.config}};
+  NamedTensors tensors{{kHeader, string_tensor(header.dump())}};
+  for (const auto& p : model.named_parameters()) tensors.emplace_back("model/" + p.key(), p.value());
+  for (const auto& b : model.named_buffers()) tensors.emplace_back("model/" + b.key(), b.value());
   if (optimizer) {
-    torch::serialize::OutputArchive opt_archive;
-    optimizer->save(opt_archive);
-    archive.write("optimizer", opt_archive);
+    TensorMap state;
+    optimizer->save(state);
+    for (auto& [name, t] : state) tensors.emplace_back("optimizer/" + name, t);
   }
-  archive.write("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
+  tensors.emplace_back("rng/cpu", at::detail::getDefaultCPUGenerator().get_state());
   // The CUDA generator of the model's GPU (dropout and other random ops on
   // the device draw from it).
   const auto params = model.parameters();
   if (!params.empty() && params.front().is_cuda())
-    archive.write("rng/cuda", at::globalContext().defaultGenerator(params.front().device()).get_state());
-  const auto tmp = tmp_name(path);
-  try {
-    archive.save_to(tmp);
-  } catch (const std::exception& e) {
-    std::remove(tmp.c_str());
-    throw UserError("cannot write checkpoint " + path + ".", "check that --save_path is writable and has space.");
-  }
-  commit(tmp, path);
+    tensors.emplace_back("rng/cuda", at::globalContext().defaultGenerator(params.front().device()).get_state());
+  write_state_dict(path, tensors);
 }
 
 bool is_checkpoint(const std::string& path) {
   try {
-    torch::serialize::InputArchive a;
-    a.load_from(path);
-    c10::IValue v;
-    return a.try_read("ddptrain", v);
+    return header_of(path, read_checkpoint_file(path)).value("format", 0) == kCheckpointFormat;
   } catch (const std::exception&) {
     return false;
   }
@@ -106,72 +190,48 @@ bool is_checkpoint(const std::string& path) {
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
                                Stateful* optimizer, const torch::Device& device,
                                const std::string& expected_arch) {
-  check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path given to --resume/--pretrain.");
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path, device);
-  } catch (const std::exception&) {
-    throw UserError("checkpoint " + path + " is corrupt or not a ddptrain/LibTorch file.",
-                    "use another checkpoint (the previous epoch's, or best.pt).");
-  }
-  c10::IValue hv;
-  check_user(archive.try_read("ddptrain", hv), "checkpoint " + path + " has no ddptrain header.",
-             "it was not written by ddptrain; pass PyTorch weights with --pretrain instead.");
-  CheckpointMeta meta;
-  nlohmann::json h;
-  try {
-    h = nlohmann::json::parse(hv.toStringRef());
-  } catch (const std::exception&) {
-    throw UserError("checkpoint " + path + " has a damaged header.", "use another checkpoint.");
-  }
+  const auto tensors = read_checkpoint_file(path);
+  const auto h = header_of(path, tensors);
   const int format = h.value("format", 0);
   check_user(format == kCheckpointFormat,
              "checkpoint " + path + " has format version " + std::to_string(format) + "; this ddptrain reads version " +
                  std::to_string(kCheckpointFormat) + ".",
              "load it with the ddptrain version that wrote it, or start without --resume.");
+  CheckpointMeta meta;
   meta.arch = h.value("arch", "");
   check_user(expected_arch.empty() || meta.arch == expected_arch,
              "checkpoint " + path + " is for model '" + meta.arch + "', but this run builds '" + expected_arch + "'.",
              "pass the same --model/--stem/data as the run that wrote it.");
-  meta.state.epoch = h.value("epoch", 0);
-  meta.state.step = h.value("step", 0);
-  // "best" is null before the first validation; "best_acc" in format 2.
-  const auto best = h.contains("best") ? h["best"] : h.value("best_acc", nlohmann::json());
-  meta.state.best = best.is_number() ? best.get<double>() : std::numeric_limits<double>::quiet_NaN();
-  meta.state.batch_in_epoch = h.value("batch_in_epoch", int64_t{0});
-  meta.state.epoch_loss_sum = h.value("epoch_loss_sum", 0.0);
-  meta.state.epoch_loss_count = h.value("epoch_loss_count", 0.0);
+  meta.state = state_from_json(h.value("state", nlohmann::json::object()));
   meta.config = h.value("config", nlohmann::json::object());
 
-  torch::serialize::InputArchive model_archive;
-  archive.read("model", model_archive);
+  const auto weights = under(tensors, "model");
   torch::NoGradGuard no_grad;
-  auto load_into = [&](const std::string& name, torch::Tensor& dst, bool buffer) {
-    torch::Tensor src;
-    check_user(model_archive.try_read(name, src, buffer), "checkpoint " + path + " lacks '" + name + "'.",
+  auto load_into = [&](const std::string& name, torch::Tensor& dst) {
+    auto it = weights.find(name);
+    check_user(it != weights.end(), "checkpoint " + path + " lacks '" + name + "'.",
                "it was written for a different model.");
+    const auto& src = it->second;
     check_user(src.sizes() == dst.sizes(),
                "checkpoint " + path + ": '" + name + "' has shape " + c10::str(src.sizes()) + ", the model expects " +
                    c10::str(dst.sizes()) + ".",
                "pass the same --model/--stem/data as the run that wrote it.");
     dst.copy_(src.to(dst.device()));
   };
-  for (auto& p : model.named_parameters()) load_into(p.key(), p.value(), false);
-  for (auto& b : model.named_buffers()) load_into(b.key(), b.value(), true);
-  if (optimizer) {
-    torch::serialize::InputArchive opt_archive;
-    // The archive was mapped to `device`, so optimizer state lands next to
-    // the parameters on every rank (never all on GPU 0).
-    if (archive.try_read("optimizer", opt_archive)) optimizer->load(opt_archive);
-  }
-  torch::Tensor rng;
-  if (archive.try_read("rng/cpu", rng)) {
+  for (auto& p : model.named_parameters()) load_into(p.key(), p.value());
+  for (auto& b : model.named_buffers()) load_into(b.key(), b.value());
+  // The optimizer copies each state tensor into its own, which lives next
+  // to the parameters on every rank (never all on GPU 0).
+  if (optimizer) optimizer->load(under(tensors, "optimizer"));
+  auto rng = tensors.find("rng/cpu");
+  if (rng != tensors.end()) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();
-    gen.set_state(rng.cpu());
+    gen.set_state(rng->second);
   }
-  if (device.is_cuda() && archive.try_read("rng/cuda", rng)) {
+  rng = tensors.find("rng/cuda");
+  if (device.is_cuda() && rng != tensors.end()) {
     at::Generator gen = at::globalContext().defaultGenerator(device);  // a handle to the device's generator
-    gen.set_state(rng.cpu());
+    gen.set_state(rng->second);
   }
   return meta;
 }
@@ -191,32 +251,18 @@ std::string strip_prefixes(std::string name) {
   return name;
 }
 
-// True if the file starts like a zip archive, as torch.save's files do
-// since PyTorch 1.6.
-bool is_zip(const std::string& path) {
-  char magic[4] = {};
-  std::ifstream(path, std::ios::binary).read(magic, sizeof magic);
-  return std::memcmp(magic, "PK\x03\x04", sizeof magic) == 0;
-}
-
-// name -> tensor from either file kind, in the file's order.
+// name -> tensor from a checkpoint (its model/ entries) or a state_dict
+// file, in the file's order.
 NamedTensors read_weights(const std::string& path) {
-  NamedTensors out;
-  if (is_checkpoint(path)) {
-    torch::serialize::InputArchive archive, model;
-    archive.load_from(path, torch::kCPU);
-    archive.read("model", model);
-    for (const auto& key : model.keys()) {
-      torch::Tensor t;
-      if (model.try_read(key, t, false) || model.try_read(key, t, true)) out.emplace_back(key, t);
-    }
-    return out;
-  }
   check_user(is_zip(path),
              "--pretrain " + path + " is neither a ddptrain checkpoint nor a PyTorch state_dict file (not a zip archive).",
              "save weights in Python with torch.save(model.state_dict(), path) (PyTorch 1.6 or later).");
-  out = read_state_dict(path);
-  for (auto& named : out) named.first = strip_prefixes(named.first);
+  NamedTensors all = read_state_dict(path), out;
+  const bool checkpoint = std::any_of(all.begin(), all.end(), [](const auto& n) { return n.first == kHeader; });
+  for (auto& [name, t] : all) {
+    if (!checkpoint) out.emplace_back(strip_prefixes(name), t);
+    else if (name.rfind("model/", 0) == 0) out.emplace_back(name.substr(6), t);
+  }
   return out;
 }
 
@@ -279,20 +325,53 @@ PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model
   return r;
 }
 
+std::string make_run_dir(const std::string& save_path, const std::string& stem) {
+  std::error_code ec;
+  fs::create_directories(save_path, ec);
+  // mkdir is atomic and fails with EEXIST when the name is taken: two jobs
+  // that start in the same second cannot both get one directory.
+  for (int i = 0;; ++i) {
+    const std::string dir = (fs::path(save_path) / (i ? stem + "_" + std::to_string(i) : stem)).string();
+    if (::mkdir(dir.c_str(), 0755) == 0) return dir;
+    check_user(errno == EEXIST && i < 10000,
+               "cannot create the run directory " + dir + ": " + std::strerror(errno) + ".",
+               "pass a writable --save_path.");
+  }
+}
+
+std::string run_dir_of(const std::string& checkpoint) {
+  const auto dir = fs::path(checkpoint).parent_path();
+  return dir.empty() ? "." : dir.string();
+}
+
+std::optional<int64_t> epoch_of(const std::string& name) {
+  static const std::regex pattern(R"(epoch_(\d{1,18})\.pt)");  // 18 digits always fit in int64
+  std::smatch m;
+  if (!std::regex_match(name, m, pattern)) return std::nullopt;
+  return std::stoll(m[1]);
+}
+
+void remove_old_checkpoints(const std::string& dir, int64_t keep) {
+  std::vector<std::pair<int64_t, std::string>> found;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (auto epoch = epoch_of(e.path().filename().string())) found.emplace_back(*epoch, e.path().string());
+  std::sort(found.begin(), found.end());
+  for (size_t i = 0; i + static_cast<size_t>(keep) < found.size(); ++i) fs::remove(found[i].second);
+}
+
 std::string find_latest_checkpoint(const std::string& dir) {
   if (!fs::exists(dir)) return "";
-  static const std::regex name(R"((?:epoch_(\d+)|preempt)\.pt)");
   std::string best;
   fs::file_time_type best_time;
-  long best_epoch = -1;
+  int64_t best_epoch = -1;
   for (const auto& e : fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied)) {
     if (!e.is_regular_file()) continue;
-    std::smatch m;
     const std::string fname = e.path().filename().string();
-    if (!std::regex_match(fname, m, name)) continue;
+    const auto epoch = epoch_of(fname);
+    if (!epoch && fname != "preempt.pt") continue;
     if (!is_checkpoint(e.path().string())) continue;  // skip damaged files
     auto t = e.last_write_time();
-    long ep = m[1].matched ? std::stol(m[1]) : 0;
+    const int64_t ep = epoch.value_or(0);
     if (best.empty() || t > best_time || (t == best_time && ep > best_epoch)) {
       best = e.path().string();
       best_time = t;

@@ -82,30 +82,30 @@ void FlatOptimizer::step(const torch::Tensor& found_inf) {
   }
 }
 
-void FlatOptimizer::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("name", c10::IValue(o_.name()));
+void FlatOptimizer::save(TensorMap& state) const {
+  state["name"] = string_tensor(o_.name());
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     // The composed path counts on the host; the fused one on the device.
     auto step = fused_ ? step_[i].detach().cpu() : torch::full({}, static_cast<double>(host_step_), torch::kFloat);
-    archive.write("step/" + k, step, true);
-    archive.write("m/" + k, m_[i].detach().cpu(), true);
-    if (adam_) archive.write("v/" + k, v_[i].detach().cpu(), true);
+    state["step/" + k] = step;
+    state["m/" + k] = m_[i].detach().cpu();
+    if (adam_) state["v/" + k] = v_[i].detach().cpu();
   }
 }
 
-void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
-  c10::IValue name;
-  check_user(archive.try_read("name", name) && name.toStringRef() == o_.name(),
+void FlatOptimizer::load(const TensorMap& state) {
+  auto name = state.find("name");
+  check_user(name != state.end() && tensor_string(name->second) == o_.name(),
              "the checkpoint's optimizer state is not for --optimizer " + o_.name() + ".",
              "resume with the optimizer that wrote it.");
   torch::NoGradGuard no_grad;
   auto read = [&](const std::string& key, torch::Tensor& dst) {
-    torch::Tensor src;
-    check_user(archive.try_read(key, src, true) && src.sizes() == dst.sizes(),
+    auto src = state.find(key);
+    check_user(src != state.end() && src->second.sizes() == dst.sizes(),
                "the checkpoint's optimizer state '" + key + "' does not fit this model.",
                "resume with the model and optimizer that wrote it.");
-    dst.copy_(src);
+    dst.copy_(src->second);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);

@@ -277,20 +277,20 @@ bool TrainStep::try_capture(const data::Batch& batch) {
 #endif
 }
 
-void TrainStep::save(torch::serialize::OutputArchive& archive) const {
-  optimizer_->save(archive);
+void TrainStep::save(TensorMap& state) const {
+  optimizer_->save(state);
   if (fp16_) {
-    archive.write("scaler/scale", scale_.detach().cpu(), true);
-    archive.write("scaler/growth_tracker", growth_tracker_.detach().cpu(), true);
+    state["scaler/scale"] = scale_.detach().cpu();
+    state["scaler/growth_tracker"] = growth_tracker_.detach().cpu();
   }
 }
 
-void TrainStep::load(torch::serialize::InputArchive& archive) {
-  optimizer_->load(archive);
-  torch::Tensor t;
+void TrainStep::load(const TensorMap& state) {
+  optimizer_->load(state);
   torch::NoGradGuard no_grad;
-  if (fp16_ && archive.try_read("scaler/scale", t, true)) scale_.copy_(t);
-  if (fp16_ && archive.try_read("scaler/growth_tracker", t, true)) growth_tracker_.copy_(t);
+  auto scale = state.find("scaler/scale"), growth = state.find("scaler/growth_tracker");
+  if (fp16_ && scale != state.end()) scale_.copy_(scale->second);
+  if (fp16_ && growth != state.end()) growth_tracker_.copy_(growth->second);
 }
 
 }  // namespace ddp

@@ -171,19 +171,9 @@ std::string Trainer::find_resume_checkpoint() const {
 void Trainer::open_run_dir(const std::string& resume_from) {
   std::string dir;
   if (!resume_from.empty()) {
-    dir = fs::path(resume_from).parent_path().string();
+    dir = run_dir_of(resume_from);
   } else if (world_.is_main()) {
-    try {
-      fs::create_directories(config_.save_path);
-      dir = (fs::path(config_.save_path) / ("train_" + timestamp())).string();
-      for (int i = 1; fs::exists(dir); ++i)
-        dir = (fs::path(config_.save_path) / ("train_" + timestamp() + "_" + std::to_string(i))).string();
-      fs::create_directories(dir);
-    } catch (const fs::filesystem_error& e) {
-      throw UserError("cannot create the run directory under --save_path '" + config_.save_path + "': " +
-                          e.code().message() + ".",
-                      "pass a writable --save_path.");
-    }
+    dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
   run_dir_ = world_.share_string("run_dir", dir);
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
@@ -470,17 +460,7 @@ void Trainer::save(int64_t epoch, double monitored) {
   }
   save_checkpoint(path, *model_, step_.get(), meta);
   std::printf("saved %s\n", path.c_str());
-  if (config_.keep_last > 0) {
-    // Drop the oldest epoch checkpoints beyond --keep-last.
-    std::vector<std::pair<int64_t, std::string>> found;
-    for (const auto& e : fs::directory_iterator(run_dir_)) {
-      const auto name = e.path().filename().string();
-      if (name.rfind("epoch_", 0) == 0 && name.size() > 9 && name.substr(name.size() - 3) == ".pt")
-        found.emplace_back(std::stoll(name.substr(6, name.size() - 9)), e.path().string());
-    }
-    std::sort(found.begin(), found.end());
-    for (size_t i = 0; i + static_cast<size_t>(config_.keep_last) < found.size(); ++i) fs::remove(found[i].second);
-  }
+  if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last);
 }
 
 void Trainer::print_summary(const EpochMetrics& last, double seconds) const {

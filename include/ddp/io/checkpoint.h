@@ -2,13 +2,21 @@
 // leaves a broken file behind.
 //
 // A checkpoint holds the model's parameters and buffers, the optimizer
-// state, the counters (epoch, step, best accuracy), the CPU random state and
-// a JSON header with a format version, the architecture and the config. It
-// is written to a temporary file, fsync'ed and renamed over the target: a
-// kill at any moment leaves either the old file or the new one, never half.
+// state, the counters (epoch, step, the best monitor value), the CPU (and CUDA)
+// random state and a JSON header with a format version, the architecture
+// and the config. It is a torch.save zip of one flat dict of tensors,
+// written and read by torch_pickle.h's bounded reader and writer: no file a
+// user names goes through TorchScript's loader, which PyTorch documents as
+// unsafe for untrusted input, and Python opens a checkpoint with
+// torch.load(path, weights_only=True). It is written to a temporary file,
+// fsync'ed and renamed over the target: a kill at any moment leaves either
+// the old file or the new one, never half, and a failed write (a full disk)
+// is an error that leaves the old one in place.
 #pragma once
 
 #include <limits>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,7 +25,9 @@
 
 namespace ddp {
 
-constexpr int kCheckpointFormat = 2;  // 2: flat optimizer state
+// 2: flat optimizer state; 3: a torch.save zip instead of a TorchScript
+// archive (format 2 and older are refused, never opened).
+constexpr int kCheckpointFormat = 3;
 
 struct TrainState {
   int64_t epoch = 0;    // epochs completed
@@ -38,13 +48,22 @@ struct CheckpointMeta {
   nlohmann::json config;
 };
 
+/// Named tensors: a part's state inside a checkpoint.
+using TensorMap = std::map<std::string, torch::Tensor>;
+
 /// Training state saved beside the model: the optimizer and the loss scaler.
+/// load() gets the tensors that save() wrote, on the CPU.
 class Stateful {
  public:
   virtual ~Stateful() = default;
-  virtual void save(torch::serialize::OutputArchive& archive) const = 0;
-  virtual void load(torch::serialize::InputArchive& archive) = 0;
+  virtual void save(TensorMap& state) const = 0;
+  virtual void load(const TensorMap& state) = 0;
 };
+
+/// Text kept in a checkpoint as a uint8 tensor of its bytes, and back
+/// (UserError if `t` is not such a tensor).
+torch::Tensor string_tensor(const std::string& s);
+std::string tensor_string(const torch::Tensor& t);
 
 /// Writes atomically; throws UserError if the directory is not writable.
 void save_checkpoint(const std::string& path, const torch::nn::Module& model,
@@ -86,6 +105,22 @@ bool is_checkpoint(const std::string& path);
 /// The newest complete checkpoint (epoch_*.pt) under `dir` and its run
 /// subdirectories, or "" when there is none.
 std::string find_latest_checkpoint(const std::string& dir);
+
+/// Creates a new run directory `save_path`/`stem` (`stem`_1, `stem`_2...
+/// when that exists, e.g. another job started in the same second) and
+/// returns it. Throws UserError when --save_path is not writable.
+std::string make_run_dir(const std::string& save_path, const std::string& stem);
+
+/// The run directory that a resumed checkpoint continues in: its directory,
+/// "." for a bare file name.
+std::string run_dir_of(const std::string& checkpoint);
+
+/// N for a file named epoch_N.pt (N decimal digits); nothing for any other
+/// name, so that stray files never stop a run.
+std::optional<int64_t> epoch_of(const std::string& filename);
+
+/// Removes all but the newest `keep` epoch_N.pt files in `dir` (--keep-last).
+void remove_old_checkpoints(const std::string& dir, int64_t keep);
 
 /// Writes `text` to `path` atomically (temp file, fsync, rename).
 void write_file_atomic(const std::string& path, const std::string& text);

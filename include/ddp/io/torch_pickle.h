@@ -9,7 +9,7 @@
 // tags dicts with torch.jit._pickle.restore_type_tag, a global the
 // weights_only unpickler rejects. No Debian library reads the format either.
 //
-// The format: a zip archive (caffe2's PyTorchStreamReader/Writer) with
+// The format: a zip archive (caffe2's PyTorchStreamWriter) with
 // <prefix>/data.pkl, a pickle of a dict name -> tensor, and one record
 // <prefix>/data/<key> per storage holding its raw little-endian bytes. A
 // tensor is pickled as the call
@@ -19,6 +19,14 @@
 //   ('storage', torch.FloatStorage, key, location, numel).
 // The unpickler here knows the opcodes and globals that such a file uses
 // (Python's pickletools documents them) and names anything else.
+//
+// The reader is meant for untrusted files (--pretrain, --resume, export):
+// it reads the zip by hand and believes no length in it before checking it
+// against the file's real size, shares memoised values instead of copying
+// them, and checks every tensor's extent in overflow-free arithmetic. What
+// it allocates is bounded by a small multiple of the file's size; anything
+// else is a UserError (tests/io/torch_pickle_fuzz_test.cpp mutates files to
+// check this under an address-space cap).
 #pragma once
 
 #include <string>
@@ -34,7 +42,9 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 /// Reads a torch.save(state_dict) file (a dict or OrderedDict of tensors):
 /// names and CPU tensors in the file's order, whatever device they were
 /// saved from. Tensors that shared a storage (views) still share one.
-/// Throws UserError naming the file and what it could not read.
+/// Throws UserError naming the file and what it could not read; refuses
+/// TorchScript archives (torch.jit.save files, ddptrain checkpoints of
+/// format 2 and older) without opening them.
 NamedTensors read_state_dict(const std::string& path);
 
 /// Writes `tensors` the way torch.save(OrderedDict) does, one contiguous

@@ -16,6 +16,8 @@
 
 #include <torch/torch.h>
 
+#include "ddp/io/checkpoint.h"
+
 namespace ddp {
 
 struct FlatOptimizerOptions {
@@ -52,8 +54,8 @@ class FlatOptimizer {
   /// Optimizer steps taken (read from the device).
   int64_t steps_taken() const;
 
-  void save(torch::serialize::OutputArchive& archive) const;
-  void load(torch::serialize::InputArchive& archive);
+  void save(TensorMap& state) const;
+  void load(const TensorMap& state);
 
   const FlatOptimizerOptions& options() const { return o_; }
 

@@ -69,8 +69,8 @@ class TrainStep : public Stateful {
   torch::Tensor run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr);
 
   /// Optimizer state and the fp16 loss scale, for checkpoints.
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void load(torch::serialize::InputArchive& archive) override;
+  void save(TensorMap& state) const override;
+  void load(const TensorMap& state) override;
 
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }

@@ -1,0 +1,289 @@
+// The files under a checkpoint: atomic writes that fail loudly when the disk
+// does, run directories, epoch file names. Real files, a real full file
+// system (a small tmpfs) and real file-size limits (RLIMIT_FSIZE).
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/error.h"
+#include "ddp/io/checkpoint.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A Linear(width, width) with every weight set to `fill`.
+torch::nn::Linear model_of(int64_t width, double fill) {
+  torch::nn::Linear m(width, width);
+  torch::NoGradGuard no_grad;
+  for (auto& p : m->parameters()) p.fill_(fill);
+  return m;
+}
+
+bool all_equal(const torch::nn::Module& m, double value) {
+  for (const auto& p : m.parameters())
+    if (!torch::all(p == value).item<bool>()) return false;
+  return true;
+}
+
+// No "<name>.tmp.<pid>" left beside the target.
+bool has_temp_files(const std::string& dir) {
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().find(".tmp.") != std::string::npos) return true;
+  return false;
+}
+
+// A tmpfs of `bytes` mounted on a fresh directory, unmounted at the end;
+// empty when this process may not mount.
+struct SmallDisk {
+  std::string dir;
+  explicit SmallDisk(size_t bytes) {
+    auto d = ddp::testing::temp_dir("small_disk");
+    const std::string opts = "size=" + std::to_string(bytes);
+    if (::mount("tmpfs", d.c_str(), "tmpfs", 0, opts.c_str()) == 0) dir = d;
+  }
+  ~SmallDisk() {
+    if (!dir.empty()) ::umount2(dir.c_str(), MNT_DETACH);
+  }
+};
+
+// A quick one-rank run on synthetic data, saving every epoch.
+std::vector<std::string> quick_run(const std::string& save_path, std::vector<std::string> extra) {
+  std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--size", "1", "--backend", "gloo", "--save_path",
+                             save_path, "--data_root", "/nonexistent", "--train-samples", "128", "--test-samples",
+                             "64", "--batch", "64", "--progress", "none", "--timeout", "60"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+std::string only_run_dir(const std::string& save_path) {
+  std::vector<std::string> dirs;
+  for (const auto& e : fs::directory_iterator(save_path))
+    if (e.is_directory()) dirs.push_back(e.path().string());
+  return dirs.size() == 1 ? dirs[0] : "";
+}
+
+}  // namespace
+
+// A save that does not fit on the disk throws a UserError naming the file
+// and the system's reason; the checkpoint it would have replaced still loads
+// with its old weights, and no temporary file is left.
+TEST(AtomicWrite, FullDiskFailsCleanlyAndKeepsThePreviousCheckpoint) {
+  SmallDisk disk(64 * 1024);
+  if (disk.dir.empty()) GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << ")";
+  const std::string path = disk.dir + "/best.pt";
+  auto small = model_of(8, 0.5);
+  ddp::save_checkpoint(path, *small, nullptr, ddp::CheckpointMeta{});
+  auto big = model_of(160, 1.5);  // ~100 KB of weights: more than the disk holds
+  const auto msg = ddp::testing::user_error([&] { ddp::save_checkpoint(path, *big, nullptr, ddp::CheckpointMeta{}); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+  EXPECT_NE(msg.find(std::strerror(ENOSPC)), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_FALSE(has_temp_files(disk.dir));
+  auto loaded = model_of(8, 0);
+  ASSERT_NO_THROW(ddp::load_checkpoint(path, *loaded, nullptr, torch::kCPU, ""));
+  EXPECT_TRUE(all_equal(*loaded, 0.5));
+
+  // The same for a plain file (config.json and friends).
+  ddp::write_file_atomic(disk.dir + "/config.json", "{}\n");
+  const auto msg2 = ddp::testing::user_error(
+      [&] { ddp::write_file_atomic(disk.dir + "/config.json", std::string(200 * 1024, 'x')); });
+  EXPECT_NE(msg2.find(std::strerror(ENOSPC)), std::string::npos) << msg2;
+  EXPECT_EQ(ddp::testing::read_file(disk.dir + "/config.json"), "{}\n");
+  EXPECT_FALSE(has_temp_files(disk.dir));
+}
+
+// Without mount rights: a child process whose files may not grow past
+// 16 KB (RLIMIT_FSIZE, SIGXFSZ ignored so that write() fails with EFBIG).
+TEST(AtomicWrite, FileSizeLimitFailsCleanlyAndKeepsThePreviousCheckpoint) {
+  const auto dir = ddp::testing::temp_dir("fsize");
+  const std::string path = dir + "/best.pt", report = dir + "/report.txt";
+  auto small = model_of(8, 0.5);
+  ddp::save_checkpoint(path, *small, nullptr, ddp::CheckpointMeta{});
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);
+    rlimit lim{16 * 1024, 16 * 1024};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    int code = 0;
+    std::string what = "no error";
+    try {
+      auto big = model_of(160, 1.5);
+      ddp::save_checkpoint(path, *big, nullptr, ddp::CheckpointMeta{});
+      code = 1;
+    } catch (const ddp::UserError& e) {
+      what = e.what();
+    } catch (const std::exception& e) {
+      what = std::string("not a UserError: ") + e.what();
+      code = 2;
+    }
+    std::ofstream(report) << what.substr(0, 1000);  // 1000 bytes fit under the limit
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const auto what = ddp::testing::read_file(report);
+  ASSERT_TRUE(WIFEXITED(status)) << "child died with status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << what;
+  EXPECT_NE(what.find(path), std::string::npos) << what;
+  EXPECT_NE(what.find(std::strerror(EFBIG)), std::string::npos) << what;
+  EXPECT_FALSE(has_temp_files(dir));
+  auto loaded = model_of(8, 0);
+  ASSERT_NO_THROW(ddp::load_checkpoint(path, *loaded, nullptr, torch::kCPU, ""));
+  EXPECT_TRUE(all_equal(*loaded, 0.5));
+}
+
+TEST(RunDir, EpochOfAcceptsOnlyEpochDigitsPt) {
+  EXPECT_EQ(ddp::epoch_of("epoch_3.pt"), 3);
+  EXPECT_EQ(ddp::epoch_of("epoch_0012.pt"), 12);
+  for (const char* name : {"epoch_x.pt", "epoch_.pt", "epoch_3.pt.tmp.12", "epoch_-1.pt", "epoch_3x.pt", "best.pt",
+                           "epoch_99999999999999999999999.pt", "xepoch_3.pt"})
+    EXPECT_FALSE(ddp::epoch_of(name).has_value()) << name;
+}
+
+// Jobs that start in the same second under one --save_path each get their
+// own directory: mkdir is the test, so there is no window between a check
+// and the create.
+TEST(RunDir, ConcurrentCreatorsGetDistinctDirectories) {
+  const auto save_path = ddp::testing::temp_dir("race") + "/runs";
+  for (int round = 0; round < 200; ++round) {
+    const std::string stem = "train_" + std::to_string(round);
+    std::vector<std::string> made(8);
+    std::vector<std::thread> threads;
+    std::atomic<size_t> ready{0};
+    for (size_t t = 0; t < made.size(); ++t)
+      threads.emplace_back([&, t] {
+        for (++ready; ready < made.size();) {  // start together, so that the calls overlap
+        }
+        made[t] = ddp::make_run_dir(save_path, stem);
+      });
+    for (auto& t : threads) t.join();
+    std::set<std::string> distinct(made.begin(), made.end());
+    ASSERT_EQ(distinct.size(), made.size()) << "round " << round << ": two jobs share a run directory";
+    for (const auto& d : made) EXPECT_TRUE(fs::is_directory(d)) << d;
+  }
+  EXPECT_NE(ddp::testing::user_error([] { ddp::make_run_dir("/proc/no_such_dir", "train_x"); }).find("/proc/no_such_dir"),
+            std::string::npos);
+}
+
+// --resume epoch_1.pt, a bare file name: the run continues in the current
+// directory (not in "/").
+TEST(RunDir, BareResumeFileNameContinuesInTheCurrentDirectory) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto save_path = ddp::testing::temp_dir("bare_resume");
+  auto first = ddp::testing::run_process(quick_run(save_path, {"--epochs", "1"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run_dir = only_run_dir(save_path);
+  ASSERT_TRUE(fs::exists(run_dir + "/epoch_1.pt")) << first.output;
+  const bool root_had_metrics = fs::exists("/metrics.jsonl"), root_had_epoch2 = fs::exists("/epoch_2.pt");
+  std::string cmd = "cd '" + run_dir + "' && exec";
+  for (const auto& a : quick_run(save_path, {"--epochs", "2", "--resume", "epoch_1.pt"})) cmd += " '" + a + "'";
+  auto second = ddp::testing::run_process({"/bin/sh", "-c", cmd});
+  // Undo what the defect would have written into "/" (never what was there).
+  if (!root_had_metrics) fs::remove("/metrics.jsonl");
+  if (!root_had_epoch2) fs::remove("/epoch_2.pt");
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << second.output;
+  EXPECT_NE(ddp::testing::read_file(run_dir + "/metrics.jsonl").find("\"epoch\":2"), std::string::npos);
+}
+
+// Files that only look like epoch checkpoints (epoch_x.pt, a number too
+// large for int64) neither break --resume auto nor --keep-last, and are left
+// alone.
+TEST(RunDir, StrayEpochFilesAreIgnoredByResumeAndKeepLast) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto save_path = ddp::testing::temp_dir("stray");
+  auto first = ddp::testing::run_process(quick_run(save_path, {"--epochs", "1"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run_dir = only_run_dir(save_path);
+  const std::string strays[] = {run_dir + "/epoch_x.pt", run_dir + "/epoch_99999999999999999999999.pt"};
+  for (const auto& s : strays) fs::copy_file(run_dir + "/epoch_1.pt", s);
+  fs::last_write_time(run_dir + "/epoch_1.pt", fs::file_time_type::clock::now() - std::chrono::hours(1));
+  auto second = ddp::testing::run_process(quick_run(save_path, {"--epochs", "3", "--resume", "auto", "--keep-last", "1"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resume: " + run_dir + "/epoch_1.pt"), std::string::npos) << second.output;
+  EXPECT_FALSE(fs::exists(run_dir + "/epoch_1.pt"));
+  EXPECT_FALSE(fs::exists(run_dir + "/epoch_2.pt"));
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_3.pt"));
+  for (const auto& s : strays) EXPECT_TRUE(fs::exists(s)) << s;
+}
+
+// ---- the checkpoint format: PyTorch's torch.save zip, read by our reader ----
+
+// Python's torch.load(path, weights_only=True) opens a checkpoint: the model
+// under "model/", the header as JSON bytes under "ddptrain".
+TEST(CheckpointFormat, PythonLoadsACheckpointWithWeightsOnly) {
+  const std::string python = "/usr/bin/python3";
+  if (ddp::testing::run_process({python, "-c", "import torch"}, {}, 120).exit_code != 0)
+    GTEST_SKIP() << python << " has no torch module: cannot check that PyTorch reads checkpoints";
+  const auto dir = ddp::testing::temp_dir("ckpt_python");
+  torch::nn::Sequential model(torch::nn::Linear(3, 2), torch::nn::BatchNorm1d(2));
+  {
+    torch::NoGradGuard no_grad;
+    model->named_parameters()["0.weight"].copy_(torch::arange(6, torch::kFloat).reshape({2, 3}) / 10);
+    model->named_buffers()["1.num_batches_tracked"].fill_(7);
+  }
+  ddp::CheckpointMeta meta;
+  meta.arch = "tiny";
+  meta.state.epoch = 4;
+  meta.state.step = 123;
+  meta.config = {{"lr", 0.5}};
+  ddp::save_checkpoint(dir + "/epoch_4.pt", *model, nullptr, meta);
+  const std::string script = R"(
+import json, sys, torch
+ck = torch.load(sys.argv[1], weights_only=True)
+meta = json.loads(bytes(ck['ddptrain'].tolist()).decode())
+assert meta['format'] == 3 and meta['arch'] == 'tiny' and meta['config'] == {'lr': 0.5}, meta
+assert meta['state']['epoch'] == 4 and meta['state']['step'] == 123, meta
+m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+m.load_state_dict({k[len('model/'):]: v for k, v in ck.items() if k.startswith('model/')}, strict=True)
+assert torch.equal(m[0].weight, torch.arange(6.).reshape(2, 3) / 10)
+assert m[1].num_batches_tracked.item() == 7
+assert ck['rng/cpu'].dtype == torch.uint8
+print('python read the checkpoint')
+)";
+  auto r = ddp::testing::run_process({python, "-c", script, dir + "/epoch_4.pt"}, {}, 300);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("python read the checkpoint"), std::string::npos) << r.output;
+}
+
+// A checkpoint of format 2 (a TorchScript archive, as ddptrain wrote before)
+// is refused with one line, by every command that takes a checkpoint,
+// without being opened by TorchScript's loader.
+TEST(CheckpointFormat, OldTorchScriptCheckpointIsRefusedWithOneLine) {
+  const auto dir = ddp::testing::temp_dir("ckpt_old");
+  const std::string old = dir + "/epoch_1.pt";
+  torch::nn::Linear model(2, 2);
+  {
+    torch::serialize::OutputArchive archive, weights;
+    archive.write("ddptrain", c10::IValue(nlohmann::json{{"format", 2}, {"arch", ""}}.dump()));
+    for (const auto& p : model->named_parameters()) weights.write(p.key(), p.value().detach());
+    archive.write("model", weights);
+    archive.save_to(old);
+  }
+  auto expect_refused = [&](const std::string& msg) {
+    EXPECT_NE(msg.find(old), std::string::npos) << msg;
+    EXPECT_NE(msg.find("older ddptrain"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  };
+  expect_refused(ddp::testing::user_error([&] { ddp::load_checkpoint(old, *model, nullptr, torch::kCPU, ""); }));
+  expect_refused(ddp::testing::user_error([&] { ddp::load_pretrained(old, *model, torch::kCPU); }));
+  expect_refused(ddp::testing::user_error([&] { ddp::export_weights(old, dir + "/w.pt"); }));
+  EXPECT_FALSE(ddp::is_checkpoint(old));
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");
+  EXPECT_FALSE(fs::exists(dir + "/w.pt"));
+}
