@@ -20,8 +20,9 @@ using PartsFactory = std::function<Parts(const Config&, World&)>;
 /// Builds the built-in model and dataset that the flags name.
 Parts default_parts(const Config& config, World& world);
 
-/// Loads the dataset the flags name (Fashion-MNIST, MNIST or synthetic,
-/// falling back to synthetic with a message when the files are missing).
+/// Loads the dataset the flags name. Data the user named (--data_root or
+/// --dataset) that is missing or of another kind is a UserError saying what
+/// was found; only the bare run falls back to synthetic data, with a banner.
 data::Splits load_data(const Config& config, bool verbose);
 
 /// Runs ddptrain; returns the process exit code.
