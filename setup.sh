@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # ddptrain setup: installs what the build needs and builds a Release binary.
 #
-#   ./setup.sh            install missing Debian packages (if any), build ./build
+#   ./setup.sh            install missing Debian packages (if any), build ./build/ddptrain
+#   ./setup.sh --tests    the same, plus the test suite (then: ctest --test-dir build)
 #
+# It prints one line per stage with its time; the full apt and CMake/Ninja
+# output goes to $BUILD_DIR/setup.log, whose tail is printed on a failure.
 # Idempotent: installed packages are skipped (so it works offline once they
 # are there) and the build is incremental. A CUDA LibTorch is preferred when
 # one is found: $Torch_DIR, $LIBTORCH, or the torch package importable by
@@ -10,8 +13,35 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 BUILD_DIR=${BUILD_DIR:-build}
+TARGETS=(ddptrain)
+case "${1:-}" in
+  "") ;;
+  --tests) TARGETS=(ddptrain ddp_tests ddp_testworker) ;;
+  *) echo "setup: unknown option '$1'. Hint: ./setup.sh builds ddptrain; ./setup.sh --tests adds the test suite." >&2; exit 2 ;;
+esac
 
+mkdir -p "$BUILD_DIR"
+LOG="$BUILD_DIR/setup.log"
+: > "$LOG"
+T_START=$SECONDS
 say() { printf 'setup: %s\n' "$*"; }
+# stage "what" command...: runs the command with its output in the log,
+# then prints what it did and how long it took; on failure, the log's tail.
+stage() {
+  local what=$1 t0=$SECONDS; shift
+  printf 'setup: %-58s' "$what ..."
+  echo "=== $what: $*" >> "$LOG"
+  if "$@" >> "$LOG" 2>&1; then
+    printf ' %4d s\n' $((SECONDS - t0))
+  else
+    local rc=$?
+    printf ' FAILED after %d s\n' $((SECONDS - t0))
+    echo "setup: the last lines of $LOG:" >&2
+    tail -n 25 "$LOG" | sed 's/^/  | /' >&2
+    say "error: '$what' failed (exit $rc). Full output: $LOG" >&2
+    exit 1
+  fi
+}
 
 # --- 1. Which LibTorch ----------------------------------------------------
 TORCH_PREFIX=""
@@ -26,6 +56,8 @@ PY
 then
   TORCH_PREFIX=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   say "CUDA LibTorch from the python3 torch package: $TORCH_PREFIX"
+else
+  say "LibTorch: Debian's libtorch-dev (CPU, Gloo)"
 fi
 
 # --- 2. Debian packages -----------------------------------------------------
@@ -38,25 +70,29 @@ PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev l
 missing=()
 have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h jpeglib.h png.h; do [[ -f /usr/include/$h ]] || return 1; done; }
 if [[ -n "$TORCH_PREFIX" ]] && have_headers; then
-  say "CUDA LibTorch and the header-only libraries are present; no packages needed"
+  say "packages: none needed (CUDA LibTorch and the header-only libraries are present)"
 elif command -v dpkg-query >/dev/null; then
   for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
 fi
 if ((${#missing[@]})); then
-  say "installing: ${missing[*]}"
+  say "installing ${#missing[@]} package(s) and their dependencies: ${missing[*]}"
   SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO=sudo
-  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"; }; then
-    if [[ -n "$TORCH_PREFIX" ]]; then
-      say "apt-get failed; continuing with the headers already on this machine"
-    else
-      say "error: could not install ${missing[*]}. Hint: run 'apt-get update' with network access, or install them by hand."
-      exit 1
-    fi
+  install_packages() {
+    $SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${missing[@]}"
+  }
+  if [[ -n "$TORCH_PREFIX" ]]; then
+    # The headers already here may do: go on without them.
+    printf 'setup: %-58s' "apt-get install ..."
+    t0=$SECONDS
+    if install_packages >> "$LOG" 2>&1; then printf ' %4d s\n' $((SECONDS - t0))
+    else printf ' failed; continuing with the headers on this machine (see %s)\n' "$LOG"; fi
+  else
+    stage "apt-get install (Hint on failure: network access, or install by hand)" install_packages
   fi
-else
-  say "Debian packages already installed"
+elif [[ ${#PKGS[@]} -gt 0 && -z "$TORCH_PREFIX" ]]; then
+  say "packages: all ${#PKGS[@]} already installed"
 fi
 
 # --- 3. Build ---------------------------------------------------------------
@@ -67,7 +103,7 @@ ARGS=(-DCMAKE_BUILD_TYPE=Release)
 # Extra CMake options, e.g. DDP_CMAKE_ARGS="-DDDP_CUDA_KERNELS=OFF".
 read -r -a EXTRA <<< "${DDP_CMAKE_ARGS:-}"
 ARGS+=("${EXTRA[@]}")
-cmake -S . -B "$BUILD_DIR" "${GEN[@]}" "${ARGS[@]}" >/dev/null
 JOBS=${JOBS:-$(nproc)}
-cmake --build "$BUILD_DIR" -j "$JOBS"
-say "built $BUILD_DIR/ddptrain"
+stage "configure (cmake, $BUILD_DIR)" cmake -S . -B "$BUILD_DIR" "${GEN[@]}" "${ARGS[@]}"
+stage "build ${TARGETS[*]} (-j $JOBS)" cmake --build "$BUILD_DIR" -j "$JOBS" --target "${TARGETS[@]}"
+say "done in $((SECONDS - T_START)) s: $BUILD_DIR/ddptrain is ready; full log in $LOG"

@@ -21,7 +21,7 @@ if has testdata; then
 fi
 if has build; then
   log build
-  JOBS=$(nproc) ./setup.sh > "$OUT/build.log" 2>&1; rc=$?; tail -3 "$OUT/build.log"
+  JOBS=$(nproc) ./setup.sh --tests > "$OUT/build.log" 2>&1; rc=$?; tail -3 "$OUT/build.log"
   grep -E "warning:" "$OUT/build.log" | grep -v "/torch/\|/c10/\|/ATen/" | head -20
   [[ $rc -ne 0 ]] && { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
 fi

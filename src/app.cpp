@@ -11,9 +11,11 @@
 #include <iostream>
 #include <thread>
 #include <atomic>
+#include <chrono>
 #include <unistd.h>
 
 #include "ddp/data/cifar10.h"
+#include "ddp/data/data_root.h"
 #include "ddp/data/idx.h"
 #include "ddp/cmd/bench.h"
 #include "ddp/io/checkpoint.h"
@@ -61,10 +63,24 @@ int local_ranks(const Config& c) {
   return c.size > 0 ? c.size : (usable > 0 ? usable : 2);
 }
 
+// --visible on a machine where LibTorch sees no GPU: running CPU ranks
+// instead would ignore what the user asked for.
+void refuse_visible_without_gpus(const std::string& visible) {
+  if (visible.empty() || gpu_count() > 0) return;
+#ifdef DDP_WITH_CUDA
+  const std::string why = "this machine has no GPU that CUDA can use.";
+#else
+  const std::string why = "this ddptrain is built with a CPU-only LibTorch.";
+#endif
+  throw UserError("--visible " + visible + " names GPUs, but " + why,
+                  "drop --visible to train on CPU ranks (--size N sets how many).");
+}
+
 // The parent side: check the GPU request, then start the local ranks.
 int launch(const Config& c, int argc, char** argv) {
   const int gpus = c.backend == "gloo" ? 0 : gpu_count();
   auto visible = split_commas(c.visible);
+  refuse_visible_without_gpus(c.visible);
   for (const auto& v : visible) {
     bool ok = !v.empty() && v.find_first_not_of("0123456789") == std::string::npos && std::stoi(v) < gpus;
     check_user(gpus == 0 || ok, "--visible names GPU '" + v + "', but this machine has " + std::to_string(gpus) + " GPU(s) (0.." +
@@ -143,6 +159,25 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   return exit_code::kOk;
 }
 
+// --dataset fashion-mnist|mnist on a folder that holds another kind of
+// data: say which, instead of the generic "file not found".
+void refuse_other_data(const std::string& root) {
+  const auto r = data::inspect_data_root(root);
+  if (r.kind == data::DataRootKind::kImageFolder || r.kind == data::DataRootKind::kLooseImages ||
+      r.kind == data::DataRootKind::kCifar10)
+    throw UserError(r.found, r.fix);
+}
+
+// Loud on purpose: a run on synthetic data must not pass for a real one.
+void print_synthetic_banner(const std::string& root) {
+  std::fprintf(stderr,
+               "ddptrain: ==== SYNTHETIC DATA ====\n"
+               "ddptrain: no Fashion-MNIST at the default --data_root '%s', so this run trains on the built-in\n"
+               "ddptrain: SYNTHETIC dataset; its accuracy says nothing about real data. For Fashion-MNIST: apt-get\n"
+               "ddptrain: install dataset-fashion-mnist, or pass --data_root DIR (--dataset synthetic silences this).\n",
+               root.c_str());
+}
+
 }  // namespace
 
 data::Splits load_data(const Config& c, bool verbose) {
@@ -165,13 +200,14 @@ data::Splits load_data(const Config& c, bool verbose) {
                           fs::exists(fs::path(c.data_root) / "train-images-idx3-ubyte");
   if (want_files && (have_files || c.dataset != "auto")) {
     const std::string name = c.dataset == "mnist" ? "mnist" : "fashion-mnist";
+    if (!have_files) refuse_other_data(c.data_root);
     return data::load_mnist_like(c.data_root, name, c.train_samples, c.test_samples);
   }
-  if (c.dataset == "auto" && verbose)
-    std::fprintf(stderr,
-                 "ddptrain: Fashion-MNIST not found in --data_root '%s' (install it with: apt-get install "
-                 "dataset-fashion-mnist, or pass --data_root DIR). Falling back to the built-in SYNTHETIC dataset.\n",
-                 c.data_root.c_str());
+  // Only the bare run (no --data_root, no --dataset) may fall back to
+  // synthetic data: data the user named is used, or the run stops.
+  if (c.dataset == "auto" && (c.was_given("data_root") || c.was_given("dataset")))
+    data::throw_not_mnist_like(c.data_root, "Fashion-MNIST");
+  if (c.dataset == "auto" && verbose) print_synthetic_banner(c.data_root);
   const int64_t n_train = c.train_samples > 0 ? c.train_samples : 60000;
   const int64_t n_test = c.test_samples > 0 ? c.test_samples : 10000;
   return data::make_synthetic(n_train, n_test, static_cast<uint64_t>(c.seed));
@@ -188,6 +224,22 @@ void keep_freed_memory_in_heap() {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 256 << 20);
 }
+
+namespace {
+
+// Bad flags or data fail every rank of a job alike; the user should read the
+// error once, not once per rank. Under ddptrain's launcher, ranks other than
+// 0 wait before printing: when rank 0 fails too, the launcher stops them in
+// that time (SIGTERM, which now ends them quietly) and rank 0's line is the
+// only one. An error that only this rank meets is still printed, 2 s later.
+void defer_to_rank_0(const char* rank) {
+  if (!rank || std::string(rank) == "0" || !std::getenv("DDPTRAIN_LAUNCHER")) return;
+  std::signal(SIGTERM, SIG_DFL);
+  std::signal(SIGINT, SIG_DFL);
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+}
+
+}  // namespace
 
 int main(int argc, char** argv, std::shared_ptr<Task> task) {
   keep_freed_memory_in_heap();
@@ -222,6 +274,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
       return launch(c, argc, argv);
     return run_worker(c, where, *task, command);
   } catch (const UserError& e) {
+    defer_to_rank_0(rank);
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;
   } catch (const Preempted& e) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <iomanip>
+#include <map>
 #include <iostream>
 #include <cmath>
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include <sstream>
 #include <type_traits>
 
+#include "ddp/compat.h"
 #include "ddp/error.h"
 
 namespace ddp {
@@ -68,8 +70,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--lr", "peak learning rate; default: 0.1 (sgd), 2e-3 (adam, adamw)", &c.lr, {}, "train"},
       {"--weight-decay", "weight decay; default: 5e-4 (sgd), 0 (adam), 0.05 (adamw)", &c.weight_decay, {}, "train"},
       {"--momentum", "SGD momentum", &c.momentum, {}, "train"},
-      {"--schedule", "learning-rate schedule after warmup", &c.schedule, {"constant", "step", "cosine", "onecycle"}, "train"},
-      {"--warmup-epochs", "linear warmup length in epochs (may be fractional)", &c.warmup_epochs, {}, "train"},
+      {"--schedule", "learning-rate schedule, as PyTorch's of the same name (formulas below)", &c.schedule, {"constant", "step", "cosine", "onecycle"}, "train"},
+      {"--warmup-epochs", "linear warm-up in epochs (may be fractional; 0: none); onecycle: its rise (default 30% of the run)", &c.warmup_epochs, {}, "train"},
       {"--loss", "loss of the built-in tasks; mse, l1 and huber need targets shaped like the outputs", &c.loss, {"cross-entropy", "mse", "l1", "huber"}, "train"},
       {"--label-smoothing", "label smoothing for cross-entropy", &c.label_smoothing, {}, "train"},
       {"--clip-grad-norm", "clip the global gradient norm to this value (0: off)", &c.clip_grad_norm, {}, "train"},
@@ -156,6 +158,169 @@ void resolve_defaults(Config& c) {
   if (!c.was_given("weight-decay")) c.weight_decay = c.optimizer == "sgd" ? 5e-4 : (c.optimizer == "adamw" ? 0.05 : 0.0);
 }
 
+// ---- names: '_' and '-' alike, and "did you mean" ----
+
+std::string dashes(std::string name) {
+  std::replace(name.begin(), name.end(), '_', '-');
+  return name;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// Every long name of the table (and --config, --help, --version), keyed by
+// its spelling with dashes; the value is the name CLI11 knows.
+std::map<std::string, std::string> long_names(const std::vector<Flag>& table) {
+  std::map<std::string, std::string> out{{"config", "config"}, {"help", "help"}, {"version", "version"}};
+  for (const auto& f : table) {
+    std::stringstream names(f.names);
+    std::string name;
+    while (std::getline(names, name, ','))
+      if (name.rfind("--", 0) == 0) out.emplace(dashes(name.substr(2)), name.substr(2));
+  }
+  return out;
+}
+
+// " Did you mean --epochs?" for the nearest name, or "".
+std::string did_you_mean(const std::string& wrong, const std::map<std::string, std::string>& names,
+                         const std::string& prefix) {
+  const std::string w = dashes(wrong);
+  std::string best;
+  size_t best_distance = std::max<size_t>(2, w.size() / 4) + 1;
+  for (const auto& [spelling, name] : names) {
+    size_t d = edit_distance(w, spelling);
+    if (spelling.rfind(w, 0) == 0 || w.rfind(spelling, 0) == 0) d = std::min<size_t>(d, 1);
+    if (d < best_distance) best_distance = d, best = spelling;
+  }
+  return best.empty() ? "" : "did you mean " + prefix + best + "? ";
+}
+
+// argv with every long flag spelt as the table spells it (--train_samples ->
+// --train-samples); an unknown flag is an error that suggests the nearest.
+std::vector<std::string> normalise_flags(int argc, const char* const* argv, const std::map<std::string, std::string>& names) {
+  std::vector<std::string> out(argv, argv + argc);
+  for (size_t i = 1; i < out.size(); ++i) {
+    std::string& arg = out[i];
+    if (arg == "--") break;
+    if (arg.size() < 3 || arg.rfind("--", 0) != 0) continue;
+    const size_t eq = arg.find('=');
+    const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+    const auto it = names.find(dashes(name));
+    if (it == names.end())
+      throw UserError("unknown flag '--" + name + "'.",
+                      did_you_mean(name, names, "--") + "Run 'ddptrain --help' to see every flag.");
+    arg = "--" + it->second + (eq == std::string::npos ? "" : arg.substr(eq));
+  }
+  return out;
+}
+
+// TOML for --config, read leniently: keys with '_' or '-', and sections
+// named after the flag groups ([data], [model], [train], ...) whose keys
+// count as if they were at the top. Other sections and unknown keys are
+// errors that name the file and the nearest key.
+class ConfigReader : public CLI::ConfigTOML {
+ public:
+  ConfigReader(std::map<std::string, std::string> names, std::vector<std::string> sections, const CLI::Option* file)
+      : names_(std::move(names)), sections_(std::move(sections)), file_(file) {}
+
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    std::vector<CLI::ConfigItem> out;
+    for (auto& item : CLI::ConfigTOML::from_config(input)) {
+      if (!item.parents.empty()) {
+        const std::string section = CLI::detail::join(item.parents, ".");
+        if (item.parents.size() > 1 || std::find(sections_.begin(), sections_.end(), section) == sections_.end())
+          throw UserError("section [" + section + "] in the config file '" + file() + "' is not a flag group.",
+                          "use no sections, or the groups of 'ddptrain --help': [data], [model], [optimisation], "
+                          "[distributed], [output], [speed], [bench].");
+        if (item.name == "++" || item.name == "--") continue;  // CLI11's section markers
+        item.parents.clear();
+      }
+      const auto it = names_.find(dashes(item.name));
+      if (it == names_.end() || it->second == "config" || it->second == "help" || it->second == "version")
+        throw UserError("unknown key '" + item.name + "' in the config file '" + file() + "'.",
+                        did_you_mean(item.name, names_, "") +
+                            "Keys are the long flag names without dashes, e.g. epochs = 3; see 'ddptrain --help'.");
+      item.name = it->second;
+      out.push_back(std::move(item));
+    }
+    return out;
+  }
+
+ private:
+  std::string file() const { return file_->results().empty() ? "" : file_->results().back(); }
+  std::map<std::string, std::string> names_;
+  std::vector<std::string> sections_;
+  const CLI::Option* file_;
+};
+
+// ---- --help and --version ----
+
+// Help groups in the order a newcomer reads them, under the names they know.
+std::string help_group(const std::string& group) {
+  if (group == "launch") return "distributed";
+  if (group == "train") return "optimisation";
+  if (group == "speed") return "speed (CUDA)";
+  return group;
+}
+
+int help_rank(const std::string& group) {
+  static const std::vector<std::string> order = {"data", "model", "optimisation", "distributed", "output", "speed (CUDA)", "bench"};
+  const auto it = std::find(order.begin(), order.end(), help_group(group));
+  return it == order.end() ? static_cast<int>(order.size()) : static_cast<int>(it - order.begin());
+}
+
+// The table's rows in help order (CLI11 lists groups as first registered).
+std::vector<Flag> ordered_for_help(std::vector<Flag> table) {
+  std::stable_sort(table.begin(), table.end(),
+                   [](const Flag& a, const Flag& b) { return help_rank(a.group) < help_rank(b.group); });
+  return table;
+}
+
+// Section names a config file may use: the groups, as the table and --help name them.
+std::vector<std::string> config_sections(const std::vector<Flag>& table) {
+  std::vector<std::string> out;
+  for (const auto& f : table)
+    for (const auto& g : {f.group, help_group(f.group)})
+      if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
+  for (const char* g : {"train", "optimization"})
+    if (std::find(out.begin(), out.end(), g) == out.end()) out.push_back(g);
+  return out;
+}
+
+constexpr const char* kHelpFooter =
+    "\nSchedules (step s of S optimizer steps, W warm-up steps from --warmup-epochs, peak = --lr):\n"
+    "  constant   peak; with W > 0: peak * (s+1)/W for s < W (PyTorch LinearLR(1/W, 1, W-1))\n"
+    "  step       warm-up as above, then peak * 0.1^k, k = milestones passed at 50% and 75% of S-W (MultiStepLR)\n"
+    "  cosine     warm-up as above, then peak * (1 + cos(pi * (s-W)/(S-W))) / 2 (CosineAnnealingLR)\n"
+    "  onecycle   PyTorch OneCycleLR: cosine from peak/25 up to peak over W = 30% of S (or --warmup-epochs),\n"
+    "             then cosine down to peak/25/1e4 at the last step (the learning rate only; no momentum cycling)\n"
+    "\nSubcommands:\n"
+    "  ddptrain report RUN_DIR              metrics, plots and the best epoch of a run\n"
+    "  ddptrain export CHECKPOINT OUT.pt    a checkpoint's weights as a PyTorch state_dict\n"
+    "  ddptrain doctor [flags]              check the ranks, devices and collectives of a job\n"
+    "  ddptrain bench [flags]               time training steps (--bench-steps, --image-size)\n";
+
+std::string version_text() {
+#ifndef DDP_VERSION
+#define DDP_VERSION "unknown"
+#endif
+  const std::string cuda = compat::cuda_nccl_versions();
+  return std::string("ddptrain ") + DDP_VERSION + "\nLibTorch " + compat::torch_version() + "\n" +
+         (cuda.empty() ? "CPU only (no CUDA, no NCCL)" : cuda) + "\n";
+}
+
 }  // namespace
 
 Config parse_cli(int argc, const char* const* argv, Config defaults) {
@@ -167,11 +332,16 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
   app.set_help_flag("-h,--help", "print this help and exit");
   app.get_formatter()->column_width(34);
   // --config is not a Config field: it names where the others come from.
-  CLI::Option* config_file = app.set_config("--config", "", "read flags from a TOML file (key = value, keys named like the long flags); flags on the command line win. A run's config.toml repeats that run");
-  config_file->group("config");
-  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.footer(kHelpFooter);
   auto table = flag_table(c);
-  for (auto& f : table) {
+  const auto names = long_names(table);
+  for (const char* const* a = argv + 1; a < argv + argc; ++a)
+    if (std::string(*a) == "--version") {
+      std::cout << version_text();
+      std::exit(exit_code::kOk);
+    }
+  const auto args = normalise_flags(argc, argv, names);
+  for (auto& f : ordered_for_help(table)) {
     CLI::Option* o = std::visit(
         [&](auto* p) {
           if constexpr (std::is_same_v<decltype(p), bool*>)
@@ -182,11 +352,18 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
         f.target);
     // A later value overrides an earlier one (flags after a config file, or
     // a script's defaults followed by the user's own).
-    o->capture_default_str()->group(f.group)->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    o->capture_default_str()->group(help_group(f.group))->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     if (!f.choices.empty()) o->check(CLI::IsMember(f.choices));
   }
+  CLI::Option* config_file = app.set_config("--config", "", "read flags from a TOML file (key = value, keys named like the long flags, optionally under [data], [model], ... sections); flags on the command line win. A run's config.toml repeats that run");
+  config_file->group("config");
+  app.allow_config_extras(CLI::config_extras_mode::error);
+  app.config_formatter(std::make_shared<ConfigReader>(names, config_sections(table), config_file));
+  app.add_flag("--version", "print the versions of ddptrain, LibTorch, CUDA and NCCL and exit")->group("config");
+  std::vector<const char*> cargs;
+  for (const auto& a : args) cargs.push_back(a.c_str());
   try {
-    app.parse(argc, argv);
+    app.parse(static_cast<int>(cargs.size()), cargs.data());
   } catch (const CLI::CallForHelp& e) {
     std::exit(app.exit(e));
   } catch (const CLI::FileError&) {

@@ -1,8 +1,14 @@
 // The flag table: parsing, --help, validation and the printed config.
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
+#include <set>
 #include <sstream>
 
 #include "ddp/cli.h"
+#include "ddp/compat.h"
 #include "ddp/error.h"
 #include "support/testing.h"
 
@@ -146,6 +152,165 @@ TEST(Cli, MissingConfigFileIsAnError) {
   const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--config", missing});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+bool contains(const std::string& text, const std::string& what) { return text.find(what) != std::string::npos; }
+
+TEST(Cli, MistypedFlagSuggestsTheNearest) {
+  auto e = error_of({"--epoch", "1"});
+  EXPECT_TRUE(contains(e, "unknown flag '--epoch'.")) << e;
+  EXPECT_TRUE(contains(e, "did you mean --epochs?")) << e;
+  e = error_of({"--lerning-rate=0.1"});
+  EXPECT_TRUE(contains(e, "unknown flag '--lerning-rate'")) << e;
+  e = error_of({"--optimiser", "sgd"});
+  EXPECT_TRUE(contains(e, "did you mean --optimizer?")) << e;
+  e = error_of({"--warmup_epoch", "1"});
+  EXPECT_TRUE(contains(e, "did you mean --warmup-epochs?")) << e;
+  // Nothing close: no suggestion, still the way to the list.
+  e = error_of({"--frobnicate", "1"});
+  EXPECT_FALSE(contains(e, "did you mean")) << e;
+  EXPECT_TRUE(contains(e, "ddptrain --help")) << e;
+}
+
+TEST(Cli, MistypedConfigKeySuggestsTheNearest) {
+  const auto e = error_of({"--config", write_config("cfg_typo", "epoch = 2\n")});
+  EXPECT_TRUE(contains(e, "unknown key 'epoch'")) << e;
+  EXPECT_TRUE(contains(e, "did you mean epochs?")) << e;
+}
+
+// The table's values as command-line words: the resolved defaults, so that
+// validation passes; "x" for empty strings.
+std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
+  static ddp::Config defaults = parse({});
+  const auto j = ddp::config_to_json(defaults);
+  std::vector<std::pair<ddp::Flag, std::string>> out;
+  for (const auto& f : ddp::flag_table(defaults)) {
+    const auto& v = j[f.key()];
+    std::string word = v.is_string() ? v.get<std::string>() : v.dump();
+    if (word.empty()) word = "x";
+    out.push_back({f, word});
+  }
+  return out;
+}
+
+TEST(Cli, UnderscoresAndDashesAreAlikeInEveryFlagAndKey) {
+  for (const auto& [f, word] : flags_with_a_value()) {
+    for (char from : {'-', '_'}) {
+      std::string name = f.names.substr(2, f.names.find(',') - 2);
+      std::replace(name.begin(), name.end(), from, from == '-' ? '_' : '-');
+      const bool is_bool = std::holds_alternative<bool*>(f.target);
+      const auto flag_args = is_bool ? std::vector<std::string>{"--" + name}
+                                     : std::vector<std::string>{"--" + name, word};
+      EXPECT_EQ(error_of(flag_args), "") << "--" << name;
+      const auto file = write_config("cfg_spelling", name + " = " + (is_bool ? std::string("true") : "'" + word + "'") + "\n");
+      EXPECT_EQ(error_of({"--config", file}), "") << "config key " << name;
+    }
+  }
+  EXPECT_EQ(parse({"--train_samples", "12"}).train_samples, 12);
+  EXPECT_EQ(parse({"--config", write_config("cfg_us", "train_samples = 34\n")}).train_samples, 34);
+  EXPECT_TRUE(parse({"--train_samples", "12"}).was_given("train-samples"));
+}
+
+TEST(Cli, TomlSectionsOfFlagGroupsWork) {
+  const auto c = parse({"--config", write_config("cfg_sections", "epochs = 4\n[train]\nbatch = 16\n[data]\ntrain_samples = 100\n"
+                                                                  "[optimisation]\nlr = 0.5\n[distributed]\nnnodes = 1\n")});
+  EXPECT_EQ(c.epochs, 4);
+  EXPECT_EQ(c.batch, 16);
+  EXPECT_EQ(c.train_samples, 100);
+  EXPECT_DOUBLE_EQ(c.lr, 0.5);
+  const auto e = error_of({"--config", write_config("cfg_bad_section", "[trian]\nepochs = 2\n")});
+  EXPECT_TRUE(contains(e, "section [trian]")) << e;
+  EXPECT_TRUE(contains(e, "[data]")) << e;
+  EXPECT_FALSE(contains(e, "++")) << e;
+}
+
+TEST(Cli, HelpIsGroupedAndListsSubcommandsAndSchedules) {
+  const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--help"});
+  EXPECT_EQ(r.exit_code, 0);
+  size_t last = 0;
+  for (const char* group : {"\ndata:", "\nmodel:", "\noptimisation:", "\ndistributed:", "\noutput:"}) {
+    const size_t at = r.output.find(group);
+    ASSERT_NE(at, std::string::npos) << group << " missing:\n" << r.output;
+    EXPECT_GT(at, last) << group << " out of order";
+    last = at;
+  }
+  for (const char* sub : {"ddptrain report RUN_DIR", "ddptrain export CHECKPOINT", "ddptrain doctor", "ddptrain bench"})
+    EXPECT_TRUE(contains(r.output, sub)) << sub;
+  for (const char* formula : {"constant ", "step ", "cosine ", "onecycle ", "OneCycleLR", "peak/25/1e4", "(1 + cos(pi"})
+    EXPECT_TRUE(contains(r.output, formula)) << formula;
+}
+
+TEST(Cli, VersionNamesDdptrainLibTorchCudaAndNccl) {
+  const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--version"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "ddptrain 0.")) << r.output;
+  EXPECT_TRUE(contains(r.output, "LibTorch " + ddp::compat::torch_version())) << r.output;
+  if (torch::cuda::is_available()) {
+    EXPECT_TRUE(contains(r.output, "CUDA ")) << r.output;
+    EXPECT_TRUE(contains(r.output, "NCCL ")) << r.output;
+  } else {
+    EXPECT_TRUE(contains(r.output, "CUDA") || contains(r.output, "CPU only")) << r.output;
+  }
+}
+
+// Every "--flag value" that ddptrain's messages and help suggest is one the
+// parser takes: read the string literals of the sources, find each flag
+// followed by something that looks like a value (a number, a path, or a word
+// that is a value of some flag, such as false or gloo), and parse it.
+TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
+  namespace fs = std::filesystem;
+  const std::regex literal(R"re("((?:[^"\\\n]|\\.)*)")re");
+  const std::regex flag_value(R"re(--([a-z][a-z0-9_-]+)(=|\s)?([^\s,;:)'"\]\\]*))re");
+  const std::regex number(R"re(-?[0-9.][0-9.eE+-]*(,[0-9]+)*)re");
+  // Flags of other programs that messages mention (apt-get, torchrun, ctest, cmake).
+  const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "no-python", "test-dir",
+                                        "output-on-failure", "build", "target", "tests"};
+  ddp::Config c;
+  std::map<std::string, ddp::Flag> flags;
+  std::set<std::string> value_words = {"true", "false", "yes", "no"};
+  for (const auto& f : ddp::flag_table(c)) {
+    std::stringstream names(f.names);
+    std::string name;
+    while (std::getline(names, name, ',')) flags.emplace(name.substr(2), f);
+    value_words.insert(f.choices.begin(), f.choices.end());
+  }
+  int checked = 0;
+  for (const char* dir : {"/src", "/include", "/apps"})
+    for (const auto& e : fs::recursive_directory_iterator(std::string(DDP_SOURCE_DIR) + dir)) {
+      if (!e.is_regular_file()) continue;
+      const std::string text = ddp::testing::read_file(e.path().string());
+      for (std::sregex_iterator l(text.begin(), text.end(), literal), end; l != end; ++l) {
+        const std::string s = (*l)[1];
+        for (std::sregex_iterator m(s.begin(), s.end(), flag_value); m != end; ++m) {
+          const std::string name = (*m)[1], sep = (*m)[2];
+          std::string value = (*m)[3];
+          while (!value.empty() && value.back() == '.') value.pop_back();
+          const std::string where = e.path().filename().string() + ": \"" + s + "\"";
+          if (name == "config" || name == "help" || name == "version" || others.count(name)) continue;
+          const auto f = flags.find(name);
+          if (f == flags.end()) {
+            ADD_FAILURE() << "--" << name << " is no flag, in " << where;
+            continue;
+          }
+          const bool is_bool = std::holds_alternative<bool*>(f->second.target);
+          const bool numeric = std::holds_alternative<int*>(f->second.target) ||
+                               std::holds_alternative<double*>(f->second.target);
+          const bool looks_like_value =
+              std::regex_match(value, number) ||
+              (!numeric && (value_words.count(value) || (!value.empty() && (value[0] == '/' || value[0] == '.'))));
+          if (sep.empty() || !looks_like_value || (is_bool && sep != "=")) continue;
+          ++checked;
+          const auto args = sep == "=" ? std::vector<std::string>{"--" + name + "=" + value}
+                                       : std::vector<std::string>{"--" + name, value};
+          EXPECT_EQ(error_of(args), "") << "the hint '--" << name << sep << value << "' does not parse, in " << where;
+        }
+      }
+    }
+  EXPECT_GE(checked, 10);  // the scan finds the hints
 }
 
 }  // namespace

@@ -16,8 +16,9 @@
 
 namespace ddp {
 
-/// Loads the dataset the flags name (Fashion-MNIST, MNIST or synthetic,
-/// falling back to synthetic with a message when the files are missing).
+/// Loads the dataset the flags name. Data the user named (--data_root or
+/// --dataset) that is missing or of another kind is a UserError saying what
+/// was found; only the bare run falls back to synthetic data, with a banner.
 data::Splits load_data(const Config& config, bool verbose);
 
 /// Runs ddptrain with `task` (your own, or nullptr: the built-in one that

@@ -59,7 +59,7 @@ struct Config {
   double weight_decay = -1;         // -1 until resolved
   double momentum = 0.9;
   std::string schedule = "onecycle";
-  double warmup_epochs = 0.3;
+  double warmup_epochs = 0;          // 0: none (onecycle rises over 30% of the run)
   std::string loss = "cross-entropy";
   double label_smoothing = 0.0;
   double clip_grad_norm = 0.0;      // 0: off

@@ -60,6 +60,20 @@ constexpr bool kHasGloo = false;
 /// Version string, e.g. "1.13.0".
 inline std::string torch_version() { return TORCH_VERSION; }
 
+/// The CUDA runtime and NCCL this build compiled against, e.g.
+/// "CUDA 12.4, NCCL 2.21.5"; "" for a CPU-only LibTorch.
+inline std::string cuda_nccl_versions() {
+  std::string out;
+#if defined(DDP_WITH_CUDA) && defined(CUDART_VERSION)
+  out += "CUDA " + std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+#endif
+#if defined(DDP_WITH_CUDA) && defined(NCCL_MAJOR)
+  out += std::string(out.empty() ? "" : ", ") + "NCCL " + std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) +
+         "." + std::to_string(NCCL_PATCH);
+#endif
+  return out;
+}
+
 /// Releases a backend's communicators before the process exits. NCCL in 2.x
 /// warns about leaked communicators unless they are shut down explicitly.
 inline void shutdown_backend(const c10::intrusive_ptr<Backend>& pg) {

@@ -53,6 +53,8 @@ const std::string kScanHint = "lay images out as ROOT/<class>/<image>.jpg|png, o
 
 }  // namespace
 
+bool is_image_file_name(const std::string& name) { return has_extension(lower(name), kImageExtensions); }
+
 ImageFolderIndex scan_image_folder(const std::string& root) {
   check_user(is_dir(root), "data root '" + root + "' is not a directory.",
              "pass --data_root ROOT with the layout ROOT/<class>/<image>.jpg|png.");

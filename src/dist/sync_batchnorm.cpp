@@ -224,7 +224,7 @@ int convert_sync_batchnorm(torch::nn::Module& module, World& world) {
                dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m) ||
                dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) {
       throw UserError("module '" + item.key() + "' is a torch::nn::BatchNorm, which cannot be synchronised in place.",
-                      "build the model with ddp::BatchNorm2d (same parameters and names), or pass --sync-bn false.");
+                      "build the model with ddp::BatchNorm2d (same parameters and names), or pass --sync-bn off.");
     }
   }
   return converted;

@@ -30,7 +30,8 @@ std::vector<std::string> run_args(const std::string& save_path, std::vector<std:
   std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--save_path", save_path, "--progress", "plain",
                              "--log-every", "5", "--timeout", "60", "--backend", "gloo"};
   const auto root = ddp::testing::fashion_mnist_root();
-  a.insert(a.end(), {"--data_root", root.empty() ? std::string("/nonexistent") : root});
+  if (root.empty()) a.insert(a.end(), {"--dataset", "synthetic"});
+  else a.insert(a.end(), {"--data_root", root});
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -205,7 +206,7 @@ TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
     auto child = ddp::testing::start_process(
         {DDPTRAIN_EXE, "--model", "resnet18", "--size", "1", "--backend", "gloo", "--epochs", "100", "--save_epoch", "1",
          "--train-samples", "32", "--test-samples", "32", "--batch", "32", "--keep-last", "0", "--save_path", dir,
-         "--progress", "none", "--data_root", "/nonexistent"});
+         "--progress", "none", "--dataset", "synthetic"});
     // Let one checkpoint complete, so that there is a previous one to keep.
     ASSERT_TRUE(ddp::testing::wait_for_output(child, "saved ", 120));
     auto t0 = std::chrono::steady_clock::now();

@@ -49,6 +49,9 @@ struct ImageFolderIndex {
 /// extension this build cannot decode.
 ImageFolderIndex scan_image_folder(const std::string& root);
 
+/// True for a file name with one of torchvision's image extensions (any case).
+bool is_image_file_name(const std::string& name);
+
 /// Splits `all` into {train, val}: in every class, round(fraction x n)
 /// files go to validation (at most n - 1, so no class vanishes from
 /// training). Which ones is a hash of each file's path relative to the root,

@@ -1,0 +1,41 @@
+// The program around the trainer (src/app.cpp): what the launcher refuses
+// before starting ranks, and how a worker's error reaches the user.
+#include <filesystem>
+
+#include "ddp/error.h"
+#include "support/testing.h"
+
+namespace {
+
+using ddp::testing::run_process;
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
+  return n;
+}
+
+TEST(App, VisibleWithoutGpusIsAnError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has GPUs";
+  const auto r = run_process({DDPTRAIN_EXE, "--visible", "0", "--dataset", "synthetic", "--epochs", "1",
+                              "--save_path", ddp::testing::temp_dir("visible")},
+                             {}, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find("--visible 0 names GPUs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("drop --visible"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("rank 0 of"), std::string::npos) << "a rank started:\n" << r.output;
+}
+
+// Every rank meets the same bad --data_root; the user reads it once.
+TEST(App, TwoRanksPrintOneErrorLine) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto root = ddp::testing::temp_dir("one_error") + "/no-such-data";
+  const auto r = run_process({DDPTRAIN_EXE, "--size", "2", "--backend", "gloo", "--data_root", root, "--epochs", "1",
+                              "--progress", "none", "--timeout", "60", "--save_path",
+                              ddp::testing::temp_dir("one_error_save")},
+                             {}, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_EQ(count(r.output, "'" + root + "' does not exist"), 1u) << r.output;
+}
+
+}  // namespace
