@@ -33,7 +33,7 @@ std::string joined(const std::vector<std::string>& v) {
   return s;
 }
 
-TEST(Install, InstalledPackageBuildsAndTrainsTheTemplate) {
+TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
   DDP_SKIP_UNLESS_GLOO();
   const std::string root = ddp::testing::temp_dir("install");
   const std::string prefix = root + "/prefix", src = root + "/my_training", build = root + "/build";
@@ -102,6 +102,29 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplate) {
     }
   ASSERT_EQ(metrics.size(), 1u) << r.output;
   EXPECT_GT(metrics[0]["test_acc"].get<double>(), 0.5) << r.output;  // MyDataset is learnable; chance is 0.1
+  // The examples, built against the same prefix, each train one short epoch.
+  const std::string ex_build = root + "/examples_build";
+  std::vector<std::string> ex_configure{"cmake", "-S", std::string(DDP_SOURCE_DIR) + "/examples", "-B", ex_build,
+                                        "-DCMAKE_BUILD_TYPE=Release", "-Dddptrain_DIR=" + cmake_dir,
+                                        std::string("-DTorch_DIR=") + DDP_TORCH_DIR};
+  if (ccache) ex_configure.push_back("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache");
+  auto ex_cfg = run_process(ex_configure, {}, 300);
+  ASSERT_EQ(ex_cfg.exit_code, 0) << ex_cfg.output;
+  auto ex_make = run_process({"cmake", "--build", ex_build, "-j", "2"}, {{"CCACHE_BASEDIR", DDP_SOURCE_DIR}}, 900);
+  ASSERT_EQ(ex_make.exit_code, 0) << ex_make.output;
+  EXPECT_EQ(files_mentioning(ex_build, DDP_BINARY_DIR), std::vector<std::string>{});
+  for (const std::string example : {"regression", "two_inputs"}) {
+    auto run = run_process({ex_build + "/" + example, "--size", "1", "--backend", "gloo", "--epochs", "1",
+                            "--train-samples", "512", "--test-samples", "128", "--save_path", root + "/ex_" + example,
+                            "--progress", "none"},
+                           {}, 300);
+    EXPECT_EQ(run.exit_code, 0) << example << "\n" << run.output;
+  }
+  auto own = run_process({ex_build + "/own_loop", root}, {}, 600);
+  EXPECT_EQ(own.exit_code, 0) << own.output;
+  EXPECT_NE(own.output.find("epoch 2  test_acc"), std::string::npos) << own.output;
+  EXPECT_TRUE(fs::exists(root + "/own_loop_last.pt"));
+
   std::printf("install %.1f s, configure %.1f s, build %.1f s (ccache %s), train %.1f s, test_acc %.3f\n",
               inst.seconds, cfg.seconds, make.seconds, ccache ? "on" : "off", r.seconds,
               metrics[0]["test_acc"].get<double>());

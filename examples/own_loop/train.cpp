@@ -1,7 +1,7 @@
 // Your own training loop, from ddptrain's parts, the way one writes a loop
 // with PyTorch DDP: the process group, the sampler, gradient sync, a plain
 // torch::optim optimizer, checkpoints, Ctrl-C / SIGTERM, crash reports.
-//   ./build/own_loop                      2 CPU ranks (or one per GPU)
+//   ./build/own_loop [DIR]                2 CPU ranks (or one per GPU); checkpoints in DIR
 //   torchrun --nproc-per-node 2 --no-python ./build/own_loop
 #include <ddp/data/loader.h>
 #include <ddp/data/sampler.h>
@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
   ddp::GradSync sync(*model, world);  // broadcasts rank 0's weights; buckets all-reduce during backward
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(2e-3));
 
+  const std::string dir = argc > 1 ? argv[1] : ".";
   const int epochs = 2, batch = 64;
   for (int epoch = 0; epoch < epochs; ++epoch) {
     model->train();
@@ -45,7 +46,11 @@ int main(int argc, char** argv) {
     sampler.set_epoch(epoch);  // a new order every epoch
     ddp::data::Loader loader(data.train, sampler.indices(), ddp::data::LoaderOptions(batch).epoch(epoch));
     while (auto b = loader.next()) {
-      optimizer.zero_grad();  // on LibTorch 2.x this sets the gradients to None; GradSync copes
+      // The gradients are views into GradSync's flat buffer: zero them there.
+      // (optimizer.zero_grad() also works on LibTorch 2.x, where it sets them
+      // to None and GradSync puts them back; 1.13's detaches them in place,
+      // which LibTorch refuses for views.)
+      sync.zero_grad();
       auto loss = F::cross_entropy(model->forward(b->input().to(device)), b->target().to(device));
       loss.backward();
       sync.finish();  // wait for the all-reduces; gradients are now the global mean
@@ -73,7 +78,7 @@ int main(int argc, char** argv) {
       std::printf("epoch %d  test_acc %.4f\n", epoch + 1, (correct[0] / correct[1]).item<double>());
       ddp::TrainState state;
       state.epoch = epoch + 1;
-      ddp::save_checkpoint("own_loop_last.pt", *model, nullptr, {state, "own-loop-cnn", {}});  // atomic
+      ddp::save_checkpoint(dir + "/own_loop_last.pt", *model, nullptr, {state, "own-loop-cnn", {}});  // atomic
     }
   }
   return 0;

@@ -21,11 +21,12 @@ namespace two_inputs {
 namespace F = torch::nn::functional;
 constexpr int64_t kClasses = 5, kSide = 20;
 
-// Class k: a bright square in corner-ish place k. One sample in four has a
-// wrong label and a low weight: the weighted loss learns to trust it less.
+// Class k: a bright square in place k. In the training split one sample in
+// four has a wrong label and a low weight, so the weighted loss learns to
+// trust it less; the test split's labels are all true.
 class SquaresDataset : public ddp::data::Dataset {
  public:
-  SquaresDataset(int64_t size, uint64_t seed) : size_(size), seed_(seed) {}
+  SquaresDataset(int64_t size, uint64_t seed, bool noisy) : size_(size), seed_(seed), noisy_(noisy) {}
   int64_t size() const override { return size_; }
   ddp::data::Example get(int64_t index) const override {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003 + static_cast<uint64_t>(index));
@@ -34,7 +35,7 @@ class SquaresDataset : public ddp::data::Dataset {
     auto image = 0.3 * torch::randn({1, kSide, kSide}, gen);
     const int64_t row = 2 + (label % 3) * 6, col = 2 + (label / 3) * 9;
     image.slice(1, row, row + 5).slice(2, col, col + 5) += 2.0 * brightness;
-    const bool noisy = index % 4 == 3;
+    const bool noisy = noisy_ && index % 4 == 3;
     const int64_t shown = noisy ? (label + 1) % kClasses : label;
     return {{"input", image},
             {"weight", torch::tensor(noisy ? 0.1f : 1.0f)},
@@ -48,6 +49,7 @@ class SquaresDataset : public ddp::data::Dataset {
  private:
   int64_t size_;
   uint64_t seed_;
+  bool noisy_;
 };
 
 // Two heads on one trunk: class logits and a brightness estimate.
@@ -76,8 +78,8 @@ struct WeightedTask : ddp::Task {
 
   ddp::data::Splits make_data(const ddp::Config& c, ddp::World&) override {
     ddp::data::Splits data;
-    data.train = std::make_shared<SquaresDataset>(c.train_samples > 0 ? c.train_samples : 8000, 1);
-    data.test = std::make_shared<SquaresDataset>(c.test_samples > 0 ? c.test_samples : 2001, 2);
+    data.train = std::make_shared<SquaresDataset>(c.train_samples > 0 ? c.train_samples : 8000, 1, /*noisy=*/true);
+    data.test = std::make_shared<SquaresDataset>(c.test_samples > 0 ? c.test_samples : 2001, 2, /*noisy=*/false);
     return data;
   }
 

@@ -134,6 +134,7 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     groups[{static_cast<int>(p.scalar_type()), p.device().str()}].push_back(i);
   }
   bucket_of_.assign(params_.size(), 0);
+  grad_views_.assign(params_.size(), torch::Tensor());
   const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb() * 1024 * 1024);
   for (auto& [key, members] : groups) {
     const auto& first = params_[members.front()];
@@ -170,6 +171,7 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
         p.set_data(pv);
       }
       p.mutable_grad() = shaped_view(flat, offset, p, options_.channels_last());
+      grad_views_[i] = p.grad();
       bucket_of_[i] = buckets_.size();
       cur.numel += n;
       cur.expected += 1;
@@ -209,6 +211,18 @@ void GradSync::zero_grad() {
 }
 
 void GradSync::mark_ready(size_t param_index) {
+  // optimizer.zero_grad() sets gradients to None on LibTorch 2.x (and a user
+  // may replace .grad): autograd then accumulated into a fresh tensor, not
+  // into the flat buffer that is all-reduced and stepped. Copy it into its
+  // slice and make .grad the view again, so nothing is silently lost.
+  auto& p = params_[param_index];
+  const auto& view = grad_views_[param_index];
+  if (!p.grad().defined() || !p.grad().is_same(view)) {
+    torch::NoGradGuard no_grad;
+    if (p.grad().defined()) view.copy_(p.grad());
+    else view.zero_();
+    p.mutable_grad() = view;
+  }
   if (!sync_enabled_ || world_.size() == 1) return;
   std::lock_guard<std::mutex> lock(mu_);
   auto& b = buckets_[bucket_of_[param_index]];

@@ -241,7 +241,9 @@ void MetricsLog::rewrite_csv(const std::vector<std::string>& columns) {
 void MetricsLog::log_step(StepMetrics s) {
   if (path_.empty()) return;
   if (s.wall_time == 0) s.wall_time = unix_now();
-  append_csv(csv_row(s));
+  if (columns_.empty()) append_csv("");  // only reads or writes the header
+  // Step rows leave the task's metric columns empty.
+  append_csv(csv_row(s) + std::string(columns_.size() > kCsvBase.size() ? columns_.size() - kCsvBase.size() : 0, ','));
   write_step_scalars(events(), s);
 }
 

@@ -52,6 +52,7 @@ class NetLossTask : public Task {
   LossOptions loss_;
 };
 
+#ifdef DDP_WITH_CUDA
 // True when `b` has the same names, shapes and strides as the graph's
 // static inputs, so it can be copied into them.
 bool same_layout(const data::Batch& b, const data::Batch& like) {
@@ -65,6 +66,7 @@ bool same_layout(const data::Batch& b, const data::Batch& like) {
   }
   return true;
 }
+#endif
 
 bool has_synced_batchnorm(torch::nn::Module& model) {
   for (const auto& m : model.modules())

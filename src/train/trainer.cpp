@@ -465,9 +465,22 @@ void Trainer::save(int64_t epoch, double monitored) {
 
 void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
   if (!world_.is_main()) return;
+  // The end of a run on one screen: what it reached, where it is, and the
+  // commands that come next.
+  std::printf("\n");
   if (world_.device().is_cuda())
     std::printf("peak GPU memory %.0f MiB (rank 0)\n",
                 static_cast<double>(compat::peak_cuda_bytes(world_.device().index())) / (1024.0 * 1024.0));
+  const double final_value = last.value(monitor_.metric);
+  std::printf("done: %lld epoch(s) in %.1f s%s; %s final %s, best %s (%s is better)\n",
+              static_cast<long long>(last.epoch), seconds, data_.synthetic ? " on SYNTHETIC data" : "",
+              monitor_.metric.c_str(), format_metric(monitor_.metric, final_value).substr(monitor_.metric.size() + 1).c_str(),
+              format_metric(monitor_.metric, state_.best).substr(monitor_.metric.size() + 1).c_str(),
+              monitor_.goal == Goal::kMax ? "higher" : "lower");
+  std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
+  std::printf("resume:   --config %s/config.toml --resume auto --save_path %s\n", run_dir_.c_str(), config_.save_path.c_str());
+  std::printf("export:   ddptrain export %s/best.pt weights.pt\n", run_dir_.c_str());
+  std::printf("view:     ddptrain report %s; tensorboard --logdir %s\n", run_dir_.c_str(), run_dir_.c_str());
   std::fflush(stdout);
 }
 

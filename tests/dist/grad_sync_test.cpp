@@ -1,5 +1,7 @@
 // Gradient synchronisation and SyncBatchNorm, proven with real processes over
 // a real Gloo group on loopback, started by the real launcher.
+#include "ddp/dist/grad_sync.h"
+#include "ddp/dist/world.h"
 #include "support/testing.h"
 
 namespace {
@@ -211,6 +213,42 @@ TEST(GradSync, StalledRankInGradientSyncIsReportedWithinTimeout_MultiCUDA) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_LT(r.seconds, 60) << r.output;
   EXPECT_NE(r.output.find("ALLREDUCE"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+// optimizer.zero_grad() sets gradients to None on LibTorch 2.x (set_to_none
+// is its default there). The next backward must still land in GradSync's
+// flat buffer, which is what gets all-reduced and stepped.
+TEST(GradSync, GradientsSetToNoneFlowBackIntoTheFlatBuffer) {
+  DDP_SKIP_UNLESS_GLOO();
+  ddp::Placement place;
+  place.source = "test";
+  ddp::WorldOptions o;
+  o.use_cuda = false;
+  ddp::World world(place, o);
+  torch::manual_seed(0);
+  torch::nn::Linear lin(4, 3);
+  ddp::GradSync sync(*lin, world);
+  const auto x = torch::randn({5, 4});
+  for (int round = 0; round < 2; ++round) {
+    for (auto& p : lin->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none=true)
+    lin->forward(x).sum().backward();
+    sync.finish();
+    const auto& flat = sync.flat_grads().at(0);
+    const auto* lo = static_cast<const char*>(flat.data_ptr());
+    const auto* hi = lo + flat.numel() * flat.element_size();
+    for (auto& p : lin->parameters()) {
+      const auto* at = static_cast<const char*>(p.grad().data_ptr());
+      EXPECT_TRUE(at >= lo && at < hi) << "round " << round << ": .grad left the flat buffer";
+    }
+    // d(sum)/dW = ones(3) x sum_b x_b; d/db = 5: in the flat buffer too.
+    const auto expected_w = torch::ones({3, 1}) * x.sum(0).unsqueeze(0);
+    EXPECT_TRUE(torch::allclose(lin->weight.grad(), expected_w));
+    EXPECT_NEAR(flat.sum().item<double>(), expected_w.sum().item<double>() + 3 * 5.0, 1e-4);
+  }
 }
 
 }  // namespace

@@ -63,7 +63,7 @@ struct SmallDisk {
 // A quick one-rank run on synthetic data, saving every epoch.
 std::vector<std::string> quick_run(const std::string& save_path, std::vector<std::string> extra) {
   std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--size", "1", "--backend", "gloo", "--save_path",
-                             save_path, "--data_root", "/nonexistent", "--train-samples", "128", "--test-samples",
+                             save_path, "--dataset", "synthetic", "--train-samples", "128", "--test-samples",
                              "64", "--batch", "64", "--progress", "none", "--timeout", "60"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;

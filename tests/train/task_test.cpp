@@ -62,6 +62,12 @@ TEST(Task, BuiltinRegressionLearnsAndBestFollowsTheLowestLoss) {
   for (const std::string file : {"/metrics.jsonl", "/metrics.csv", "/curves.svg"})
     EXPECT_EQ(read_file(run + file).find("acc"), std::string::npos) << file << " mentions accuracy";
   EXPECT_EQ(r.output.find("acc"), std::string::npos) << r.output;
+  // The end-of-run summary: the monitor's final and best value, and the
+  // commands that come next.
+  for (const std::string& line : std::vector<std::string>{"done: 3 epoch(s)", "on SYNTHETIC data; test_loss final", "(lower is better)",
+                                 "resume:   --config " + run + "/config.toml --resume auto",
+                                 "export:   ddptrain export " + run + "/best.pt"})
+    EXPECT_NE(r.output.find(line), std::string::npos) << line << "\n" << r.output;
   auto report = run_process({DDPTRAIN_EXE, "report", run});
   ASSERT_EQ(report.exit_code, 0) << report.output;
   EXPECT_EQ(report.output.find("acc"), std::string::npos) << report.output;
@@ -142,7 +148,7 @@ TEST(Task, TaskFlagShowsInHelpAndInTheRunsConfig) {
 // A flag that the program would ignore is an error, not a silent no-op.
 TEST(Task, FlagThatTheProgramIgnoresIsReported) {
   DDP_SKIP_UNLESS_GLOO();
-  for (const std::vector<std::string> flags :
+  for (const std::vector<std::string>& flags :
        {std::vector<std::string>{"--model", "resnet18"}, {"--dataset", "cifar10"}, {"--loss", "mse"}, {"--task", "regression"}}) {
     auto args = cpu_run(EXAMPLE_two_inputs, ddp::testing::temp_dir("task_ignored"),
                         {"--size", "1", "--epochs", "1", "--train-samples", "64", "--test-samples", "16"});
@@ -162,12 +168,12 @@ TEST(Task, FlagThatTheProgramIgnoresIsReported) {
 TEST(Task, RegressionExampleReachesStatedR2) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("example_regression");
-  auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "2", "--train-samples", "8000",
+  auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "4", "--train-samples", "8000",
                                                          "--test-samples", "1000"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto m = read_metrics(dir);
-  ASSERT_EQ(m.size(), 2u);
-  EXPECT_GE(m[1]["test_r2"].get<double>(), 0.9) << r.output;  // stated in the README
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_GE(m[3]["test_r2"].get<double>(), 0.9) << r.output;  // stated in the README
 }
 
 // Example (b): two inputs, a custom loss with its own flag, macro-F1.
@@ -199,6 +205,26 @@ TEST(Task, CustomMetricOverTwoUnevenRanksEqualsOneRank) {
   const auto one = read_file(dir + "/metrics_world1.txt"), two = read_file(dir + "/metrics_world2.txt");
   ASSERT_NE(one.find("test_f1 "), std::string::npos) << one;
   EXPECT_EQ(one, two);
+}
+
+}  // namespace
+
+namespace {
+
+// On one GPU the task's step (two inputs, logs) runs under bf16 autocast and
+// is captured in a CUDA graph; the run learns as on the CPU.
+TEST(Task, TwoInputTaskIsCapturedOnOneGpu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto dir = ddp::testing::temp_dir("task_gpu");
+  auto r = run_process({EXAMPLE_two_inputs, "--size", "1", "--backend", "nccl", "--epochs", "2", "--train-samples",
+                        "6000", "--test-samples", "1001", "--amp", "bf16", "--cuda-graph", "--save_path", dir,
+                        "--progress", "plain"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("captured the training step"), std::string::npos) << r.output;
+  const auto m = read_metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_GE(m[1]["test_f1"].get<double>(), 0.9) << r.output;
+  EXPECT_TRUE(m[1].contains("train_aux"));
 }
 
 }  // namespace

@@ -89,6 +89,7 @@ class GradSync {
   World& world_;
   GradSyncOptions options_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> grad_views_;  // param index -> its slice of the flat gradients
   std::vector<size_t> bucket_of_;  // param index -> bucket
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> flat_grads_;
