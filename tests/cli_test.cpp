@@ -191,7 +191,7 @@ std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
   for (const auto& f : ddp::flag_table(defaults)) {
     const auto& v = j[f.key()];
     std::string word = v.is_string() ? v.get<std::string>() : v.dump();
-    if (word.empty()) word = "x";
+    if (word.empty()) word = f.key() == "stop-at" ? "test_acc=0.9" : "x";
     out.push_back({f, word});
   }
   return out;
@@ -268,7 +268,9 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
   const std::regex number(R"re(-?[0-9.][0-9.eE+-]*(,[0-9]+)*)re");
   // Flags of other programs that messages mention (apt-get, torchrun, ctest, cmake).
   const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "no-python", "test-dir",
-                                        "output-on-failure", "build", "target", "tests"};
+                                        "output-on-failure", "build", "target", "tests",
+                                        "logdir",       // tensorboard's
+                                        "aux-weight"};  // the example task flag in cli.h's comments
   ddp::Config c;
   std::map<std::string, ddp::Flag> flags;
   std::set<std::string> value_words = {"true", "false", "yes", "no"};
