@@ -228,3 +228,29 @@ TEST(Task, TwoInputTaskIsCapturedOnOneGpu_CUDA) {
 }
 
 }  // namespace
+
+namespace {
+
+// Gradient accumulation averages each optimizer step over the micro-batches
+// it really has: 160 samples in batches of 32 with --accum-steps 2 make
+// groups of 2, 2 and 1; the last group's gradient is its one batch's mean,
+// as in one run with batches of 64, 64 and 32. (The model has no batch
+// norm, so the two runs see the same arithmetic up to float rounding; a
+// last group divided by 2 would halve the final update.)
+TEST(Task, AccumulationAveragesTheLastPartialGroupOverItsOwnSize) {
+  DDP_SKIP_UNLESS_GLOO();
+  std::vector<std::string> common = {"--size", "1", "--epochs", "1", "--train-samples", "160", "--test-samples",
+                                     "200", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.5",
+                                     "--schedule", "constant", "--seed", "1"};
+  auto accumulated = common, plain = common;
+  accumulated.insert(accumulated.end(), {"--batch", "32", "--accum-steps", "2"});
+  plain.insert(plain.end(), {"--batch", "64"});
+  const auto a = ddp::testing::temp_dir("accum_a"), b = ddp::testing::temp_dir("accum_b");
+  auto ra = run_process(cpu_run(EXAMPLE_regression, a, accumulated)), rb = run_process(cpu_run(EXAMPLE_regression, b, plain));
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  const double la = read_metrics(a).at(0)["test_loss"].get<double>(), lb = read_metrics(b).at(0)["test_loss"].get<double>();
+  EXPECT_NEAR(la, lb, 1e-5 * std::max(1.0, std::abs(lb))) << ra.output << rb.output;
+}
+
+}  // namespace
