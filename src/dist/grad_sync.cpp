@@ -257,11 +257,22 @@ void GradSync::finish() {
 }
 
 void GradSync::broadcast_buffers() {
-  if (world_.size() == 1) return;
+  if (world_.size() == 1 || buffers_.empty()) return;
   torch::NoGradGuard no_grad;
-  for (auto& b : buffers_) {
-    auto t = b;
-    world_.broadcast(t, 0, "buffers");
+  // One broadcast per dtype (BatchNorm: float statistics, int64 counters),
+  // not one per buffer: this runs before every step with local batch norm.
+  std::map<c10::ScalarType, std::vector<torch::Tensor>> by_dtype;
+  for (auto& b : buffers_) by_dtype[b.scalar_type()].push_back(b);
+  for (auto& [dtype, group] : by_dtype) {
+    std::vector<torch::Tensor> flat;
+    for (auto& b : group) flat.push_back(b.reshape(-1));
+    auto all = torch::cat(flat);
+    world_.broadcast(all, 0, "buffers");
+    int64_t at = 0;
+    for (auto& b : group) {
+      b.copy_(all.slice(0, at, at + b.numel()).view_as(b));
+      at += b.numel();
+    }
   }
 }
 

@@ -124,6 +124,7 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 #endif
   }
   optimizer_ = std::make_unique<FlatOptimizer>(sync_->flat_params(), sync_->flat_grads(), o_.optimizer());
+  broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
 
   if (fp16_) {
     check_user(dev.is_cuda(), "--amp fp16 needs a CUDA device; this rank runs on " + dev.str() + ".",
@@ -199,6 +200,10 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
 
 StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, double loss_scale) {
   if (last_micro) optimizer_->set_lr(lr);
+  // Local batch norm on several ranks: rank 0's running statistics before
+  // every forward, as PyTorch DDP's broadcast_buffers=True does. Outside the
+  // captured graph, so a replay starts from them too.
+  if (broadcast_buffers_) sync_->broadcast_buffers();
 #ifdef DDP_WITH_CUDA
   if (graph_wanted_ && graph_) {
     auto& g = *graph_;

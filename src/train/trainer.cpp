@@ -393,6 +393,8 @@ Metrics Trainer::evaluate() {
                                                 " samples, fewer than the " + std::to_string(world_.size()) + " ranks.",
              "use a larger test set (--test-samples) or fewer ranks.");
   auto& model = *model_;
+  // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
+  step_->sync().broadcast_buffers();
   model.eval();
   torch::NoGradGuard no_grad;
   // Each test sample is seen by exactly one rank: no padding duplicates.

@@ -252,3 +252,22 @@ TEST(GradSync, GradientsSetToNoneFlowBackIntoTheFlatBuffer) {
 }
 
 }  // namespace
+
+namespace {
+
+// --sync-bn off (what --cuda-graph needs): like PyTorch DDP's
+// broadcast_buffers=True, rank 0's BatchNorm statistics reach every rank,
+// so after an epoch all ranks hold the same model (evaluation and best.pt
+// agree with rank 0).
+TEST(GradSync, LocalBatchNormBuffersAreRank0sOnEveryRank) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("local_bn_buffers");
+  auto r = ddp::testing::run_process({DDP_TESTWORKER, "--launch", "2", "local_bn_buffers", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  torch::Tensor a, b;
+  torch::load(a, dir + "/buffers_rank0.pt");
+  torch::load(b, dir + "/buffers_rank1.pt");
+  EXPECT_TRUE(torch::equal(a, b)) << "largest difference " << (a - b).abs().max().item<double>();
+}
+
+}  // namespace

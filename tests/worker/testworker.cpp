@@ -231,6 +231,23 @@ void syncbn_eval(World& world, const std::string& out) {
   std::fclose(f);
 }
 
+// A short run of the built-in classifier with local batch norm (--sync-bn
+// off): every rank writes its model's buffers afterwards.
+void local_bn_buffers(World& world, const std::string& out) {
+  ClassificationTask task;
+  const std::string runs = out + "/runs";
+  const char* args[] = {"local_bn", "--save_path", runs.c_str(), "--progress", "none", "--sync-bn", "off",
+                        "--dataset", "synthetic", "--train-samples", "512", "--test-samples", "64",
+                        "--batch", "32", "--epochs", "1"};
+  Config c = parse_cli(static_cast<int>(std::size(args)), args, Config());
+  torch::manual_seed(3);
+  Trainer trainer(c, world, task);
+  trainer.fit();
+  std::vector<torch::Tensor> parts;
+  for (const auto& b : trainer.model().buffers()) parts.push_back(b.detach().flatten().to(torch::kDouble));
+  save(torch::cat(parts), out + "/buffers_rank" + std::to_string(world.rank()) + ".pt");
+}
+
 int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
   WorldOptions wo;
   wo.use_cuda = std::getenv("DDP_TEST_CUDA") != nullptr;
@@ -248,6 +265,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     overlap(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "local_bn_buffers") {
+    local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {
     task_metric(world, out, argc, argv);
   } else if (scenario == "throw") {

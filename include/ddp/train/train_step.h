@@ -96,6 +96,7 @@ class TrainStep : public Stateful {
   std::unique_ptr<FlatOptimizer> optimizer_;
   c10::ScalarType amp_dtype_ = c10::ScalarType::Float;
   bool amp_on_ = false, fp16_ = false;
+  bool broadcast_buffers_ = false;  // local batch norm on several ranks
   torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
   bool graph_wanted_ = false;
   int64_t eager_steps_ = 0;
