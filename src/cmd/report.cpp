@@ -93,8 +93,7 @@ std::string run_report(const std::string& run_dir) {
     // The monitor metric first, with its best epoch; then the task's other
     // metrics at the last epoch, by name.
     auto shown = [](const std::string& name, double v) {
-      const bool fraction = name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0;
-      return fraction ? fixed(100 * v, 2) + "%" : fixed(v, 4);
+      return is_fraction_metric(name) ? fixed(100 * v, 2) + "%" : fixed(v, 4);
     };
     auto padded = [](std::string label) { return label + std::string(label.size() < 12 ? 13 - label.size() : 1, ' '); };
     const std::string monitor = last.monitor;

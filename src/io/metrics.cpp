@@ -108,6 +108,10 @@ std::string metric_tag(const std::string& name) {
   return name.substr(0, cut) + "/" + (rest == "acc" ? "accuracy" : rest);
 }
 
+bool is_fraction_metric(const std::string& name) {
+  return name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0;
+}
+
 std::string metric_label(const std::string& name) {
   std::string tag = metric_tag(name);
   if (tag.rfind("metrics/", 0) == 0) return name;

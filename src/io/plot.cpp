@@ -129,7 +129,6 @@ void draw_panel(std::ostringstream& svg, double x0, const std::string& title, co
 namespace {
 
 bool is_loss(const std::string& name) { return name.size() >= 5 && name.compare(name.size() - 5, 5, "_loss") == 0; }
-bool is_fraction(const std::string& name) { return name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0; }
 
 // The right panel's metric: the monitor unless it is a loss (already on the
 // left), else R squared where there is one, else the first other metric.
@@ -163,7 +162,7 @@ std::string curves_svg(const std::vector<EpochMetrics>& epochs) {
     losses.push_back({metric_label(loss_names[i]), css_class(loss_names[i]), kColors[i % 5], {}});
   // Right: one more metric (accuracy in per cent).
   const std::string other = second_panel_metric(epochs);
-  const bool percent = is_fraction(other);
+  const bool percent = is_fraction_metric(other);
   Series right{metric_label(other), css_class(other), "#2ca02c", {}};
   for (const auto& m : epochs) {
     const double e = static_cast<double>(m.epoch);

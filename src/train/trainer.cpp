@@ -38,16 +38,17 @@ std::string timestamp() {
 }
 
 
-// "test_acc 91.23%" for accuracies, "test_loss 0.3120" otherwise.
-std::string format_metric(const std::string& name, double v) {
-  char buf[96];
-  const bool fraction = name.size() >= 4 && name.compare(name.size() - 4, 4, "_acc") == 0;
-  if (fraction)
-    std::snprintf(buf, sizeof(buf), "%s %.2f%%", name.c_str(), 100 * v);
+// "91.23%" for accuracies, "0.312" otherwise.
+std::string format_value(const std::string& name, double v) {
+  char buf[48];
+  if (is_fraction_metric(name))
+    std::snprintf(buf, sizeof(buf), "%.2f%%", 100 * v);
   else
-    std::snprintf(buf, sizeof(buf), "%s %.4g", name.c_str(), v);
+    std::snprintf(buf, sizeof(buf), "%.4g", v);
   return buf;
 }
+
+std::string format_metric(const std::string& name, double v) { return name + " " + format_value(name, v); }
 
 // Validation sums, added over ranks in one all-reduce. Every rank must
 // return the same names and shapes; a first, fixed-size all-reduce of
@@ -417,7 +418,6 @@ Metrics Trainer::evaluate() {
       else it->second += d;
     }
   }
-  model.train();
   return task_.validation_metrics(reduce_totals(world_, totals, dev));
 }
 
@@ -476,8 +476,8 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
   const double final_value = last.value(monitor_.metric);
   std::printf("done: %lld epoch(s) in %.1f s%s; %s final %s, best %s (%s is better)\n",
               static_cast<long long>(last.epoch), seconds, data_.synthetic ? " on SYNTHETIC data" : "",
-              monitor_.metric.c_str(), format_metric(monitor_.metric, final_value).substr(monitor_.metric.size() + 1).c_str(),
-              format_metric(monitor_.metric, state_.best).substr(monitor_.metric.size() + 1).c_str(),
+              monitor_.metric.c_str(), format_value(monitor_.metric, final_value).c_str(),
+              format_value(monitor_.metric, state_.best).c_str(),
               monitor_.goal == Goal::kMax ? "higher" : "lower");
   std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
   std::printf("resume:   --config %s/config.toml --resume auto --save_path %s\n", run_dir_.c_str(), config_.save_path.c_str());

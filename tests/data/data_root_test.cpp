@@ -112,8 +112,9 @@ TEST(DataRoot, InspectTellsTheKinds) {
   std::ofstream(cifar + "/data_batch_1.bin") << "x";
   EXPECT_EQ(ddp::data::inspect_data_root(cifar).kind, K::kCifar10);
   EXPECT_NE(ddp::data::inspect_data_root(cifar).fix.find("--dataset cifar10"), std::string::npos);
-  if (!ddp::testing::fashion_mnist_root().empty())
+  if (!ddp::testing::fashion_mnist_root().empty()) {
     EXPECT_EQ(ddp::data::inspect_data_root(ddp::testing::fashion_mnist_root()).kind, K::kMnistLike);
+  }
 }
 
 }  // namespace

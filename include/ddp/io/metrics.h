@@ -76,6 +76,8 @@ struct EpochMetrics {
 /// TensorBoard tag and display name of a metric: its first '_' becomes '/'
 /// (or ' '), and "acc" reads "accuracy": test_acc -> test/accuracy.
 std::string metric_tag(const std::string& name);
+/// True for accuracies (names ending in "_acc"): fractions shown in per cent.
+bool is_fraction_metric(const std::string& name);
 std::string metric_label(const std::string& name);
 
 /// Reads metrics.jsonl; UserError naming the file and line if it is corrupt.
