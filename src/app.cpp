@@ -178,6 +178,16 @@ void print_synthetic_banner(const std::string& root) {
                root.c_str());
 }
 
+// --resume continues a run as it was started: the checkpoint's saved
+// flags, with only those that leave the job the same taken from the command
+// line (resumed_config() refuses the others).
+Config with_saved_flags(const Config& c) {
+  const std::string path = resume_checkpoint(c.resume, c.save_path);
+  if (path.empty()) return c;
+  const auto saved = read_checkpoint_meta(path).config;
+  return saved.empty() ? c : resumed_config(c, saved, path);
+}
+
 }  // namespace
 
 data::Splits load_data(const Config& c, bool verbose) {
@@ -269,6 +279,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     if (!task) task = make_builtin_task(parse_cli(static_cast<int>(args.size()), args.data()).task);
     task->add_flags(defaults);
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
+    if (command.empty()) c = with_saved_flags(c);
     Placement where = placement_from_env();
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty()))
       return launch(c, argc, argv);

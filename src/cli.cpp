@@ -34,17 +34,18 @@ std::string Flag::key() const { return key_of(names); }
 std::string TaskFlag::key() const { return key_of(names); }
 
 std::vector<Flag> flag_table(Config& c) {
+  constexpr OnResume kMayChange = OnResume::kMayChange;  // the rest: OnResume::kSame
   std::vector<Flag> table = {
       // group "seed": the seed template's flags, unchanged in name and meaning.
-      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch"},
-      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 2 CPU ranks", &c.size, {}, "launch"},
-      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch"},
-      {"--address", "address of the master node (node 0)", &c.address, {}, "launch"},
-      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch"},
-      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch"},
-      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch"},
-      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch"},
-      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch"},
+      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kMayChange},
+      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 2 CPU ranks", &c.size, {}, "launch", kMayChange},
+      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kMayChange},
+      {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kMayChange},
+      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kMayChange},
+      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch", kMayChange},
+      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch", kMayChange},
+      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kMayChange},
+      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kMayChange},
 
       {"--data_root,--data-root", "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches", &c.data_root, {}, "data"},
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
@@ -53,19 +54,19 @@ std::vector<Flag> flag_table(Config& c) {
       {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
       {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
-      {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data"},
+      {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
-      {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data"},
+      {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc) or regression (--loss mse|l1|huber; test_mse, test_mae, test_r2)", &c.task, {"classification", "regression"}, "model"},
       {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
-      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model"},
-      {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model"},
+      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange},
+      {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model", kMayChange},
       {"--sync-bn", "SyncBatchNorm; auto: on when the world size is above 1", &c.sync_bn, {"auto", "on", "off"}, "model"},
 
-      {"--epochs", "training epochs", &c.epochs, {}, "train"},
-      {"--batch", "batch size per rank (global batch = batch x ranks x accum-steps)", &c.batch, {}, "train"},
+      {"--epochs", "training epochs", &c.epochs, {}, "train", kMayChange},
+      {"--batch", "batch size per rank (global batch = batch x ranks x accum-steps)", &c.batch, {}, "train", kMayChange},
       {"--optimizer", "optimizer", &c.optimizer, {"sgd", "adam", "adamw"}, "train"},
       {"--lr", "peak learning rate; default: 0.1 (sgd), 2e-3 (adam, adamw)", &c.lr, {}, "train"},
       {"--weight-decay", "weight decay; default: 5e-4 (sgd), 0 (adam), 0.05 (adamw)", &c.weight_decay, {}, "train"},
@@ -80,20 +81,21 @@ std::vector<Flag> flag_table(Config& c) {
       {"--bucket-cap-mb", "gradient all-reduce bucket size in MiB", &c.bucket_cap_mb, {}, "train"},
 
       {"--amp", "mixed precision: bf16, or fp16 with dynamic loss scaling (CUDA)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
-      {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed"},
-      {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed"},
-      {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed"},
-      {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply (auto), or LibTorch's (native)", &c.bn_kernel, {"auto", "native"}, "speed"},
-      {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train"},
-      {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train"},
-      {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench"},
+      {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed", kMayChange},
+      {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed", kMayChange},
+      {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed", kMayChange},
+      {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply (auto), or LibTorch's (native)", &c.bn_kernel, {"auto", "native"}, "speed", kMayChange},
+      {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
+      {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train", kMayChange},
+      {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
 
-      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output"},
-      {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output"},
-      {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output"},
-      {"--resume", "continue from a checkpoint: auto (newest in --save_path) or a file", &c.resume, {}, "output"},
-      {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output"},
-      {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output"},
+      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange},
+      {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
+      {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output", kMayChange},
+      {"--resume", "continue a run with its saved flags: auto (the newest checkpoint under --save_path), a run directory or a checkpoint file", &c.resume, {}, "output", kMayChange},
+      {"--reschedule", "with --resume and another --epochs: recompute a schedule that depends on the run's length (step, cosine, onecycle) for the new length", &c.reschedule, {}, "output", kMayChange},
+      {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output", kMayChange},
+      {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output", kMayChange},
   };
   // The task's own flags, after the built-in ones.
   for (auto& f : c.task_flags)
@@ -384,6 +386,72 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
   validate(c);
   resolve_defaults(c);
   return c;
+}
+
+namespace {
+
+// A flag's value as the command line would spell it.
+std::string spelled(const FlagTarget& target) {
+  std::ostringstream os;
+  std::visit([&](auto* p) { os << std::boolalpha << *p; }, target);
+  return os.str();
+}
+
+nlohmann::json value_of(const FlagTarget& target) {
+  return std::visit([](auto* p) { return nlohmann::json(*p); }, target);
+}
+
+// Sets *p from a saved JSON value; false if the JSON holds another type.
+template <typename T>
+bool assign(T* p, const nlohmann::json& v) {
+  if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) return false;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) return false;
+  } else {
+    if (!v.is_number()) return false;
+  }
+  *p = v.get<T>();
+  return true;
+}
+
+}  // namespace
+
+Config resumed_config(const Config& now, const nlohmann::json& saved, const std::string& checkpoint) {
+  Config out = now;
+  Config saved_values = now;
+  auto table = flag_table(out);
+  auto saved_table = flag_table(saved_values);
+  std::vector<std::string> changed;
+  for (size_t i = 0; i < table.size(); ++i) {
+    const Flag& f = table[i];
+    const std::string key = f.key();
+    if (key == "resume" || !saved.contains(key)) continue;  // a flag newer than the checkpoint keeps its value
+    const bool ok = std::visit([&](auto* p) { return assign(p, saved[key]); }, saved_table[i].target);
+    check_user(ok, "checkpoint " + checkpoint + " saved '" + key + "' as " + saved[key].dump() + ", not a value of that flag.",
+               "it was written by another program; start without --resume.");
+    const bool differs = value_of(saved_table[i].target) != value_of(f.target);
+    if (now.was_given(key)) {
+      const std::string was = spelled(saved_table[i].target);
+      if (f.on_resume == OnResume::kSame && differs)
+        changed.push_back("--" + key + " " + spelled(f.target) + " (the run's: " + (was.empty() ? "''" : was) + ")");
+      continue;
+    }
+    // A restored --batch is not the user's: the trainer derives the per-rank
+    // batch from the run's global batch (Trainer::keep_global_batch).
+    if (differs && key != "batch") out.given.push_back(key);
+    std::visit([&](auto* p) { assign(p, saved[key]); }, f.target);
+  }
+  if (!changed.empty()) {
+    std::string list;
+    for (const auto& c : changed) list += (list.empty() ? "" : ", ") + c;
+    throw UserError("--resume continues the run of " + checkpoint + " with its own flags, but " + list +
+                        (changed.size() == 1 ? " changes" : " change") + " what it learns.",
+                    "drop " + std::string(changed.size() == 1 ? "that flag" : "those flags") +
+                        " to continue the same job, or start a new run without --resume (--pretrain " + checkpoint +
+                        " starts from its weights).");
+  }
+  return out;
 }
 
 nlohmann::json config_to_json(const Config& config) {

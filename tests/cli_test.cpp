@@ -316,3 +316,97 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
 }
 
 }  // namespace
+
+// --resume restores the run's saved flags; flags that leave the job the
+// same may be given, the others are refused all at once.
+namespace resume {
+
+nlohmann::json saved_run() {
+  auto c = parse({"--epochs", "2", "--train-samples", "12000", "--lr", "0.01", "--optimizer", "sgd", "--seed", "4",
+                  "--save_epoch", "1", "--batch", "32", "--size", "2"});
+  return ddp::config_to_json(c);
+}
+
+TEST(CliResume, RestoresTheSavedFlags) {
+  auto c = ddp::resumed_config(parse({"--resume", "auto"}), saved_run(), "run/epoch_1.pt");
+  EXPECT_EQ(c.epochs, 2);
+  EXPECT_EQ(c.train_samples, 12000);
+  EXPECT_EQ(c.optimizer, "sgd");
+  EXPECT_DOUBLE_EQ(c.lr, 0.01);
+  EXPECT_EQ(c.seed, 4);
+  EXPECT_EQ(c.save_epoch, 1);
+  EXPECT_EQ(c.batch, 32);
+  EXPECT_EQ(c.resume, "auto");
+  // The run's own values count as given (they were), except --batch, which
+  // the trainer derives from the global batch.
+  EXPECT_TRUE(c.was_given("train-samples"));
+  EXPECT_TRUE(c.was_given("seed"));
+  EXPECT_FALSE(c.was_given("batch"));
+  EXPECT_FALSE(c.was_given("model"));  // the default, in the run too
+}
+
+TEST(CliResume, FlagsThatKeepTheJobMayBeGiven) {
+  auto c = ddp::resumed_config(
+      parse({"--resume", "auto", "--save_epoch", "5", "--progress", "none", "--size", "1", "--keep-last", "1",
+             "--epochs", "4", "--workers", "0", "--lr", "0.01"}),  // --lr as the run had it
+      saved_run(), "run/epoch_1.pt");
+  EXPECT_EQ(c.save_epoch, 5);
+  EXPECT_EQ(c.progress, "none");
+  EXPECT_EQ(c.size, 1);
+  EXPECT_EQ(c.keep_last, 1);
+  EXPECT_EQ(c.epochs, 4);  // the trainer checks the schedule
+  EXPECT_EQ(c.workers, 0);
+  EXPECT_EQ(c.train_samples, 12000);
+}
+
+TEST(CliResume, FlagsThatChangeTheJobAreRefusedTogether) {
+  std::string what;
+  try {
+    ddp::resumed_config(parse({"--resume", "auto", "--lr", "0.1", "--model", "resnet18", "--seed", "4", "--save_epoch", "3"}),
+                        saved_run(), "run/epoch_1.pt");
+  } catch (const ddp::UserError& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("--lr 0.1 (the run's: 0.01)"), std::string::npos) << what;
+  EXPECT_NE(what.find("--model resnet18 (the run's: cnn)"), std::string::npos) << what;
+  EXPECT_EQ(what.find("--seed"), std::string::npos) << "same value as the run: " << what;
+  EXPECT_EQ(what.find("--save_epoch"), std::string::npos) << "may change: " << what;
+  EXPECT_NE(what.find("run/epoch_1.pt"), std::string::npos) << what;
+  EXPECT_EQ(std::count(what.begin(), what.end(), '\n'), 0) << "one line: " << what;
+}
+
+TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
+  // Row by row: a new value for each flag of the table either raises the
+  // error (OnResume::kSame) or replaces the saved one (kMayChange).
+  ddp::Config probe;
+  const auto saved = ddp::config_to_json(ddp::Config());
+  for (const auto& f : ddp::flag_table(probe)) {
+    if (f.key() == "resume") continue;
+    std::string value = std::visit(
+        [&](auto* p) -> std::string {
+          using T = std::decay_t<decltype(*p)>;
+          if constexpr (std::is_same_v<T, bool>) return *p ? "false" : "true";
+          else if constexpr (std::is_same_v<T, std::string>) return f.choices.empty() ? "x" + *p : "";
+          else return std::to_string(*p + 3);
+        },
+        f.target);
+    if (value.empty())  // a choice other than the default
+      for (const auto& choice : f.choices)
+        if (choice != saved[f.key()].get<std::string>()) value = choice;
+    if (f.key() == "node-rank") value = "0";  // any other is outside --nnodes
+    if (f.key() == "stop-at") value = "test_acc=0.5";
+    if (f.key() == "stop-at-acc") value = "0.5";
+    if (f.key() == "val-split") value = "0.25";
+    if (f.key() == "label-smoothing") value = "0.25";
+    if (f.key() == "nnodes" || f.key() == "node-rank" || value == std::string(saved[f.key()].dump())) continue;
+    bool refused = false;
+    try {
+      ddp::resumed_config(parse({"--resume", "auto", "--" + f.key() + "=" + value}), saved, "c.pt");
+    } catch (const ddp::UserError&) {
+      refused = true;
+    }
+    EXPECT_EQ(refused, f.on_resume == ddp::OnResume::kSame) << "--" << f.key() << " " << value;
+  }
+}
+
+}  // namespace resume

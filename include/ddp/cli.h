@@ -76,7 +76,8 @@ struct Config {
   std::string progress = "auto";    // auto | bar | plain | none
   int log_every = 50;
   int keep_last = 3;
-  std::string resume;               // "" | auto | PATH
+  std::string resume;               // "" | auto | a checkpoint | a run directory
+  bool reschedule = false;          // --resume with another --epochs: recompute a length-dependent schedule
   int max_restarts = 0;
 
   // speed (CUDA)
@@ -120,12 +121,23 @@ struct Config {
 
 using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 
+/// What --resume does with a flag. kSame: it defines the job (data, model,
+/// optimisation, seed), so the run's saved value is restored and a
+/// different value is refused. kMayChange: it does not change what is
+/// learnt (where and how fast the job runs, what it writes), so a value
+/// given now replaces the saved one. --batch and --epochs are kMayChange
+/// here and checked by the trainer, which knows the world size and the
+/// schedule: the global batch must stay, and a schedule that depends on the
+/// run's length changes only with --reschedule.
+enum class OnResume { kSame, kMayChange };
+
 struct Flag {
   std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"
   std::string help;
   FlagTarget target;
   std::vector<std::string> choices;  // empty: any value of the type
   std::string group;
+  OnResume on_resume = OnResume::kSame;
   /// The key used in the printed config and config.json (first long name).
   std::string key() const;
 };
@@ -138,6 +150,14 @@ std::vector<Flag> flag_table(Config& config);
 /// `defaults` holds the defaults (a task's flags and its defaults of the
 /// built-in ones).
 Config parse_cli(int argc, const char* const* argv, Config defaults = Config());
+
+/// The configuration of a resumed run: the values the checkpoint's run
+/// was started with (`saved`, its config as config_to_json wrote it), with
+/// the kMayChange flags given now on top. A kSame flag given now with
+/// another value is a UserError that lists every such flag, naming
+/// `checkpoint`. Saved values that differ from `now`'s defaults count as
+/// given, as they were in the run.
+Config resumed_config(const Config& now, const nlohmann::json& saved, const std::string& checkpoint);
 
 nlohmann::json config_to_json(const Config& config);
 /// The config as TOML that `--config FILE` reads back to the same values

@@ -161,7 +161,8 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
   // weights_only=True) does too: "ddptrain" (the JSON header as bytes),
   // "model/<name>", "optimizer/<name>", "rng/cpu" and "rng/cuda".
   const nlohmann::json header = {
-      {"format", kCheckpointFormat}, {"arch", meta.arch}, {"state", state_to_json(meta.state)}, {"config", meta.config}};
+      {"format", kCheckpointFormat}, {"arch", meta.arch},         {"state", state_to_json(meta.state)},
+      {"config", meta.config},         {"world_size", meta.world_size}};
   NamedTensors tensors{{kHeader, string_tensor(header.dump())}};
   for (const auto& p : model.named_parameters()) tensors.emplace_back("model/" + p.key(), p.value());
   for (const auto& b : model.named_buffers()) tensors.emplace_back("model/" + b.key(), b.value());
@@ -187,10 +188,9 @@ bool is_checkpoint(const std::string& path) {
   }
 }
 
-CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
-                               Stateful* optimizer, const torch::Device& device,
-                               const std::string& expected_arch) {
-  const auto tensors = read_checkpoint_file(path);
+namespace {
+
+CheckpointMeta meta_of(const std::string& path, const std::map<std::string, torch::Tensor>& tensors) {
   const auto h = header_of(path, tensors);
   const int format = h.value("format", 0);
   check_user(format == kCheckpointFormat,
@@ -199,11 +199,36 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
              "load it with the ddptrain version that wrote it, or start without --resume.");
   CheckpointMeta meta;
   meta.arch = h.value("arch", "");
+  meta.state = state_from_json(h.value("state", nlohmann::json::object()));
+  meta.config = h.value("config", nlohmann::json::object());
+  meta.world_size = h.value("world_size", 0);
+  return meta;
+}
+
+}  // namespace
+
+CheckpointMeta read_checkpoint_meta(const std::string& path) { return meta_of(path, read_checkpoint_file(path)); }
+
+std::string resume_checkpoint(const std::string& resume, const std::string& save_path) {
+  if (resume.empty()) return "";
+  if (resume == "auto") return find_latest_checkpoint(save_path);
+  check_user(fs::exists(resume), "--resume " + resume + " does not exist.",
+             "pass a run directory or a checkpoint in it, or --resume auto for the newest under --save_path.");
+  if (!fs::is_directory(resume)) return resume;
+  const std::string newest = find_latest_checkpoint(resume);
+  check_user(!newest.empty(), "--resume " + resume + " holds no checkpoint (epoch_N.pt or preempt.pt).",
+             "pass the run directory that ddptrain printed at the end of the run (run dir: ...).");
+  return newest;
+}
+
+CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
+                               Stateful* optimizer, const torch::Device& device,
+                               const std::string& expected_arch) {
+  const auto tensors = read_checkpoint_file(path);
+  CheckpointMeta meta = meta_of(path, tensors);
   check_user(expected_arch.empty() || meta.arch == expected_arch,
              "checkpoint " + path + " is for model '" + meta.arch + "', but this run builds '" + expected_arch + "'.",
              "pass the same --model/--stem/data as the run that wrote it.");
-  meta.state = state_from_json(h.value("state", nlohmann::json::object()));
-  meta.config = h.value("config", nlohmann::json::object());
 
   const auto weights = under(tensors, "model");
   torch::NoGradGuard no_grad;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <errno.h>  // program_invocation_name
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -127,7 +128,12 @@ Trainer::Trainer(Config config, World& world, Task& task)
   // 3. SyncBatchNorm, before the step takes the parameters.
   const bool sync_bn = config_.sync_bn == "on" || (config_.sync_bn == "auto" && world_.size() > 1);
   if (sync_bn) convert_sync_batchnorm(model, world_);
-  // 4. The optimizer and schedule the flags ask for, as the task adjusts them.
+  // 4. The optimizer and schedule the flags ask for, as the task adjusts
+  //    them. A resumed run keeps its global batch on any number of ranks,
+  //    and its schedule's length unless --reschedule.
+  const std::string resume_from = find_resume_checkpoint();
+  const CheckpointMeta saved = resume_from.empty() ? CheckpointMeta{} : read_checkpoint_meta(resume_from);
+  keep_global_batch(saved);
   const int64_t per_rank = DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
   const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
   steps_per_epoch_ = (batches + config_.accum_steps - 1) / config_.accum_steps;
@@ -140,6 +146,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
                            .warmup_steps(static_cast<int64_t>(
                                std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_))))};
   task_.configure_optimizer(config_, setup);
+  if (!resume_from.empty()) check_schedule_length(saved, setup.schedule);
   // 5. The training step: gradient sync (which broadcasts rank 0's
   //    weights), the flat optimizer, precision, graph capture.
   step_ = std::make_unique<TrainStep>(task_, model, world_,
@@ -150,7 +157,6 @@ Trainer::Trainer(Config config, World& world, Task& task)
   //    checkpoint's directory, so that metrics.jsonl goes on; a fresh one
   //    gets a new directory. The checkpoint is read (and so checked) before
   //    anything is written.
-  const std::string resume_from = find_resume_checkpoint();
   if (!resume_from.empty()) resume(resume_from);
   open_run_dir(resume_from);
 }
@@ -159,14 +165,48 @@ Trainer::~Trainer() = default;
 
 std::string Trainer::find_resume_checkpoint() const {
   if (config_.resume.empty()) return "";
-  if (config_.resume != "auto") {
-    check_user(fs::exists(config_.resume), "--resume " + config_.resume + " does not exist.",
-               "pass an existing checkpoint, or --resume auto to pick the newest under --save_path.");
-    return config_.resume;
-  }
-  std::string path = world_.share_string("resume_path", world_.is_main() ? find_latest_checkpoint(config_.save_path) : "");
+  // Rank 0 picks the file; every rank loads that one.
+  std::string path = world_.share_string(
+      "resume_path", world_.is_main() ? resume_checkpoint(config_.resume, config_.save_path) : "");
   if (path.empty()) DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
   return path;
+}
+
+// PyTorch's DistributedSampler deals rank r every world-size-th sample of
+// one permutation, so the global batch at step s is the same samples on any
+// number of ranks as long as its size is the same. A resumed run therefore
+// keeps the global batch: a per-rank --batch follows the new world size.
+void Trainer::keep_global_batch(const CheckpointMeta& saved) {
+  if (saved.world_size <= 0 || !saved.config.contains("batch")) return;
+  const int64_t ranks = world_.size(), global = saved.config["batch"].get<int64_t>() * saved.world_size;
+  const std::string was = std::to_string(global) + " (--batch " + std::to_string(global / saved.world_size) + " x " +
+                          std::to_string(saved.world_size) + " rank(s))";
+  if (ranks != saved.world_size && !config_.was_given("batch")) {
+    check_user(global % ranks == 0,
+               "the run's global batch " + was + " does not split over " + std::to_string(ranks) + " ranks.",
+               "resume on a number of ranks that divides " + std::to_string(global) + " (--size).");
+    config_.batch = static_cast<int>(global / ranks);
+    DDP_PRINT0(world_, "resume: %d rank(s) instead of %d; --batch %d per rank keeps the global batch %lld\n",
+               world_.size(), saved.world_size, config_.batch, static_cast<long long>(global));
+  }
+  check_user(config_.batch * ranks == global,
+             "--batch " + std::to_string(config_.batch) + " on " + std::to_string(ranks) + " rank(s) changes the run's global batch " + was + ".",
+             "drop --batch: a resumed run sets the per-rank batch to keep the global one.");
+}
+
+// More (or fewer) --epochs stretch a schedule that depends on the run's
+// length: the learning rate would jump at the resume point.
+void Trainer::check_schedule_length(const CheckpointMeta& saved, const LrScheduleOptions& now) const {
+  const int64_t saved_epochs = saved.config.value("epochs", static_cast<int64_t>(config_.epochs));
+  if (saved_epochs == config_.epochs || now.kind() == "constant" || config_.reschedule) return;
+  const auto before = LrScheduleOptions(now).total_steps(steps_per_epoch_ * saved_epochs);
+  const int64_t s = saved.state.step;
+  char what[256];
+  std::snprintf(what, sizeof(what), "the learning rate at the resume point (step %lld) would jump from %.4g to %.4g",
+                static_cast<long long>(s), LrSchedule(before).at(s), LrSchedule(now).at(s));
+  throw UserError("--epochs " + std::to_string(config_.epochs) + " changes the length of the run's " + now.kind() +
+                      " schedule (" + std::to_string(saved_epochs) + " epochs): " + what + ".",
+                  "add --reschedule to accept that, or resume with --epochs " + std::to_string(saved_epochs) + ".");
 }
 
 void Trainer::open_run_dir(const std::string& resume_from) {
@@ -178,11 +218,10 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   }
   run_dir_ = world_.share_string("run_dir", dir);
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
-  if (!resume_from.empty()) {
-    metrics_->truncate_to(state_.epoch, state_.step);  // drop rows logged after the checkpoint
-  } else if (world_.is_main()) {
-    write_file_atomic(run_dir_ + "/config.json", config_to_json(config_).dump(2) + "\n");
-    write_file_atomic(run_dir_ + "/config.toml", config_to_toml(config_));  // --config repeats the run
+  if (!resume_from.empty()) metrics_->truncate_to(state_.epoch, state_.step);  // drop rows logged after the checkpoint
+  if (world_.is_main()) {  // a resumed run's as it goes on (e.g. on another number of ranks)
+    write_file_atomic(run_dir_ + "/config.json", config_to_json(job_config()).dump(2) + "\n");
+    write_file_atomic(run_dir_ + "/config.toml", config_to_toml(job_config()));  // --config repeats the run
   }
 }
 
@@ -273,7 +312,7 @@ EpochMetrics Trainer::fit() {
     if (stop_after_epoch_ && epoch < config_.epochs) {
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
-                      ". Resume with --resume auto --save_path " + config_.save_path + ".");
+                      ". Resume: " + command("--resume " + run_dir_));
     }
   }
   world_.barrier("end of training");
@@ -444,16 +483,37 @@ bool Trainer::reached_stop_at(const Metrics& metrics) const {
 
 void Trainer::save_and_stop(const std::string& path) {
   if (world_.is_main()) {
-    save_checkpoint(path, *model_, step_.get(), CheckpointMeta{state_, task_.arch(), config_to_json(config_)});
+    save_checkpoint(path, *model_, step_.get(), meta());
   }
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
-                  ". Resume with --resume auto --save_path " + config_.save_path + ".");
+                  ". Resume: " + command("--resume " + run_dir_));
+}
+
+// The flags that describe the job, without those of this one invocation
+// (--resume, --reschedule): what config.toml and checkpoints keep.
+Config Trainer::job_config() const {
+  Config c = config_;
+  c.resume.clear();
+  c.reschedule = false;
+  return c;
+}
+
+CheckpointMeta Trainer::meta() const {
+  CheckpointMeta m{state_, task_.arch(), config_to_json(job_config())};
+  m.world_size = world_.size();
+  return m;
+}
+
+// A command line that reruns this program: its path as started (the
+// launcher starts ranks by absolute path), then `args`.
+std::string Trainer::command(const std::string& args) const {
+  return std::string(program_invocation_name) + " " + args;
 }
 
 void Trainer::save(int64_t epoch, double monitored) {
   if (!world_.is_main()) return;
-  CheckpointMeta meta{state_, task_.arch(), config_to_json(config_)};
+  CheckpointMeta meta = this->meta();
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   if (monitor_.better(monitored, state_.best)) {
     state_.best = monitored;
@@ -480,9 +540,9 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
               format_value(monitor_.metric, state_.best).c_str(),
               monitor_.goal == Goal::kMax ? "higher" : "lower");
   std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
-  std::printf("resume:   --config %s/config.toml --resume auto --save_path %s\n", run_dir_.c_str(), config_.save_path.c_str());
-  std::printf("export:   ddptrain export %s/best.pt weights.pt\n", run_dir_.c_str());
-  std::printf("view:     ddptrain report %s; tensorboard --logdir %s\n", run_dir_.c_str(), run_dir_.c_str());
+  std::printf("resume:   %s\n", command("--resume " + run_dir_).c_str());
+  std::printf("export:   %s\n", command("export " + run_dir_ + "/best.pt weights.pt").c_str());
+  std::printf("view:     %s; tensorboard --logdir %s\n", command("report " + run_dir_).c_str(), run_dir_.c_str());
   std::fflush(stdout);
 }
 

@@ -191,7 +191,7 @@ TEST(RunDir, BareResumeFileNameContinuesInTheCurrentDirectory) {
   ASSERT_TRUE(fs::exists(run_dir + "/epoch_1.pt")) << first.output;
   const bool root_had_metrics = fs::exists("/metrics.jsonl"), root_had_epoch2 = fs::exists("/epoch_2.pt");
   std::string cmd = "cd '" + run_dir + "' && exec";
-  for (const auto& a : quick_run(save_path, {"--epochs", "2", "--resume", "epoch_1.pt"})) cmd += " '" + a + "'";
+  for (const auto& a : quick_run(save_path, {"--epochs", "2", "--reschedule", "--resume", "epoch_1.pt"})) cmd += " '" + a + "'";
   auto second = ddp::testing::run_process({"/bin/sh", "-c", cmd});
   // Undo what the defect would have written into "/" (never what was there).
   if (!root_had_metrics) fs::remove("/metrics.jsonl");
@@ -213,7 +213,7 @@ TEST(RunDir, StrayEpochFilesAreIgnoredByResumeAndKeepLast) {
   const std::string strays[] = {run_dir + "/epoch_x.pt", run_dir + "/epoch_99999999999999999999999.pt"};
   for (const auto& s : strays) fs::copy_file(run_dir + "/epoch_1.pt", s);
   fs::last_write_time(run_dir + "/epoch_1.pt", fs::file_time_type::clock::now() - std::chrono::hours(1));
-  auto second = ddp::testing::run_process(quick_run(save_path, {"--epochs", "3", "--resume", "auto", "--keep-last", "1"}));
+  auto second = ddp::testing::run_process(quick_run(save_path, {"--epochs", "3", "--reschedule", "--resume", "auto", "--keep-last", "1"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resume: " + run_dir + "/epoch_1.pt"), std::string::npos) << second.output;
   EXPECT_FALSE(fs::exists(run_dir + "/epoch_1.pt"));

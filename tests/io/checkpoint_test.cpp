@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -84,8 +85,19 @@ void expect_bit_equal(const std::string& a, const std::string& b) {
 
 const std::vector<std::string> kSmall{"--size", "2", "--epochs", "2", "--train-samples", "3000", "--test-samples", "500"};
 
+// The words of the command a run printed after `marker` (to the line's end).
+std::vector<std::string> printed_command(const std::string& output, const std::string& marker) {
+  const auto at = output.find(marker);
+  if (at == std::string::npos) return {};
+  std::istringstream line(output.substr(at + marker.size(), output.find('\n', at) - at - marker.size()));
+  std::vector<std::string> words;
+  for (std::string w; line >> w;) words.push_back(w);
+  if (!words.empty() && words.back().back() == '.') words.back().pop_back();
+  return words;
+}
+
 // SIGTERM mid-epoch: every rank stops at the same step, a checkpoint is
-// written, the exit status says so, and --resume auto finishes the run with
+// written, the exit status says so, and the printed resume command finishes the run with
 // weights bit-identical to an uninterrupted run (augmentation on).
 TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_GLOO();
@@ -101,7 +113,12 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
   EXPECT_NE(b1.output.find("stopped by a signal"), std::string::npos) << b1.output;
   ASSERT_FALSE(find_file(split, "preempt.pt").empty());
 
-  auto b2 = run_process(run_args(split, [] { auto v = kSmall; v.insert(v.end(), {"--resume", "auto"}); return v; }()));
+  // The command the run printed, as printed: it restores every flag of the
+  // run (2 ranks, 3000 samples, gloo, ...), none of which it repeats.
+  const auto resume = printed_command(b1.output, "Resume: ");
+  ASSERT_EQ(resume.size(), 3u) << b1.output;
+  EXPECT_EQ(resume[1], "--resume");
+  auto b2 = run_process(resume);
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("resume: "), std::string::npos);
   expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(split, "epoch_2.pt"));
@@ -129,6 +146,100 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
     if (e.tag == "train/loss") logged.push_back(e.step);
   ASSERT_EQ(logged.size(), sb.size());
   for (size_t i = 0; i < sb.size(); ++i) EXPECT_EQ(logged[i], sb[i].first) << "event " << i;
+}
+
+// --resume refuses flags that change the job, all in one line, and a longer
+// run of a length-dependent schedule unless --reschedule; flags that leave
+// the job the same are taken.
+TEST(Resume, ChangedJobIsRefusedAndLongerScheduleNeedsReschedule) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("refuse");
+  const std::vector<std::string> run{"--size", "1", "--epochs", "1", "--train-samples", "512", "--test-samples", "128",
+                                     "--seed", "5", "--schedule", "cosine"};
+  auto first = run_process(run_args(dir, run));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto resume = printed_command(first.output, "resume:   ");
+  ASSERT_EQ(resume.size(), 3u) << first.output;
+
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = resume;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  auto changed = with({"--lr", "0.5", "--seed", "6"});
+  EXPECT_EQ(changed.exit_code, ddp::exit_code::kUsage) << changed.output;
+  EXPECT_NE(changed.output.find("--lr 0.5 (the run's: 0.002), --seed 6 (the run's: 5) change what it learns"),
+            std::string::npos) << changed.output;
+  EXPECT_EQ(std::count(changed.output.begin(), changed.output.end(), '\n'), 1) << changed.output;
+
+  auto longer = with({"--epochs", "2"});
+  EXPECT_EQ(longer.exit_code, ddp::exit_code::kUsage) << longer.output;
+  EXPECT_NE(longer.output.find("--epochs 2 changes the length of the run's cosine schedule (1 epochs): the learning "
+                               "rate at the resume point (step 8) would jump from 0 to 0.001"),
+            std::string::npos) << longer.output;
+  EXPECT_NE(longer.output.find("add --reschedule"), std::string::npos);
+
+  auto rescheduled = with({"--epochs", "2", "--reschedule", "--progress", "none"});
+  ASSERT_EQ(rescheduled.exit_code, 0) << rescheduled.output;
+  auto m = metrics(dir);
+  ASSERT_EQ(m.size(), 2u);
+  // The last step (15) of a cosine over 2 epochs of 8 steps.
+  EXPECT_NEAR(m[1]["lr"].get<double>(), 0.002 * (1 + std::cos(M_PI * 15 / 16)) / 2, 1e-12);
+  // The run's files describe the job as it goes on, without this run's --resume.
+  const auto toml = ddp::testing::read_file(fs::path(find_file(dir, "config.toml")).string());
+  EXPECT_NE(toml.find("epochs = 2\n"), std::string::npos) << toml;
+  EXPECT_NE(toml.find("resume = ''"), std::string::npos) << toml;
+  EXPECT_NE(toml.find("reschedule = false"), std::string::npos) << toml;
+}
+
+// PyTorch's sampler deals one permutation round-robin, so the global batch
+// at each step is the same samples on any number of ranks: a run resumed on
+// another --size keeps the global batch and ends where the straight run
+// ends, to fp32 rounding (plain SGD, a stable regime: see
+// Trainer.OneRankBatch64EqualsTwoRanksBatch32).
+TEST(Resume, OnAnotherNumberOfRanksEqualsTheStraightRun) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::vector<std::string> run{"--epochs", "2", "--train-samples", "2048", "--test-samples", "500",
+                                     "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--schedule", "cosine",
+                                     "--augment", "none", "--seed", "3", "--save_epoch", "1"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = run;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  auto straight = ddp::testing::temp_dir("ranks_straight");
+  auto s = run_process(run_args(straight, with({"--size", "2", "--batch", "32"})));
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  const auto want = metrics(straight);
+  ASSERT_EQ(want.size(), 2u);
+  // 2048 samples / global batch 64 = 32 steps per epoch: fail in epoch 2,
+  // after epoch_1.pt, then resume on the other number of ranks.
+  for (auto [from, to] : {std::pair<const char*, const char*>{"2", "1"}, {"1", "2"}}) {
+    auto dir = ddp::testing::temp_dir(std::string("ranks_") + from + to);
+    auto first = run_process(run_args(dir, with({"--size", from, "--batch", from == std::string("2") ? "32" : "64"})),
+                             {{"DDPTRAIN_FAIL_AT_STEP", "0:33"}});
+    ASSERT_NE(first.exit_code, 0) << first.output;
+    ASSERT_FALSE(find_file(dir, "epoch_1.pt").empty()) << first.output;
+    auto second = run_process({DDPTRAIN_EXE, "--resume", find_file(dir, "epoch_1.pt"), "--size", to});
+    ASSERT_EQ(second.exit_code, 0) << second.output;
+    EXPECT_NE(second.output.find(std::string("resume: ") + to + " rank(s) instead of " + from + "; --batch " +
+                                 (to == std::string("2") ? "32" : "64") + " per rank keeps the global batch 64"),
+              std::string::npos) << second.output;
+    auto got = metrics(dir);
+    ASSERT_EQ(got.size(), 2u) << from << " -> " << to;
+    for (const char* key : {"train_loss", "test_loss", "test_acc"})
+      EXPECT_NEAR(got[1][key].get<double>(), want[1][key].get<double>(), 1e-4) << key << ", " << from << " -> " << to;
+    EXPECT_EQ(got[1]["lr"], want[1]["lr"]);
+  }
+  // A global batch that does not split over the ranks is refused.
+  auto odd = ddp::testing::temp_dir("ranks_odd");
+  auto o = run_process(run_args(odd, {"--size", "1", "--batch", "33", "--epochs", "1", "--train-samples", "66",
+                                      "--test-samples", "32"}));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  auto r = run_process({DDPTRAIN_EXE, "--resume", find_file(odd, "epoch_1.pt"), "--size", "2", "--epochs", "1"});
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find("the run's global batch 33 (--batch 33 x 1 rank(s)) does not split over 2 ranks"),
+            std::string::npos) << r.output;
 }
 
 // A worker that crashes prints where, and the launcher names the rank and
@@ -175,7 +286,7 @@ TEST(Resume, ResumeOnOneGpuContinuesTheRun_CUDA) {
   auto r1 = run_process(first);
   ASSERT_EQ(r1.exit_code, 0) << r1.output;
   auto second = a;
-  second.insert(second.end(), {"--epochs", "2", "--resume", "auto"});
+  second.insert(second.end(), {"--epochs", "2", "--reschedule", "--resume", "auto"});
   auto r2 = run_process(second);
   ASSERT_EQ(r2.exit_code, 0) << r2.output;
   EXPECT_NE(r2.output.find("resume: "), std::string::npos) << r2.output;

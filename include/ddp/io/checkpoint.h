@@ -46,6 +46,7 @@ struct CheckpointMeta {
   TrainState state;
   std::string arch;         // e.g. "resnet18/small/1x28x28/10"
   nlohmann::json config;
+  int world_size = 0;       // ranks of the run that wrote it (0: not recorded)
 };
 
 /// Named tensors: a part's state inside a checkpoint.
@@ -75,6 +76,17 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
 CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model,
                                Stateful* optimizer, const torch::Device& device,
                                const std::string& expected_arch);
+
+/// The header of a checkpoint (its counters, architecture, config and world
+/// size) without loading its tensors into a model. UserError as load_checkpoint.
+CheckpointMeta read_checkpoint_meta(const std::string& path);
+
+/// The checkpoint that --resume `resume` names: "" for no resume; for
+/// "auto", the newest under `save_path` ("" when there is none: a fresh
+/// start, as after torchrun's first launch); for a run directory, the
+/// newest in it; else the file itself. UserError when a directory holds no
+/// checkpoint or the file does not exist.
+std::string resume_checkpoint(const std::string& resume, const std::string& save_path);
 
 /// What load_pretrained() matched and what it did not.
 struct PretrainReport {

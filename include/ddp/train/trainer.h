@@ -58,6 +58,11 @@ class Trainer {
   std::string find_resume_checkpoint() const;
   void open_run_dir(const std::string& resume_from);
   void resume(const std::string& path);
+  void keep_global_batch(const CheckpointMeta& saved);
+  void check_schedule_length(const CheckpointMeta& saved, const LrScheduleOptions& now) const;
+  Config job_config() const;
+  CheckpointMeta meta() const;
+  std::string command(const std::string& args) const;
 
   Config config_;
   World& world_;
