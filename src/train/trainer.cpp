@@ -1,6 +1,7 @@
 // Trainer: set-up in a fixed order, then the epoch loop.
 #include "ddp/train/trainer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -320,6 +321,31 @@ EpochMetrics Trainer::fit() {
   return last;
 }
 
+// A CPU run that will clearly take long (e.g. 224-px images or a ResNet-50
+// on two cores) says so once, early, with the flags that would help,
+// instead of leaving the user to watch a slow bar.
+void Trainer::hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, double seconds) {
+  constexpr double kMeasureSeconds = 10, kLongEpochSeconds = 15 * 60;
+  if (seconds < kMeasureSeconds || batches_done < 2) return;
+  hinted_slow_ = true;
+  const double per_batch = seconds / static_cast<double>(batches_done);
+  const double epoch_seconds = per_batch * static_cast<double>(batches_per_epoch);
+  if (epoch_seconds < kLongEpochSeconds || !world_.is_main()) return;
+  std::string faster;
+  if (config_.dataset == "imagefolder" && (config_.image_size == 0 || config_.image_size > 64))
+    faster += "--image-size 64 (now " + std::to_string(config_.image_size > 0 ? config_.image_size : 224) + "), ";
+  const auto ignored = task_.ignored_flags();
+  if (config_.model != "cnn" && std::find(ignored.begin(), ignored.end(), "model") == ignored.end())
+    faster += "--model cnn (now " + config_.model + "), ";
+  const int64_t minute_of_batches = std::max<int64_t>(1, static_cast<int64_t>(60 / per_batch));
+  faster += "--train-samples " + std::to_string(minute_of_batches * config_.batch * world_.size()) +
+            " for a one-minute trial epoch, or a GPU";
+  std::printf("\nhint: on this CPU an epoch takes about %.0f min (%.2f s per batch, %lld batches per rank); "
+              "faster: %s.\n",
+              epoch_seconds / 60, per_batch, static_cast<long long>(batches_per_epoch), faster.c_str());
+  std::fflush(stdout);
+}
+
 double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs) {
   auto& model = *model_;
   model.train();
@@ -354,6 +380,7 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
     sums[1] = state_.epoch_loss_count;
   }
   int64_t micro = state_.batch_in_epoch;
+  const int64_t first_micro = micro;
   state_.batch_in_epoch = 0;
   state_.epoch_loss_sum = state_.epoch_loss_count = 0;
   auto t0 = Clock::now();
@@ -403,6 +430,7 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
       if (!std::isfinite(avg)) throw NonFiniteLoss(epoch, state_.step, avg, run_dir_);
       const double samples_per_second = static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9);
       progress.update(micro, avg, lr, samples_per_second);
+      if (!dev.is_cuda() && !hinted_slow_) hint_if_slow(micro - first_micro, micro_batches, seconds_since(t0));
       if (log_point) metrics_->log_step({state_.step, epoch, avg, lr, samples_per_second});
       if (mean[2].item<double>() > 0 && last_micro) {
         if (micro < micro_batches) {

@@ -1,5 +1,7 @@
 // End-to-end runs of the real ddptrain binary: real processes, real Gloo
 // group, real Fashion-MNIST where it is installed.
+#include <signal.h>
+
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -99,6 +101,25 @@ TEST(Trainer, TwoRanksLearnFashionMnist) {
   ASSERT_EQ(m.size(), 2u);
   EXPECT_GE(m[1]["test_acc"].get<double>(), 0.82) << r.output;  // stated in the README
   EXPECT_LT(m[1]["train_loss"].get<double>(), m[0]["train_loss"].get<double>());
+  EXPECT_EQ(r.output.find("hint: on this CPU"), std::string::npos) << "a quick run is not slow";
+}
+
+// A CPU run that will take long says so early, once, with the expected
+// time per epoch and the flags that would help (ResNet-50 on 60,000
+// samples: over an hour per epoch on 2 cores).
+TEST(Trainer, SlowCpuRunHintsAtTheEpochTimeAndFasterFlags) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("slow");
+  auto child = ddp::testing::start_process({DDPTRAIN_EXE, "--model", "resnet50", "--dataset", "synthetic", "--size", "1",
+                                            "--backend", "gloo", "--progress", "plain", "--log-every", "1",
+                                            "--save_path", dir});
+  const bool hinted = ddp::testing::wait_for_output(child, "for a one-minute trial epoch, or a GPU.", 90);
+  kill(child.pid, SIGKILL);
+  auto r = ddp::testing::finish_process(child, 30);
+  ASSERT_TRUE(hinted) << r.output;
+  EXPECT_NE(r.output.find("hint: on this CPU an epoch takes about "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("faster: --model cnn (now resnet50), --train-samples "), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, "hint: on this CPU"), 1u) << r.output;
 }
 
 TEST(Trainer, ShapeGuardStopsTheSeedBug) {

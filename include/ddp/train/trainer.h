@@ -59,6 +59,7 @@ class Trainer {
   void open_run_dir(const std::string& resume_from);
   void resume(const std::string& path);
   void keep_global_batch(const CheckpointMeta& saved);
+  void hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, double seconds);
   void check_schedule_length(const CheckpointMeta& saved, const LrScheduleOptions& now) const;
   Config job_config() const;
   CheckpointMeta meta() const;
@@ -79,6 +80,7 @@ class Trainer {
   double data_wait_seconds_ = 0;  // host time the last epoch waited for batches
   bool is_bar_ = false;
   bool stop_after_epoch_ = false;
+  bool hinted_slow_ = false;
   std::vector<std::string> log_names_;  // training_step()'s logs, fixed at the first step
 };
 
