@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The side-by-side benchmark, in one run on one GPU (issue "GPU speed"):
 #   (i)   the seed's Python script, betas fixed      bench/seed_ddp.py
-#   (ii)  idiomatic PyTorch DDP (fused Adam, torchrun) bench/torch_ddp.py
+#   (ii)  idiomatic PyTorch DDP (fused Adam, torchrun) bench/torch_ddp.py, eager
+#         and torch.compile (default, reduce-overhead): PyTorch's best
 #   (iii) ddptrain eager                              ddptrain bench
 #   (iv)  ddptrain --cuda-graph                       ddptrain bench --cuda-graph
 # on (a) ResNet-18 64 px batch 32 Adam fp32, (b) ResNet-18 64 px batch 256
@@ -39,9 +40,11 @@ step_config() {  # name, then shared args for ddptrain bench and torch_ddp.py st
   local model=$1 size=$2 batch=$3 amp=$4 cl=$5
   local common=(--model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" --steps "$STEPS")
   local py_cl=(); [[ $cl == on ]] && py_cl=(--channels-last)
-  log "config $name: python ddp"
-  torchrun --standalone --nproc-per-node 1 bench/torch_ddp.py step "${common[@]}" "${py_cl[@]}" 2>"$OUT/$name.py.err" \
-    | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  for mode in ${COMPILE_MODES:-none default reduce-overhead}; do  # PyTorch's best is a contender too
+    log "config $name: python ddp, torch.compile $mode"
+    timeout ${COMPILE_TIMEOUT:-420} torchrun --standalone --nproc-per-node 1 bench/torch_ddp.py step "${common[@]}" \
+      "${py_cl[@]}" --compile "$mode" 2>"$OUT/$name.py.$mode.err" | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  done
   for graph in false true; do
     log "config $name: ddptrain cuda-graph=$graph"
     $B bench --model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" \
