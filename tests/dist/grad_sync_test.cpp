@@ -155,9 +155,9 @@ TEST(GradSync, FrozenParametersAreNotUpdated) {
 }
 
 // A layer that gets no gradient on any rank must stay unchanged, as in
-// PyTorch (its .grad is None). Open (issue 13, item 6): it still receives
-// AdamW's decay (and momentum); disabled until the optimizer masks it.
-TEST(GradSync, DISABLED_ParametersUnusedOnEveryRankAreNotUpdated) {
+// PyTorch (its .grad is None): no AdamW decay, no moment update (issue 13,
+// item 6).
+TEST(GradSync, ParametersUnusedOnEveryRankAreNotUpdated) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("unused_all");
   auto r = run_workers(2, {"frozen", dir});

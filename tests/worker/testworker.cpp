@@ -2,10 +2,14 @@
 // launcher. `ddp_testworker --launch N SCENARIO OUTDIR [ARGS...]` spawns N
 // ranks of itself with ddp::launch_workers; each rank joins a real Gloo group
 // over TCP loopback and runs SCENARIO, writing its results under OUTDIR.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "ddp/error.h"
 #include "ddp/dist/grad_sync.h"
@@ -13,6 +17,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
 #include "ddp/train/flat_optimizer.h"
+#include "ddp/train/train_step.h"
 #include "ddp/train/trainer.h"
 #include "two_inputs/task.h"
 
@@ -164,6 +169,69 @@ void frozen(World& world, const std::string& out) {
   std::fclose(f);
 }
 
+// The model of tools/gen_unused_params_testdata.py: a trunk, a head, a
+// branch that the task uses on some steps only, and a late layer first used
+// at step 3.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl()
+      : fc0(register_module("fc0", torch::nn::Linear(3, 4))),
+        head(register_module("head", torch::nn::Linear(4, 2))),
+        branch(register_module("branch", torch::nn::Linear(4, 2))),
+        late(register_module("late", torch::nn::Linear(4, 2))) {}
+  torch::nn::Linear fc0, head, branch, late;
+};
+TORCH_MODULE(Branchy);
+
+class BranchyTask : public Task {
+ public:
+  BranchyTask(Branchy net, std::vector<int> branch_steps, std::vector<int> late_steps)
+      : net_(std::move(net)), branch_(std::move(branch_steps)), late_(std::move(late_steps)) {}
+  StepOutput training_step(const data::Batch& b) override {
+    auto uses = [this](const std::vector<int>& steps) { return std::count(steps.begin(), steps.end(), step_) > 0; };
+    auto h = torch::tanh(net_->fc0(b.input()));
+    auto y = net_->head(h);
+    if (uses(branch_)) y = y + net_->branch(h);
+    if (uses(late_)) y = y + net_->late(h);
+    ++step_;
+    return torch::mse_loss(y, b.target());
+  }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+
+ private:
+  Branchy net_;
+  std::vector<int> branch_, late_;
+  int step_ = 0;
+};
+
+// PyTorch's reference run (ARGS: the JSON file, the optimizer): each rank
+// trains the Branchy model through TrainStep on its own batches and writes
+// its final parameters, in state_dict order.
+void unused_reference(World& world, const std::string& out, const std::string& json_path, const std::string& name) {
+  std::ifstream in(json_path);
+  check_user(in.good(), "cannot read " + json_path + ".", "pass tests/testdata/unused_params.json.");
+  const auto data = nlohmann::json::parse(in);
+  const int rank = world.rank();
+  auto tensor = [](const nlohmann::json& values) { return torch::tensor(values.get<std::vector<float>>()); };
+  Branchy net;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : net->named_parameters())
+      item.value().copy_(tensor(data["initial"][item.key()]).view_as(item.value()));
+  }
+  net->to(world.device());
+  BranchyTask task(net, data["branch_steps"][rank].get<std::vector<int>>(),
+                   data["late_steps"][rank].get<std::vector<int>>());
+  const auto& o = data["optimizers"][name];
+  auto opt = FlatOptimizerOptions().name(name).lr(o["lr"].get<double>()).weight_decay(o["weight_decay"].get<double>());
+  if (o.contains("momentum")) opt.momentum(o["momentum"].get<double>());
+  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt));
+  for (const auto& xy : data["batches"][rank]) {
+    auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
+    step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
+  }
+  save(flat_state(*net).cpu(), out + "/params_rank" + std::to_string(rank) + ".pt");
+}
+
 // Ranks hold 5 and 11 samples: the forward output, the input gradient and
 // the running statistics must equal plain batch norm over all 16 samples,
 // which every rank can compute itself as the reference.
@@ -265,6 +333,9 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     overlap(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "unused_reference") {
+    if (argc < 2) throw std::runtime_error("unused_reference needs JSON and OPTIMIZER");
+    unused_reference(world, out, argv[0], argv[1]);
   } else if (scenario == "local_bn_buffers") {
     local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {
