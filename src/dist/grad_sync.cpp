@@ -1,6 +1,8 @@
 // Bucketed, overlapped gradient all-reduce over a flat gradient buffer.
 #include "ddp/dist/grad_sync.h"
 
+#include <algorithm>
+#include <iterator>
 #include <limits>
 #include <map>
 
@@ -136,7 +138,17 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
   bucket_of_.assign(params_.size(), 0);
   grad_views_.assign(params_.size(), torch::Tensor());
   const int64_t cap_bytes = static_cast<int64_t>(options_.bucket_cap_mb() * 1024 * 1024);
-  for (auto& [key, members] : groups) {
+  // With several ranks, the last bucket also carries one "used" flag per
+  // parameter (see the header): its buffer gets them as a tail that the
+  // bucket's all-reduce covers and flat_grads() (what clipping and the
+  // optimizer see) does not.
+  const int64_t num_flags = world_.size() > 1 ? static_cast<int64_t>(params_.size()) : 0;
+  slices_.assign(params_.size(), ParamSlice());
+  fired_.assign(params_.size(), 0);
+  torch::Tensor last_storage;
+  for (auto it = groups.begin(); it != groups.end(); ++it) {
+    const auto& members = it->second;
+    const bool last_group = std::next(it) == groups.end();
     const auto& first = params_[members.front()];
     // Every slice starts on a 256-byte boundary: cuDNN and vectorised
     // kernels fault on (or slow down for) misaligned tensors. The padding is
@@ -145,7 +157,8 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     auto padded = [align](int64_t n) { return (n + align - 1) / align * align; };
     int64_t total = 0;
     for (size_t i : members) total += padded(params_[i].numel());
-    auto flat = torch::zeros({total}, first.options());
+    auto storage = torch::zeros({total + (last_group ? num_flags : 0)}, first.options());
+    auto flat = storage.narrow(0, 0, total);
     auto flat_param = torch::zeros({total}, first.options());
     const size_t flat_index = flat_grads_.size();
     flat_grads_.push_back(flat);
@@ -172,14 +185,23 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
       }
       p.mutable_grad() = shaped_view(flat, offset, p, options_.channels_last());
       grad_views_[i] = p.grad();
+      slices_[i] = ParamSlice{flat_index, offset, p.numel()};
       bucket_of_[i] = buckets_.size();
       cur.numel += n;
       cur.expected += 1;
       offset += n;
     }
     if (cur.expected > 0) buckets_.push_back(cur);
+    if (last_group && num_flags > 0) {
+      used_flags_ = storage.narrow(0, total, num_flags);
+      last_storage = storage;
+    }
   }
   for (auto& b : buckets_) b.view = flat_grads_[b.flat].narrow(0, b.offset, b.numel);
+  if (used_flags_.defined()) {
+    auto& b = buckets_.back();
+    b.view = last_storage.narrow(0, b.offset, b.numel + num_flags);
+  }
 
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -203,11 +225,24 @@ void GradSync::reset_step() {
   }
   next_bucket_ = 0;
   launched_in_backward_ = 0;
+  std::fill(fired_.begin(), fired_.end(), 0);
 }
 
 void GradSync::zero_grad() {
   torch::NoGradGuard no_grad;
   for (auto& f : flat_grads_) f.zero_();
+  std::fill(fired_.begin(), fired_.end(), 0);  // no gradient is there now
+}
+
+void GradSync::abandon_step(bool wait_launched) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; wait_launched && i < buckets_.size(); ++i)
+      if (buckets_[i].work)
+        world_.wait(buckets_[i].work, "gradient all-reduce of an abandoned step (bucket " + std::to_string(i) + ")");
+    reset_step();
+  }
+  zero_grad();
 }
 
 void GradSync::mark_ready(size_t param_index) {
@@ -223,8 +258,12 @@ void GradSync::mark_ready(size_t param_index) {
     else view.zero_();
     p.mutable_grad() = view;
   }
-  if (!sync_enabled_ || world_.size() == 1) return;
+  if (!sync_enabled_ || world_.size() == 1) {
+    fired_[param_index] = 1;  // nothing reads it before finish()
+    return;
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  fired_[param_index] = 1;
   auto& b = buckets_[bucket_of_[param_index]];
   if (b.pending > 0) --b.pending;
   launch_ready_in_order(/*from_backward=*/true);
@@ -233,14 +272,41 @@ void GradSync::mark_ready(size_t param_index) {
 void GradSync::launch_ready_in_order(bool from_backward) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     auto& b = buckets_[next_bucket_];
+    if (used_flags_.defined() && next_bucket_ + 1 == buckets_.size()) write_used_flags();
     b.work = world_.all_reduce_async(b.view);
     if (from_backward) ++launched_in_backward_;
     ++next_bucket_;
   }
 }
 
+// This rank's flags, written just before the last bucket's all-reduce
+// carries them; by then every backward of the step has run here. Usually
+// every hook fired: one fill. Otherwise one fill per run of used ones.
+void GradSync::write_used_flags() {
+  torch::NoGradGuard no_grad;
+  const size_t n = fired_.size();
+  if (std::all_of(fired_.begin(), fired_.end(), [](char f) { return f != 0; })) {
+    used_flags_.fill_(1);
+    return;
+  }
+  used_flags_.zero_();
+  for (size_t i = 0; i < n;) {
+    size_t j = i;
+    while (j < n && fired_[j]) ++j;
+    if (j > i) used_flags_.narrow(0, static_cast<int64_t>(i), static_cast<int64_t>(j - i)).fill_(1);
+    i = j + 1;
+  }
+}
+
 void GradSync::finish() {
-  if (world_.size() == 1) return;
+  usage_.unused_here.clear();
+  for (size_t i = 0; i < fired_.size(); ++i)
+    if (!fired_[i]) usage_.unused_here.push_back(i);
+  usage_.used_anywhere = used_flags_;
+  if (world_.size() == 1) {
+    reset_step();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Parameters that got no gradient this step still take part, with zeros.

@@ -24,9 +24,34 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
     m_.push_back(torch::zeros_like(params_[i]));
     if (adam_) v_.push_back(torch::zeros_like(params_[i]));
     step_.push_back(torch::zeros({}, params_[i].options().dtype(torch::kFloat)));
+    slices_.push_back(ParamSlice{i, 0, params_[i].numel()});
   }
   lr_t_ = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(dev));
   set_lr(o_.lr());
+  init_state();
+}
+
+FlatOptimizer::FlatOptimizer(const GradSync& sync, FlatOptimizerOptions options)
+    : FlatOptimizer(sync.flat_params(), sync.flat_grads(), std::move(options)) {
+  sync_ = &sync;
+  slices_ = sync.param_slices();
+  init_state();
+}
+
+// Per-slice state, allocated once: nothing is created lazily inside a step,
+// which a CUDA graph would replay without re-running the host code.
+void FlatOptimizer::init_state() {
+  const size_t n = slices_.size();
+  host_missed_.assign(n, 0);
+  may_have_missed_.assign(n, 0);
+  missed_.clear();
+  own_step_.clear();
+  if (!fused_ || !adam_) return;
+  for (size_t i = 0; i < n; ++i) {
+    const auto on = step_[slices_[i].flat].options();
+    missed_.push_back(torch::zeros({}, on));
+    own_step_.push_back(torch::zeros({}, on));
+  }
 }
 
 void FlatOptimizer::set_lr(double lr) {
@@ -38,47 +63,170 @@ int64_t FlatOptimizer::steps_taken() const {
   return fused_ ? static_cast<int64_t>(step_.front().item<float>()) : host_step_;
 }
 
-void FlatOptimizer::step(const torch::Tensor& found_inf) {
-  torch::NoGradGuard no_grad;
+std::vector<int64_t> FlatOptimizer::parameter_steps() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < slices_.size(); ++i) {
+    if (!fused_) out.push_back(host_step_ - host_missed_[i]);
+    else if (!adam_) out.push_back(steps_taken());
+    else out.push_back(static_cast<int64_t>((step_[slices_[i].flat] - missed_[i]).item<float>()));
+  }
+  return out;
+}
+
+torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_t i) const {
+  const auto& s = slices_[i];
+  return flat[s.flat].narrow(0, s.offset, s.numel);
+}
+
+// One update of the tensors p[k] (gradients g[k], moments m[k] and v[k]);
+// the fused kernels read the step count from step[k], the composed
+// arithmetic takes it from host_step.
+void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
+                           const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+                           const std::vector<torch::Tensor>& step, int64_t host_step, const torch::Tensor& found_inf) {
   if (fused_) {
-    for (auto& s : step_) s.add_(1);
     if (adam_)
-      compat::fused_adam(params_, grads_, m_, v_, step_, lr_t_, o_.beta1(), o_.beta2(), o_.weight_decay(), o_.eps(),
+      compat::fused_adam(p, g, m, v, step, lr_t_, o_.beta1(), o_.beta2(), o_.weight_decay(), o_.eps(),
                          o_.name() == "adamw", found_inf);
     else
-      compat::fused_sgd(params_, grads_, m_, o_.weight_decay(), o_.momentum(), lr_t_, found_inf);
-    // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
-    if (found_inf.defined())
-      for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
+      compat::fused_sgd(p, g, m, o_.weight_decay(), o_.momentum(), lr_t_, found_inf);
     return;
   }
-  check_user(!found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
-             "use --amp bf16 (or off) with this build.");
-  ++host_step_;
   const double wd = o_.weight_decay();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    auto& p = params_[i];
-    torch::Tensor g = grads_[i];
+  for (size_t i = 0; i < p.size(); ++i) {
+    torch::Tensor grad = g[i];
     if (!adam_) {
       // torch::optim::SGD (dampening 0, no Nesterov); a zero buffer makes the
       // first step's buf equal the gradient, as its clone does.
-      if (wd != 0) g = g.add(p, wd);
-      if (o_.momentum() != 0) g = m_[i].mul_(o_.momentum()).add_(g);
-      p.add_(g, -lr_);
+      if (wd != 0) grad = grad.add(p[i], wd);
+      if (o_.momentum() != 0) grad = m[i].mul_(o_.momentum()).add_(grad);
+      p[i].add_(grad, -lr_);
       continue;
     }
-    // torch::optim::Adam / AdamW, whole buffer at once.
-    const double bc1 = 1 - std::pow(o_.beta1(), static_cast<double>(host_step_));
-    const double bc2 = 1 - std::pow(o_.beta2(), static_cast<double>(host_step_));
+    // torch::optim::Adam / AdamW, whole tensor at once.
+    const double bc1 = 1 - std::pow(o_.beta1(), static_cast<double>(host_step));
+    const double bc2 = 1 - std::pow(o_.beta2(), static_cast<double>(host_step));
     if (o_.name() == "adamw") {
-      if (wd != 0) p.mul_(1 - lr_ * wd);
+      if (wd != 0) p[i].mul_(1 - lr_ * wd);
     } else if (wd != 0) {
-      g = g.add(p, wd);
+      grad = grad.add(p[i], wd);
     }
-    m_[i].mul_(o_.beta1()).add_(g, 1 - o_.beta1());
-    v_[i].mul_(o_.beta2()).addcmul_(g, g, 1 - o_.beta2());
-    auto denom = (v_[i].sqrt() / std::sqrt(bc2)).add_(o_.eps());
-    p.addcdiv_(m_[i], denom, -lr_ / bc1);
+    m[i].mul_(o_.beta1()).add_(grad, 1 - o_.beta1());
+    v[i].mul_(o_.beta2()).addcmul_(grad, grad, 1 - o_.beta2());
+    auto denom = (v[i].sqrt() / std::sqrt(bc2)).add_(o_.eps());
+    p[i].addcdiv_(m[i], denom, -lr_ / bc1);
+  }
+}
+
+// The common step: every buffer whole, with the buffers' step count.
+void FlatOptimizer::whole_step(const torch::Tensor& found_inf) {
+  if (!fused_) {
+    update(params_, grads_, m_, v_, {}, ++host_step_, {});
+    return;
+  }
+  for (auto& s : step_) s.add_(1);
+  update(params_, grads_, m_, v_, step_, 0, found_inf);
+  // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
+  if (found_inf.defined())
+    for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
+}
+
+void FlatOptimizer::step(const torch::Tensor& found_inf) {
+  torch::NoGradGuard no_grad;
+  check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
+             "use --amp bf16 (or off) with this build.");
+  const GradUsage* usage = sync_ ? &sync_->usage() : nullptr;
+  const size_t n = slices_.size();
+  std::vector<char> unused_here(n, 0);
+  if (usage)
+    for (size_t i : usage->unused_here) unused_here[i] = 1;
+  auto save = [&](size_t i, bool unused) {
+    return Saved{i, unused, slice(params_, i).clone(), slice(m_, i).clone(), adam_ ? slice(v_, i).clone() : torch::Tensor()};
+  };
+  std::vector<Saved> saved;
+  if (fused_) {
+    // Which parameters no rank used is device data here: save every one
+    // this rank did not use, and (Adam) every one that may have missed a
+    // step before, whose own step count may then differ from the buffer's.
+    for (size_t i = 0; i < n; ++i)
+      if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
+    whole_step(found_inf);
+    if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf);
+    for (size_t i = 0; i < n; ++i) may_have_missed_[i] = may_have_missed_[i] || unused_here[i];
+    return;
+  }
+  // Composed: the ranks' decision on the host (a parameter unused on every
+  // rank is unused here, so only this rank's unused ones need a look), so
+  // that every rank takes the same path and ends with the same bits.
+  std::vector<char> skipped(n, 0);
+  if (usage && !usage->unused_here.empty()) {
+    torch::Tensor flags;
+    if (usage->used_anywhere.defined()) flags = usage->used_anywhere.to(torch::kCPU, torch::kFloat).contiguous();
+    for (size_t i : usage->unused_here) skipped[i] = !flags.defined() || flags.data_ptr<float>()[i] <= 0;
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (skipped[i] || (adam_ && host_missed_[i] > 0)) saved.push_back(save(i, skipped[i]));
+  whole_step({});
+  if (!saved.empty()) composed_fix_ups(saved, skipped);
+}
+
+// After the whole-buffer step on the fused path: each saved parameter goes
+// back to where the step began, is stepped again on its own slice with its
+// own step count if it may have missed a step, and keeps that result only
+// where some rank had a gradient (a select on the device).
+void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere,
+                                  const torch::Tensor& found_inf) {
+  for (auto& s : saved) {
+    const size_t i = s.slice;
+    auto p = slice(params_, i), g = slice(grads_, i), m = slice(m_, i);
+    auto v = adam_ ? slice(v_, i) : torch::Tensor();
+    // Missed steps count only in steps that count (not an fp16 overflow).
+    auto count_missed = [&](const torch::Tensor& missed) {
+      if (!adam_) return;
+      missed_[i].add_(found_inf.defined() ? missed * (1 - found_inf.squeeze()) : missed);
+    };
+    if (s.unused_here && !used_anywhere.defined()) {  // one rank: unused everywhere
+      p.copy_(s.p);
+      m.copy_(s.m);
+      if (adam_) v.copy_(s.v);
+      count_missed(torch::ones({}, missed_.empty() ? p.options() : missed_[i].options()));
+      continue;
+    }
+    if (adam_ && may_have_missed_[i]) {
+      p.copy_(s.p);
+      m.copy_(s.m);
+      v.copy_(s.v);
+      torch::sub_out(own_step_[i], step_[slices_[i].flat], missed_[i]);
+      update({p}, {g}, {m}, {v}, {own_step_[i]}, 0, found_inf);
+    }
+    if (s.unused_here) {
+      const auto skip = used_anywhere.select(0, static_cast<int64_t>(i)).le(0);
+      p.copy_(torch::where(skip, s.p, p));
+      m.copy_(torch::where(skip, s.m, m));
+      if (adam_) {
+        v.copy_(torch::where(skip, s.v, v));
+        count_missed(skip.to(torch::kFloat));
+      }
+    }
+  }
+}
+
+// After the whole-buffer step on the composed path, where `skipped` is the
+// ranks' agreed decision: restore the skipped parameters, and step the ones
+// that missed steps before again with their own count.
+void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped) {
+  for (auto& s : saved) {
+    const size_t i = s.slice;
+    auto p = slice(params_, i), m = slice(m_, i);
+    auto v = adam_ ? slice(v_, i) : torch::Tensor();
+    p.copy_(s.p);
+    m.copy_(s.m);
+    if (adam_) v.copy_(s.v);
+    if (skipped[i]) {
+      ++host_missed_[i];
+      continue;
+    }
+    update({p}, {slice(grads_, i)}, {m}, {v}, {}, host_step_ - host_missed_[i], {});
   }
 }
 
@@ -92,6 +240,12 @@ void FlatOptimizer::save(TensorMap& state) const {
     state["m/" + k] = m_[i].detach().cpu();
     if (adam_) state["v/" + k] = v_[i].detach().cpu();
   }
+  // Steps each parameter missed (no gradient on any rank): Adam's
+  // per-parameter step count is the buffer's minus this.
+  auto missed = torch::zeros({static_cast<int64_t>(slices_.size())}, torch::kFloat);
+  for (size_t i = 0; i < slices_.size(); ++i)
+    missed[static_cast<int64_t>(i)] = missed_.empty() ? static_cast<float>(host_missed_[i]) : missed_[i].item<float>();
+  state["missed_steps"] = missed;
 }
 
 void FlatOptimizer::load(const TensorMap& state) {
@@ -114,6 +268,18 @@ void FlatOptimizer::load(const TensorMap& state) {
     if (adam_) read("v/" + k, v_[i]);
   }
   host_step_ = static_cast<int64_t>(step_.front().item<float>());
+  // Checkpoints written before per-parameter counts have none: no missed steps.
+  auto missed = state.find("missed_steps");
+  const bool have = missed != state.end();
+  check_user(!have || missed->second.numel() == static_cast<int64_t>(slices_.size()),
+             "the checkpoint's optimizer state 'missed_steps' does not fit this model.",
+             "resume with the model and optimizer that wrote it.");
+  for (size_t i = 0; i < slices_.size(); ++i) {
+    const float m = have ? missed->second.reshape(-1)[static_cast<int64_t>(i)].item<float>() : 0.0f;
+    host_missed_[i] = static_cast<int64_t>(m);
+    may_have_missed_[i] = m > 0;
+    if (!missed_.empty()) missed_[i].fill_(m);
+  }
 }
 
 }  // namespace ddp

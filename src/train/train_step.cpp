@@ -123,7 +123,7 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
     if (graph_) torch::cuda::synchronize(dev.index());
 #endif
   }
-  optimizer_ = std::make_unique<FlatOptimizer>(sync_->flat_params(), sync_->flat_grads(), o_.optimizer());
+  optimizer_ = std::make_unique<FlatOptimizer>(*sync_, o_.optimizer());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
 
   if (fp16_) {
@@ -255,7 +255,7 @@ bool TrainStep::try_capture(const data::Batch& batch) {
     compat::begin_capture(g.graph);
     g.out = step_body(g.input, /*last_micro=*/true, /*loss_scale=*/1.0);
     g.graph.capture_end();
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     at::autocast::set_autocast_cache_enabled(cache);
     // Leave capture mode by hand and drop the half-made graph without its
     // destructor, which is not safe on a broken capture; the little memory
@@ -267,8 +267,15 @@ bool TrainStep::try_capture(const data::Batch& batch) {
       if (broken) cudaGraphDestroy(broken);
     }
     (void)cudaGetLastError();
+    // The step stopped part-way, but only on the host: a capture records
+    // kernels without running them, so the device state (parameters,
+    // moments, step counts, the fp16 loss scale) is as before. GradSync's
+    // per-step state is not: buckets counted or launched into the dead
+    // graph would make the next eager step reduce too early or not at all.
+    sync_->abandon_step(/*wait_launched=*/false);
     (void)graph_.release();
-    std::string what = e.what_without_backtrace();
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+    std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();
     fall_back("capture failed (" + what.substr(0, what.find('\n')) + ")");
     return false;
   }

@@ -155,9 +155,9 @@ TEST(GradSync, FrozenParametersAreNotUpdated) {
 }
 
 // A layer that gets no gradient on any rank must stay unchanged, as in
-// PyTorch (its .grad is None). Open (issue 13, item 6): it still receives
-// AdamW's decay (and momentum); disabled until the optimizer masks it.
-TEST(GradSync, DISABLED_ParametersUnusedOnEveryRankAreNotUpdated) {
+// PyTorch (its .grad is None): no AdamW decay, no moment update (issue 13,
+// item 6).
+TEST(GradSync, ParametersUnusedOnEveryRankAreNotUpdated) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("unused_all");
   auto r = run_workers(2, {"frozen", dir});
@@ -268,6 +268,42 @@ TEST(GradSync, LocalBatchNormBuffersAreRank0sOnEveryRank) {
   torch::load(a, dir + "/buffers_rank0.pt");
   torch::load(b, dir + "/buffers_rank1.pt");
   EXPECT_TRUE(torch::equal(a, b)) << "largest difference " << (a - b).abs().max().item<double>();
+}
+
+}  // namespace
+
+namespace {
+
+// A step that throws in backward after some buckets were launched (issue 13,
+// item 4, the part a CPU shows): after GradSync::abandon_step() the next
+// steps are those of a run that never had the failed step, bit for bit, on
+// both ranks.
+TEST(GradSync, AbandonedStepLeavesNoTrace) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto skip = ddp::testing::temp_dir("abandon_skip"), reset = ddp::testing::temp_dir("abandon_reset");
+  auto a = run_workers(2, {"abandon", skip, "skip"});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_workers(2, {"abandon", reset, "reset"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto want = load(skip + "/params_rank" + std::to_string(rank) + ".pt");
+    const auto got = load(reset + "/params_rank" + std::to_string(rank) + ".pt");
+    EXPECT_TRUE(torch::equal(got, want)) << "rank " << rank << ": largest difference "
+                                         << (got - want).abs().max().item<double>();
+  }
+}
+
+// The control: without abandon_step() the buckets launched by the failed
+// step count as done in the next one, whose early buckets then keep each
+// rank's own gradient, halved, and its later ones add the failed step's.
+TEST(GradSync, StepAfterAnUnabandonedFailureIsWrong) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto skip = ddp::testing::temp_dir("noreset_skip"), kept = ddp::testing::temp_dir("noreset_kept");
+  ASSERT_EQ(run_workers(2, {"abandon", skip, "skip"}).exit_code, 0);
+  auto r = run_workers(2, {"abandon", kept, "no-reset"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto want = load(skip + "/params_rank0.pt"), got = load(kept + "/params_rank0.pt");
+  EXPECT_GT((got - want).abs().max().item<double>(), 1e-4);
 }
 
 }  // namespace

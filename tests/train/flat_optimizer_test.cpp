@@ -88,8 +88,11 @@ int64_t ops_per_step(int layers, const std::string& optimizer) {
   o.use_cuda = false;
   ddp::World world(p, o);
   ddp::GradSync sync(*net, world);
-  ddp::FlatOptimizer opt(sync.flat_params(), sync.flat_grads(), ddp::FlatOptimizerOptions().name(optimizer));
+  // Built on the GradSync, as the trainer does: with every parameter used,
+  // its step is the whole-buffer one.
+  ddp::FlatOptimizer opt(sync, ddp::FlatOptimizerOptions().name(optimizer));
   net->forward(torch::randn({4, 8})).sum().backward();
+  sync.finish();
   opt.step();  // first step (lazy paths, if any)
   static std::atomic<int64_t> count{0};
   count = 0;
@@ -134,6 +137,50 @@ TEST(FlatOptimizer, StateRoundTripsThroughATensorMap) {
   EXPECT_TRUE(torch::equal(p, p2));
   ddp::FlatOptimizer c({p2.clone()}, {g2.clone()}, ddp::FlatOptimizerOptions().name("sgd"));
   EXPECT_THROW(c.load(state), ddp::UserError);
+}
+
+// Adam's per-parameter step count (PyTorch's state["step"]): a layer left
+// out of a step does not count it, and the counts survive a checkpoint.
+TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
+  DDP_SKIP_UNLESS_GLOO();
+  ddp::Placement place;
+  ddp::WorldOptions wo;
+  wo.use_cuda = false;
+  ddp::World world(place, wo);
+  auto run = [&](torch::nn::Sequential& net, ddp::GradSync& sync, ddp::FlatOptimizer& opt, bool use_second) {
+    sync.zero_grad();
+    auto h = net[0]->as<torch::nn::Linear>()->forward(torch::ones({2, 4}));
+    if (use_second) h = net[1]->as<torch::nn::Linear>()->forward(h);
+    h.sum().backward();
+    sync.finish();
+    opt.step();
+  };
+  torch::manual_seed(0);
+  torch::nn::Sequential a(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  ddp::GradSync sync_a(*a, world);
+  ddp::FlatOptimizer opt_a(sync_a, ddp::FlatOptimizerOptions().name("adamw").weight_decay(0.1));
+  for (bool use : {true, false, false, true}) run(a, sync_a, opt_a, use);
+  EXPECT_EQ(opt_a.steps_taken(), 4);
+  EXPECT_EQ(opt_a.parameter_steps(), (std::vector<int64_t>{4, 4, 2, 2}));
+  ddp::TensorMap state;
+  opt_a.save(state);
+
+  torch::manual_seed(1);
+  torch::nn::Sequential b(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  }
+  ddp::GradSync sync_b(*b, world);
+  ddp::FlatOptimizer opt_b(sync_b, ddp::FlatOptimizerOptions().name("adamw").weight_decay(0.1));
+  opt_b.load(state);
+  EXPECT_EQ(opt_b.parameter_steps(), opt_a.parameter_steps());
+  for (bool use : {true, false}) {
+    run(a, sync_a, opt_a, use);
+    run(b, sync_b, opt_b, use);
+  }
+  for (size_t i = 0; i < a->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(a->parameters()[i], b->parameters()[i])) << "parameter " << i;
 }
 
 }  // namespace

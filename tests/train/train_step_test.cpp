@@ -207,3 +207,46 @@ TEST(TrainStep, Fp16OverflowSkipsTheStepAndHalvesTheScale_CUDA) {
 }
 
 }  // namespace
+
+namespace {
+
+// --cuda-graph on a task that reads a value back to the host in backward:
+// the capture fails half-way through backward (issue 13, item 4). The
+// fallback's eager steps must equal a run that never tried to capture:
+// losses and final parameters, on every rank.
+void expect_fallback_equals_eager(int ranks) {
+  const auto graph = ddp::testing::temp_dir("fallback_graph"), eager = ddp::testing::temp_dir("fallback_eager");
+  const std::map<std::string, std::string> env{{"DDP_TEST_CUDA", "1"}};
+  auto a = ddp::testing::run_process({DDP_TESTWORKER, "--launch", std::to_string(ranks), "capture_fallback", graph, "graph"},
+                                     env, 300);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = ddp::testing::run_process({DDP_TESTWORKER, "--launch", std::to_string(ranks), "capture_fallback", eager, "eager"},
+                                     env, 300);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(ddp::testing::read_file(graph + "/fallback_rank0.txt").find("capture failed"), std::string::npos)
+      << "the capture was meant to fail: " << a.output;
+  for (int rank = 0; rank < ranks; ++rank) {
+    const std::string r = std::to_string(rank);
+    for (const std::string what : {"losses", "params"}) {
+      torch::Tensor got, want;
+      torch::load(got, graph + "/" + what + "_rank" + r + ".pt");
+      torch::load(want, eager + "/" + what + "_rank" + r + ".pt");
+      const double diff = (got - want).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-5 * std::max(1.0, want.abs().max().item<double>())) << what << " on rank " << rank;
+    }
+  }
+}
+
+TEST(TrainStep, FailedCaptureFallsBackToTheStepsOfANeverCapturedRun_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  expect_fallback_equals_eager(1);
+}
+
+// With two ranks the failed capture has launched (recorded) buckets when it
+// stops: the eager steps after it must not take them for done.
+TEST(TrainStep, FailedCaptureFallsBackToTheStepsOfANeverCapturedRun_MultiCUDA) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  expect_fallback_equals_eager(2);
+}
+
+}  // namespace

@@ -2,10 +2,14 @@
 // launcher. `ddp_testworker --launch N SCENARIO OUTDIR [ARGS...]` spawns N
 // ranks of itself with ddp::launch_workers; each rank joins a real Gloo group
 // over TCP loopback and runs SCENARIO, writing its results under OUTDIR.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "ddp/error.h"
 #include "ddp/dist/grad_sync.h"
@@ -13,6 +17,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
 #include "ddp/train/flat_optimizer.h"
+#include "ddp/train/train_step.h"
 #include "ddp/train/trainer.h"
 #include "two_inputs/task.h"
 
@@ -145,8 +150,7 @@ void frozen(World& world, const std::string& out) {
   };
   GradSync sync(*net, world);
   const auto fc0 = copy(*net->fc0), fc2 = copy(*net->fc2);
-  FlatOptimizer opt(sync.flat_params(), sync.flat_grads(),
-                    FlatOptimizerOptions().name("adamw").lr(0.1).weight_decay(0.1));
+  FlatOptimizer opt(sync, FlatOptimizerOptions().name("adamw").lr(0.1).weight_decay(0.1));
   for (int step = 0; step < 3; ++step) {
     sync.zero_grad();
     net->fc1(net->fc0(torch::ones({2, 4}))).sum().backward();
@@ -162,6 +166,69 @@ void frozen(World& world, const std::string& out) {
   std::FILE* f = std::fopen((out + "/frozen_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
   std::fprintf(f, "%d %d\n", changed(fc0, *net->fc0) ? 1 : 0, changed(fc2, *net->fc2) ? 1 : 0);
   std::fclose(f);
+}
+
+// The model of tools/gen_unused_params_testdata.py: a trunk, a head, a
+// branch that the task uses on some steps only, and a late layer first used
+// at step 3.
+struct BranchyImpl : torch::nn::Module {
+  BranchyImpl()
+      : fc0(register_module("fc0", torch::nn::Linear(3, 4))),
+        head(register_module("head", torch::nn::Linear(4, 2))),
+        branch(register_module("branch", torch::nn::Linear(4, 2))),
+        late(register_module("late", torch::nn::Linear(4, 2))) {}
+  torch::nn::Linear fc0, head, branch, late;
+};
+TORCH_MODULE(Branchy);
+
+class BranchyTask : public Task {
+ public:
+  BranchyTask(Branchy net, std::vector<int> branch_steps, std::vector<int> late_steps)
+      : net_(std::move(net)), branch_(std::move(branch_steps)), late_(std::move(late_steps)) {}
+  StepOutput training_step(const data::Batch& b) override {
+    auto uses = [this](const std::vector<int>& steps) { return std::count(steps.begin(), steps.end(), step_) > 0; };
+    auto h = torch::tanh(net_->fc0(b.input()));
+    auto y = net_->head(h);
+    if (uses(branch_)) y = y + net_->branch(h);
+    if (uses(late_)) y = y + net_->late(h);
+    ++step_;
+    return torch::mse_loss(y, b.target());
+  }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+
+ private:
+  Branchy net_;
+  std::vector<int> branch_, late_;
+  int step_ = 0;
+};
+
+// PyTorch's reference run (ARGS: the JSON file, the optimizer): each rank
+// trains the Branchy model through TrainStep on its own batches and writes
+// its final parameters, in state_dict order.
+void unused_reference(World& world, const std::string& out, const std::string& json_path, const std::string& name) {
+  std::ifstream in(json_path);
+  check_user(in.good(), "cannot read " + json_path + ".", "pass tests/testdata/unused_params.json.");
+  const auto data = nlohmann::json::parse(in);
+  const int rank = world.rank();
+  auto tensor = [](const nlohmann::json& values) { return torch::tensor(values.get<std::vector<float>>()); };
+  Branchy net;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : net->named_parameters())
+      item.value().copy_(tensor(data["initial"][item.key()]).view_as(item.value()));
+  }
+  net->to(world.device());
+  BranchyTask task(net, data["branch_steps"][rank].get<std::vector<int>>(),
+                   data["late_steps"][rank].get<std::vector<int>>());
+  const auto& o = data["optimizers"][name];
+  auto opt = FlatOptimizerOptions().name(name).lr(o["lr"].get<double>()).weight_decay(o["weight_decay"].get<double>());
+  if (o.contains("momentum")) opt.momentum(o["momentum"].get<double>());
+  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt));
+  for (const auto& xy : data["batches"][rank]) {
+    auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
+    step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
+  }
+  save(flat_state(*net).cpu(), out + "/params_rank" + std::to_string(rank) + ".pt");
 }
 
 // Ranks hold 5 and 11 samples: the forward output, the input gradient and
@@ -248,6 +315,104 @@ void local_bn_buffers(World& world, const std::string& out) {
   save(torch::cat(parts), out + "/buffers_rank" + std::to_string(world.rank()) + ".pt");
 }
 
+// Throws from backward, where it sits: between the layers, so that the
+// later layers' gradients are in (and their buckets launched) when it does.
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("injected failure in backward");
+  }
+};
+
+// A step that stops in backward, then more steps (ARGS: reset | no-reset |
+// skip). reset: GradSync::abandon_step() after the failure; no-reset:
+// nothing (the defect of issue 13, item 4); skip: no failed step at all,
+// the reference. Every rank writes its parameters after the last step.
+void abandon(World& world, const std::string& out, const std::string& mode) {
+  torch::manual_seed(3);
+  DeepLinear net;
+  GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.01));
+  FlatOptimizer opt(sync, FlatOptimizerOptions().name("sgd").lr(0.1).momentum(0.9));
+  for (int step = 0; step < 4; ++step) {
+    const bool fails = step == 1;
+    if (fails && mode == "skip") continue;
+    torch::manual_seed(50 + 10 * step + world.rank());
+    auto x = torch::randn({8, 64});
+    sync.zero_grad();
+    auto h = x;
+    for (size_t l = 0; l < net->layers.size(); ++l) {
+      if (fails && l == 3) h = ThrowInBackward::apply(h);
+      h = torch::tanh(net->layers[l](h));
+    }
+    try {
+      h.pow(2).mean().backward();
+    } catch (const std::exception&) {
+      if (!fails) throw;
+      if (mode == "reset") sync.abandon_step();
+      // The failed step's all-reduces finish before the next step begins
+      // (Gloo's barrier waits for them), so that no-reset fails the same
+      // way every time rather than by timing.
+      world.barrier("after the failed step");
+      continue;
+    }
+    sync.finish();
+    opt.step();
+  }
+  save(flat_state(*net), out + "/params_rank" + std::to_string(world.rank()) + ".pt");
+}
+
+// Reads a value back to the host in backward: fine eagerly, and an error
+// in a CUDA graph capture, which then fails half-way through backward.
+struct SyncInBackward : torch::autograd::Function<SyncInBackward> {
+  static torch::Tensor forward(torch::autograd::AutogradContext*, torch::Tensor x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    if (g[0].sum().item<float>() == 12345.0f) std::fprintf(stderr, "improbable\n");
+    return g;
+  }
+};
+
+struct SyncingTask : Task {
+  explicit SyncingTask(DeepLinear net) : net(std::move(net)) {}
+  StepOutput training_step(const data::Batch& b) override {
+    auto h = b.input();
+    for (size_t l = 0; l < net->layers.size(); ++l) {
+      if (l == 3) h = SyncInBackward::apply(h);
+      h = torch::tanh(net->layers[l](h));
+    }
+    return torch::mse_loss(h, b.target());
+  }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+  DeepLinear net;
+};
+
+// TrainStep with --cuda-graph whose capture fails in backward (ARGS: graph
+// | eager): every rank writes its losses and final parameters, and rank 0
+// why it fell back.
+void capture_fallback(World& world, const std::string& out, const std::string& mode) {
+  torch::manual_seed(4);
+  DeepLinear net;
+  net->to(world.device());
+  SyncingTask task(net);
+  TrainStep step(task, *net, world,
+                 TrainStepOptions()
+                     .cuda_graph(mode == "graph")
+                     .graph_warmup(2)
+                     .bucket_cap_mb(0.01)
+                     .optimizer(FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1)));
+  std::vector<torch::Tensor> losses;
+  for (int s = 0; s < 6; ++s) {
+    torch::manual_seed(70 + 10 * s + world.rank());
+    auto x = torch::randn({8, 64}).to(world.device()), y = torch::randn({8, 64}).to(world.device());
+    losses.push_back(step.run(data::Batch(x, y), /*last_micro=*/true, 0.01).loss.to(torch::kDouble).cpu());
+  }
+  const std::string r = std::to_string(world.rank());
+  save(torch::stack(losses), out + "/losses_rank" + r + ".pt");
+  save(flat_state(*net), out + "/params_rank" + r + ".pt");
+  std::FILE* f = std::fopen((out + "/fallback_rank" + r + ".txt").c_str(), "w");
+  std::fprintf(f, "%s\n", step.graph_fallback().c_str());
+  std::fclose(f);
+}
+
 int run_scenario(const std::string& scenario, const std::string& out, int argc, char** argv) {
   WorldOptions wo;
   wo.use_cuda = std::getenv("DDP_TEST_CUDA") != nullptr;
@@ -265,6 +430,13 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     overlap(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "abandon") {
+    abandon(world, out, argc > 0 ? argv[0] : "reset");
+  } else if (scenario == "capture_fallback") {
+    capture_fallback(world, out, argc > 0 ? argv[0] : "graph");
+  } else if (scenario == "unused_reference") {
+    if (argc < 2) throw std::runtime_error("unused_reference needs JSON and OPTIMIZER");
+    unused_reference(world, out, argv[0], argv[1]);
   } else if (scenario == "local_bn_buffers") {
     local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {

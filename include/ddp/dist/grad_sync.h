@@ -14,6 +14,16 @@
 // rank, so collectives always match. finish() launches any bucket whose
 // parameters got no gradient (they contribute zeros, as with
 // find_unused_parameters), waits, and divides by the world size.
+//
+// Which parameters got a gradient: PyTorch leaves a parameter that got none
+// on every rank untouched (its .grad stays None, so torch.optim skips it),
+// while one that got a gradient on some rank only is stepped with the
+// average. Each rank knows on the host which hooks fired; the ranks agree
+// through one flag per parameter appended to the last bucket's all-reduce
+// (no extra collective, and device data, so a captured graph replays it).
+// With one rank the host's knowledge is the answer. The optimizer reads
+// both (usage()). In a captured CUDA graph the parameters used are those of
+// the captured step, as with PyTorch's static graphs.
 #pragma once
 
 #include <memory>
@@ -33,6 +43,24 @@ struct GradSyncOptions {
   /// Give 4-D parameters (convolution weights) channels-last strides, to
   /// match channels-last activations.
   TORCH_ARG(bool, channels_last) = false;
+};
+
+/// Where one parameter lives in the flat buffers: `numel` elements of
+/// buffer `flat` from `offset` (padding excluded).
+struct ParamSlice {
+  size_t flat = 0;
+  int64_t offset = 0, numel = 0;
+};
+
+/// Which parameters got a gradient in the step that finish() completed.
+struct GradUsage {
+  /// Parameters (indices into param_slices()) whose gradient no backward of
+  /// the step reached on this rank; empty when all were used.
+  std::vector<size_t> unused_here;
+  /// With several ranks: one float per parameter, on the gradients' device,
+  /// positive where some rank produced a gradient (device data: no host
+  /// sync). Undefined with one rank, where unused_here is unused everywhere.
+  torch::Tensor used_anywhere;
 };
 
 class GradSync {
@@ -61,8 +89,22 @@ class GradSync {
   /// Call after the last backward of a step and before the optimizer.
   void finish();
 
+  /// Forgets a step that stopped part-way (a failed CUDA graph capture, an
+  /// exception in backward): no bucket is left half-counted or launched, and
+  /// the gradients are zero, so the next step runs as if this one had never
+  /// begun. `wait_launched`: wait for buckets already launched, whose
+  /// all-reduce still writes into the gradients; a failed capture passes
+  /// false, as its collectives were only recorded, never run.
+  void abandon_step(bool wait_launched = true);
+
   /// Copies every buffer (e.g. BatchNorm running stats) from rank 0.
   void broadcast_buffers();
+
+  /// Where each trainable parameter (in registration order) lives in the
+  /// flat buffers.
+  const std::vector<ParamSlice>& param_slices() const { return slices_; }
+  /// Which parameters got a gradient in the last finished step (see above).
+  const GradUsage& usage() const { return usage_; }
 
   size_t num_buckets() const { return buckets_.size(); }
   /// Buckets whose all-reduce started inside backward in this step so far
@@ -84,6 +126,7 @@ class GradSync {
   };
   void mark_ready(size_t param_index);
   void launch_ready_in_order(bool from_backward);
+  void write_used_flags();
   void reset_step();
 
   World& world_;
@@ -95,6 +138,10 @@ class GradSync {
   std::vector<torch::Tensor> flat_grads_;
   std::vector<torch::Tensor> flat_params_;
   std::vector<torch::Tensor> buffers_;
+  std::vector<ParamSlice> slices_;
+  std::vector<char> fired_;   // param index -> its hook fired in this step (any micro-batch)
+  torch::Tensor used_flags_;  // several ranks: one per parameter, after the last bucket
+  GradUsage usage_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   size_t next_bucket_ = 0;

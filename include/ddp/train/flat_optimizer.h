@@ -9,6 +9,24 @@
 // torch::optim's per-tensor optimizers, written with tensor ops over the
 // flat buffers. Both equal torch::optim::SGD/Adam/AdamW to fp32 rounding
 // (tests/train/flat_optimizer_test.cpp).
+//
+// Built on a GradSync, it also leaves alone the parameters that got no
+// gradient on any rank in a step, as torch.optim does with a .grad of None:
+// no weight decay, no momentum or moment update, and for Adam a per-
+// parameter step count that does not advance (its bias correction uses its
+// own count, as PyTorch's per-parameter state["step"]). While every
+// parameter has had a gradient in every step on this rank, a step is the
+// same few whole-buffer kernels as before. Otherwise the affected
+// parameters are saved before that step and set afterwards, each on its
+// own slice: restored where no rank had a gradient (chosen on the device
+// from GradSync's flags, so a CUDA graph can capture it), or stepped again
+// with its own step count where it has missed steps before. The fused
+// kernels are elementwise, so a rank that takes this path for a parameter
+// gets the same bits as one that does not; the composed path decides from
+// the ranks' flags read on the host, which is free on the CPU (the only
+// place it runs without a sync: without fused kernels a CUDA step is not
+// captured anyway, and the read happens only in steps where this rank left
+// some parameter unused).
 #pragma once
 
 #include <string>
@@ -16,6 +34,7 @@
 
 #include <torch/torch.h>
 
+#include "ddp/dist/grad_sync.h"
 #include "ddp/io/checkpoint.h"
 
 namespace ddp {
@@ -34,8 +53,12 @@ struct FlatOptimizerOptions {
 
 class FlatOptimizer {
  public:
-  /// `params[i]` and `grads[i]` are flat buffers of equal size (from GradSync).
+  /// `params[i]` and `grads[i]` are flat buffers of equal size; each is
+  /// stepped whole, every step.
   FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads, FlatOptimizerOptions options);
+  /// Steps GradSync's flat buffers, and skips the parameters that got no
+  /// gradient on any rank (sync.usage(), read at every step()).
+  FlatOptimizer(const GradSync& sync, FlatOptimizerOptions options);
 
   /// Sets the learning rate for the next step(). Call it outside a CUDA graph
   /// capture: it writes the device-side copy that a captured step reads.
@@ -53,6 +76,9 @@ class FlatOptimizer {
 
   /// Optimizer steps taken (read from the device).
   int64_t steps_taken() const;
+  /// Per parameter (GradSync's order): the steps it took part in, which is
+  /// Adam's state["step"] (read from the device).
+  std::vector<int64_t> parameter_steps() const;
 
   void save(TensorMap& state) const;
   void load(const TensorMap& state);
@@ -60,6 +86,20 @@ class FlatOptimizer {
   const FlatOptimizerOptions& options() const { return o_; }
 
  private:
+  struct Saved {
+    size_t slice;
+    bool unused_here;
+    torch::Tensor p, m, v;
+  };
+  void init_state();
+  torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
+  void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
+              const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
+              const std::vector<torch::Tensor>& step, int64_t host_step, const torch::Tensor& found_inf);
+  void whole_step(const torch::Tensor& found_inf);
+  void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf);
+  void composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped);
+
   FlatOptimizerOptions o_;
   bool adam_ = true, fused_ = false;
   std::vector<torch::Tensor> params_, grads_;
@@ -68,6 +108,14 @@ class FlatOptimizer {
   torch::Tensor lr_t_;                // learning rate on the device (fused path)
   double lr_ = 0;
   int64_t host_step_ = 0;             // composed path
+  // Per parameter slice: where it lives, and the steps it missed since the
+  // start (a parameter's own step count is the buffer's minus that).
+  const GradSync* sync_ = nullptr;
+  std::vector<ParamSlice> slices_;
+  std::vector<torch::Tensor> missed_;      // fused: a float scalar each, on the device
+  std::vector<torch::Tensor> own_step_;    // fused: scratch for the step count that the kernel reads
+  std::vector<int64_t> host_missed_;       // composed: exact, the same on every rank
+  std::vector<char> may_have_missed_;      // fused: left unused on this rank in some step so far
 };
 
 }  // namespace ddp

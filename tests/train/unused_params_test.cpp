@@ -1,0 +1,84 @@
+// Parameters that get no gradient in a step are left alone, as PyTorch does
+// (their .grad is None, so torch.optim skips them): checked against values
+// that PyTorch itself produced (tools/gen_unused_params_testdata.py ->
+// tests/testdata/unused_params.json), on one rank and on two ranks with
+// DistributedDataParallel(find_unused_parameters=True), where on some steps
+// the branch is used on one rank only (and is stepped) and on one step on
+// neither (and is skipped).
+#include <nlohmann/json.hpp>
+
+#include "support/testing.h"
+
+namespace {
+
+struct Case {
+  std::string optimizer;
+  int world_size;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.optimizer << " on " << c.world_size << " rank(s)"; }
+
+class UnusedParameters : public ::testing::TestWithParam<Case> {};
+
+// Runs the reference scenario on `world_size` ranks and compares every
+// rank's final parameters with PyTorch's, to `tolerance`.
+void expect_pytorch(const std::string& optimizer, int world_size, bool cuda, double tolerance) {
+  const std::string json = DDP_TEST_DATA_DIR "/unused_params.json";
+  const auto dir = ddp::testing::temp_dir("unused_ref_" + optimizer + std::to_string(world_size));
+  std::map<std::string, std::string> env;
+  if (cuda) env["DDP_TEST_CUDA"] = "1";
+  auto r = ddp::testing::run_process(
+      {DDP_TESTWORKER, "--launch", std::to_string(world_size), "unused_reference", dir, json, optimizer}, env, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto data = nlohmann::json::parse(ddp::testing::read_file(json));
+  const auto& expected = data["world" + std::to_string(world_size)][optimizer];
+  const auto& initial = data["initial"];
+  torch::Tensor first;
+  for (int rank = 0; rank < world_size; ++rank) {
+    torch::Tensor got;
+    torch::load(got, dir + "/params_rank" + std::to_string(rank) + ".pt");
+    if (rank == 0) first = got;
+    else EXPECT_TRUE(torch::equal(got, first)) << "ranks must end bit-identical";
+    int64_t at = 0;
+    for (const char* name : {"fc0.weight", "fc0.bias", "head.weight", "head.bias", "branch.weight", "branch.bias",
+                             "late.weight", "late.bias"}) {
+      const auto want = torch::tensor(expected[name].get<std::vector<double>>(), torch::kDouble);
+      const auto start = torch::tensor(initial[name].get<std::vector<double>>(), torch::kDouble);
+      const auto mine = got.narrow(0, at, want.numel());
+      at += want.numel();
+      const double diff = (mine - want).abs().max().item<double>();
+      EXPECT_LE(diff, tolerance) << optimizer << ", " << name << " on rank " << rank << ": max abs diff " << diff;
+      // Every layer is used at some point, so all must have moved.
+      EXPECT_GT((want - start).abs().max().item<double>(), 1e-3) << name;
+    }
+    EXPECT_EQ(at, got.numel());
+  }
+}
+
+TEST_P(UnusedParameters, MatchPyTorch) {
+  DDP_SKIP_UNLESS_GLOO();
+  expect_pytorch(GetParam().optimizer, GetParam().world_size, /*cuda=*/false, 1e-5);
+}
+
+// The fused kernels' path (saved slices, a select on the device), on one
+// GPU; the fused arithmetic differs from torch.optim's in the last bits.
+TEST(UnusedParameters, MatchPyTorchOnOneGpu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  for (const std::string name : {"sgd", "adam", "adamw"}) expect_pytorch(name, 1, /*cuda=*/true, 5e-5);
+}
+
+// The ranks' flags over NCCL, with the branch used on one rank only on
+// some steps and on neither on one.
+TEST(UnusedParameters, MatchPyTorchDdpOnTwoGpus_MultiCUDA) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  for (const std::string name : {"sgd", "adam", "adamw"}) expect_pytorch(name, 2, /*cuda=*/true, 5e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, UnusedParameters,
+                         ::testing::Values(Case{"sgd", 1}, Case{"adam", 1}, Case{"adamw", 1}, Case{"sgd", 2},
+                                           Case{"adam", 2}, Case{"adamw", 2}),
+                         [](const auto& info) {
+                           return info.param.optimizer + "_world" + std::to_string(info.param.world_size);
+                         });
+
+}  // namespace
