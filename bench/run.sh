@@ -111,7 +111,7 @@ if has gpt; then
   done
   for graph in false true; do
     log "config e: ddptrain cuda-graph=$graph"
-    $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --bench-steps "$GS" \
+    $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
       --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
 fi

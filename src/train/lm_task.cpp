@@ -49,6 +49,7 @@ models::GptOptions LmTask::model_options(const Config& c) {
 data::Splits LmTask::make_data(const Config& c, World& world) {
   check_user(models::is_gpt(c.model), "--task lm trains a GPT; --model " + c.model + " is not one.",
              "pass --model gpt-nano, gpt2 or gpt.");
+  note_ignored_flags(c);
   const auto o = model_options(c);
   tokens_per_step_ = static_cast<int64_t>(c.batch) * world.size() * c.accum_steps * o.block_size();
   const fs::path root(c.data_root);
@@ -100,12 +101,10 @@ ModulePtr LmTask::make_model(const Config& c, const data::Splits& data) {
 }
 
 void LmTask::configure_optimizer(const Config& c, OptimizerSetup& setup) {
+  // GPT-2's and nanoGPT's second-moment decay. The learning rate and weight
+  // decay stay what the flags say (config.toml records them, so that
+  // --config repeats the run).
   if (c.optimizer != "sgd") setup.optimizer.beta2(0.95);
-  if (!c.was_given("lr")) {
-    setup.optimizer.lr(1e-3);
-    setup.schedule.peak_lr(1e-3);
-  }
-  if (!c.was_given("weight-decay") && c.optimizer == "adamw") setup.optimizer.weight_decay(0.1);
 }
 
 torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum) {
@@ -144,8 +143,26 @@ void LmTask::on_epoch_end(EpochEnd& epoch) {
   steps_in_epoch_ = 0;
 }
 
-std::vector<std::string> LmTask::ignored_flags() const {
-  return {"loss", "label-smoothing", "stem", "augment", "dataset", "val-root", "val-split", "image-size", "strict-data"};
+std::vector<std::string> LmTask::ignored_flags() const { return ignored_; }
+
+// The image and classification flags this task does not read, where they
+// hold another value than the default: a run's config.toml lists every flag,
+// and `--config config.toml` must repeat the run.
+void LmTask::note_ignored_flags(const Config& c) {
+  const Config d;
+  ignored_.clear();
+  auto note = [&](bool differs, const char* name) {
+    if (differs) ignored_.push_back(name);
+  };
+  note(c.loss != d.loss, "loss");
+  note(c.label_smoothing != d.label_smoothing, "label-smoothing");
+  note(c.stem != d.stem, "stem");
+  note(c.augment != "none", "augment");
+  note(c.dataset != d.dataset, "dataset");
+  note(c.val_root != d.val_root, "val-root");
+  note(c.val_split != d.val_split, "val-split");
+  note(c.image_size != d.image_size, "image-size");
+  note(c.strict_data != d.strict_data, "strict-data");
 }
 
 }  // namespace ddp

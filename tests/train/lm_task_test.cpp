@@ -99,7 +99,7 @@ TEST(LmTask, TwoRanksOfBatch8EqualOneRankOfBatch16) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   const auto one = ddp::testing::temp_dir("lm_one"), two = ddp::testing::temp_dir("lm_two");
-  const std::vector<std::string> common{"--epochs", "1", "--train-samples", "320", "--test-samples", "64",
+  const std::vector<std::string> common{"--epochs", "1", "--train-samples", "256", "--test-samples", "64",
                                         "--optimizer", "sgd", "--lr", "0.3", "--momentum", "0", "--schedule",
                                         "constant", "--seed", "5"};
   auto a = lm_args(one, common), b = lm_args(two, common);
@@ -117,7 +117,7 @@ TEST(LmTask, TwoRanksOfBatch8EqualOneRankOfBatch16) {
   // A different global batch does not pass for the same (the control).
   const auto other = ddp::testing::temp_dir("lm_other");
   auto c = lm_args(other, common);
-  c.insert(c.end(), {"--size", "1", "--batch", "16", "--seed", "6"});
+  c.insert(c.end(), {"--size", "2", "--batch", "8", "--seed", "6"});
   auto rc = run_process(c);
   ASSERT_EQ(rc.exit_code, 0) << rc.output;
   EXPECT_GT(std::abs(metrics(other)[0]["train_loss"].get<double>() - ma[0]["train_loss"].get<double>()), 1e-4);
@@ -129,7 +129,7 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   const auto straight = ddp::testing::temp_dir("lm_straight"), split = ddp::testing::temp_dir("lm_split");
-  const std::vector<std::string> common{"--size", "2", "--epochs", "2", "--batch", "8", "--train-samples", "1200",
+  const std::vector<std::string> common{"--size", "2", "--epochs", "2", "--batch", "8", "--train-samples", "960",
                                         "--test-samples", "64", "--dropout", "0.1"};
   auto a = run_process(lm_args(straight, common));
   ASSERT_EQ(a.exit_code, 0) << a.output;
@@ -139,6 +139,7 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
   kill(child.pid, SIGTERM);
   auto b1 = ddp::testing::finish_process(child, 60);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  EXPECT_NE(b1.output.find("stopped by a signal at step"), std::string::npos) << "not in mid-epoch:\n" << b1.output;
   auto resumed = common;
   resumed.insert(resumed.end(), {"--resume", "auto"});
   auto b2 = run_process(lm_args(split, resumed));

@@ -29,8 +29,8 @@ class LmTask : public Task {
   void add_flags(Config& config) override;
   data::Splits make_data(const Config& config, World& world) override;
   ModulePtr make_model(const Config& config, const data::Splits& data) override;
-  /// AdamW as GPT-2 trains: betas (0.9, 0.95), weight decay 0.1, and
-  /// lr 1e-3 unless --lr or --weight-decay say otherwise.
+  /// Adam and AdamW with betas (0.9, 0.95), as GPT-2 and nanoGPT train;
+  /// --lr and --weight-decay as given (or their defaults).
   void configure_optimizer(const Config& config, OptimizerSetup& setup) override;
 
   StepOutput training_step(const data::Batch& batch) override;
@@ -39,6 +39,8 @@ class LmTask : public Task {
   Monitor monitor() const override { return {"test_loss", Goal::kMin}; }
   void on_step_end(const StepEnd& step) override;
   void on_epoch_end(EpochEnd& epoch) override;
+  /// The image and classification flags, where given another value than
+  /// their default.
   std::vector<std::string> ignored_flags() const override;
 
   /// The model the flags describe, before the data is known (--vocab-size 0
@@ -54,6 +56,8 @@ class LmTask : public Task {
  private:
   models::Gpt gpt_{nullptr};
   std::string tokenizer_ = "bytes";
+  std::vector<std::string> ignored_;
+  void note_ignored_flags(const Config& config);
   int64_t tokens_per_step_ = 0;
   int64_t steps_in_epoch_ = 0;
   std::chrono::steady_clock::time_point first_step_end_, last_step_end_;
