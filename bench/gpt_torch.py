@@ -287,6 +287,11 @@ def main():
             with amp:
                 _, loss = model(x, y)
             total, count = total + loss.item() * t, count + t
+    if world > 1:
+        import torch.distributed as dist
+        sums = torch.tensor([total, count], dtype=torch.float64, device=dev)
+        dist.all_reduce(sums)
+        total, count = sums.tolist()
     if rank == 0:
         print(json.dumps({"contender": "pytorch" + (" compile" if args.compile else " eager"), "mode": "train",
                           "steps": args.steps, "tokens": args.steps * args.batch * t * world,
