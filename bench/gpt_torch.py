@@ -11,8 +11,14 @@ names, so weights move both ways (bench/gpt_interop.py checks that).
          torch.compile (--compile, as nanoGPT's compile=True).
          One JSON line: ms/step, tokens/s, peak memory, MFU.
   train  trains for --steps on train.bin/val.bin (--data-root, nanoGPT's
-         uint16 files) with random windows and reports the validation loss
-         after a fixed number of tokens (the quality check beside ddptrain).
+         uint16 files) on exactly the windows, in the order, that ddptrain
+         draws for the same --seed and --train-samples, with its cosine
+         schedule, and reports the validation loss after those tokens (the
+         quality check beside ddptrain; the initial weights differ). E.g.
+           bench/gpt_torch.py train --model gpt2 --data-root DIR --batch 16 --steps 2000 --train-samples 32000
+         beside
+           ddptrain --task lm --model gpt2 --data_root DIR --size 1 --batch 16 --epochs 1 --train-samples 32000
+                    --test-samples 200 --lr 6e-4 --weight-decay 0.1 --amp bf16 --schedule cosine
 
   torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --batch 16 --steps 50
   torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --batch 16 --steps 50 --compile
@@ -156,6 +162,27 @@ PRESETS = {
 }
 
 
+# ---- ddptrain's training windows (src/data/tokens.cpp, data/counter_rng.h) ----------------
+
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x):
+    """splitmix64's finaliser, as ddptrain's mix64()."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def ddptrain_window_start(seed, epoch, index, starts):
+    """Where ddptrain's training window `index` of `epoch` (0-based) starts."""
+    h = 0x6A09E667F3BCC909
+    for w in (seed, epoch, index, 0x6C6D):
+        h = _mix64(h ^ _mix64(w & _M64))
+    return _mix64(h) % starts
+
+
 # ---- the benchmark ---------------------------------------------------------------------
 
 
@@ -194,7 +221,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     ap.add_argument("--data-root", default="", help="train: directory with train.bin and val.bin (uint16)")
-    ap.add_argument("--eval-windows", type=int, default=200, help="train: validation windows")
+    ap.add_argument("--eval-windows", type=int, default=200, help="train: validation windows (ddptrain's --test-samples)")
+    ap.add_argument("--train-samples", type=int, default=0,
+                    help="train: windows per epoch, as ddptrain's --train-samples (0: training tokens / context)")
     args = ap.parse_args()
 
     rank, world, local = setup_ddp()
@@ -255,12 +284,15 @@ def main():
                 "final_loss": loss.item()}), flush=True)
         return
 
-    # train: random windows of train.bin, then the loss on the first
-    # --eval-windows windows of val.bin tiled without overlap.
+    # train: ddptrain's windows of train.bin (same seed, same samples, same
+    # order), then the loss on the first --eval-windows windows of val.bin
+    # tiled without overlap (ddptrain's --test-samples).
     import numpy as np
     train = np.memmap(os.path.join(args.data_root, "train.bin"), dtype=np.uint16, mode="r")
     val = np.memmap(os.path.join(args.data_root, "val.bin"), dtype=np.uint16, mode="r")
-    rng = np.random.default_rng(args.seed * 1000 + rank)
+    windows = args.train_samples or len(train) // t
+    steps_per_epoch = windows // (args.batch * world)
+    assert windows % world == 0 and steps_per_epoch > 0, "--train-samples must fill whole steps on every rank"
 
     def batch_of(data, starts):
         x = torch.from_numpy(np.stack([data[s:s + t].astype(np.int64) for s in starts]))
@@ -272,7 +304,11 @@ def main():
         lr = args.lr * 0.5 * (1 + math.cos(math.pi * it / args.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = batch_of(train, rng.integers(0, len(train) - t - 1, args.batch))
+        epoch, k = divmod(it, steps_per_epoch)
+        g = torch.Generator()
+        g.manual_seed(args.seed + epoch)  # DistributedSampler's order, as ddptrain's
+        mine = torch.randperm(windows, generator=g)[rank::world][k * args.batch:(k + 1) * args.batch]
+        x, y = batch_of(train, [ddptrain_window_start(args.seed, epoch, int(i), len(train) - t) for i in mine])
         with amp:
             _, loss = model(x, y)
         loss.backward()

@@ -123,6 +123,18 @@ TEST(Tokens, TrainingWindowsDependOnSeedEpochAndIndexOnly) {
   EXPECT_GE(starts.size(), 60u);
 }
 
+// bench/gpt_torch.py's train mode replays these draws in Python for the
+// quality check beside PyTorch; its ddptrain_window_start() gave these.
+TEST(Tokens, WindowStartsEqualThePythonReplicaOfTheBenchScript) {
+  auto big = std::make_shared<TokenBuffer>(ramp(100000, 256), "ramp");
+  TokenWindows w(big, TokenWindowsOptions().context(32).windows(64));
+  EXPECT_EQ(w.start_of(0, 1, 4), 67997);
+  EXPECT_EQ(w.start_of(3, 1, 4), 94409);
+  EXPECT_EQ(w.start_of(63, 1, 4), 78601);
+  auto small = std::make_shared<TokenBuffer>(ramp(1064, 256), "ramp");
+  EXPECT_EQ(TokenWindows(small, TokenWindowsOptions().context(64)).start_of(0, 0, 0), 864);
+}
+
 // What the trainer does with these: rank r of 2 with batch B takes every
 // other index of the sampler's order; together they hold 1 rank's batch of 2B.
 TEST(Tokens, TwoRanksOfBatchBSeeOneRanksBatchOf2B) {
