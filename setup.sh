@@ -66,7 +66,8 @@ fi
 PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev libgtest-dev
       zlib1g-dev libpng-dev libjpeg-dev iproute2)
 # OpenBLAS: Debian's libtorch calls the system BLAS, and the reference one is ~10x slower.
-[[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist libopenblas0-pthread)
+# fortunes: 2.6 MB of English text, the default corpus of --task lm (read as bytes).
+[[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist fortunes libopenblas0-pthread)
 missing=()
 have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h jpeglib.h png.h; do [[ -f /usr/include/$h ]] || return 1; done; }
 if [[ -n "$TORCH_PREFIX" ]] && have_headers; then

@@ -7,7 +7,10 @@
 #   (iv)  ddptrain --cuda-graph                       ddptrain bench --cuda-graph
 # on (a) ResNet-18 64 px batch 32 Adam fp32, (b) ResNet-18 64 px batch 256
 # bf16, (c) ResNet-50 224 px batch 256 bf16 channels-last, and (d) Fashion-
-# MNIST ResNet-18 (small stem) wall time from launch to 93% test accuracy.
+# MNIST ResNet-18 (small stem) wall time from launch to 93% test accuracy;
+# and (e) GPT-2 124M, context 1024, bf16, AdamW on random tokens: the
+# nanoGPT-style PyTorch script bench/gpt_torch.py eager and torch.compile,
+# ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS).
 #
 #   bash bench/run.sh            # OUT=dir for the logs (default /tmp/bench)
 #   PHASES="build step" bash bench/run.sh
@@ -18,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/bench}; mkdir -p "$OUT"
-PHASES=${PHASES:-"build step fmnist"}
+PHASES=${PHASES:-"build step fmnist gpt"}
 STEPS=${STEPS:-100}
 FM=${FM:-$PWD/.data/fashion-mnist}
 R="$OUT/results.jsonl"
@@ -100,6 +103,19 @@ print(json.dumps({"config": "d", "contender": "ddptrain cuda-graph" if graph els
                   "reached": acc >= 0.93, "epochs": len(epochs), "test_acc": acc, "wall_s": t1 - t0,
                   "peak_mem_mib": float(peak[-1]) if peak else 0.0}))
 PY
+  done
+fi
+if has gpt; then
+  GB=${GPT_BATCH:-16}; GS=${GPT_STEPS:-50}
+  for compile in "" --compile; do
+    log "config e: pytorch ${compile:-eager}"
+    torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch "$GB" --steps "$GS" \
+      --amp bf16 $compile 2>"$OUT/e.py$compile.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+  done
+  for graph in false true; do
+    log "config e: ddptrain cuda-graph=$graph"
+    $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
+      --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
 fi
 if has profile; then

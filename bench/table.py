@@ -45,6 +45,29 @@ def main():
             warm = f"{r['warmup_s']:.1f}" if "warmup_s" in r else ""
             print(f"| {title} | {name} | {r['ms_per_step']:.2f} | {r['images_per_s']:.0f} | "
                   f"{r.get('peak_mem_mib', 0):.0f} | {warm} | {ratio} |")
+    gpt_table(rows)
+
+
+GPT_ORDER = ["pytorch eager", "pytorch compile", "ddptrain eager", "ddptrain cuda-graph"]
+
+
+def gpt_table(rows):
+    """Config (e), GPT-2 124M: tokens/s and MFU, and the ratio to torch.compile."""
+    group = {r["contender"]: r for r in rows if r.get("config") == "e"}
+    if not group:
+        return
+    ref = group.get("pytorch compile")
+    print()
+    print("| (e) GPT-2 124M, context 1024, bf16, AdamW | ms/step | tokens/s | MFU (989 TFLOP/s) | peak GPU MiB "
+          "| vs torch.compile |")
+    print("|---|---|---|---|---|---|")
+    for name in GPT_ORDER:
+        r = group.get(name)
+        if r is None:
+            continue
+        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else ""
+        print(f"| {name} (batch {r['batch']}) | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
+              f"{100 * r['mfu']:.1f}% | {r.get('peak_mem_mib', 0):.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@
 #include "ddp/io/checkpoint.h"
 #include "ddp/data/image_folder.h"
 #include "ddp/cmd/doctor.h"
+#include "ddp/cmd/generate.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
 #include "ddp/dist/launch.h"
@@ -249,6 +250,23 @@ void defer_to_rank_0(const char* rank) {
   std::this_thread::sleep_for(std::chrono::seconds(2));
 }
 
+// The --task that picks the built-in task, from the command line or a
+// config file. Every built-in task's flags join this first parse, so that
+// theirs are not unknown yet (the second parse knows only the chosen
+// task's); --help is left to the second parse, which lists them.
+std::string builtin_task_of(std::vector<char*>& args) {
+  std::string named;
+  bool help = false;
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string a = args[i];
+    if (a == "-h" || a == "--help") help = true;
+    if (a == "--task" && i + 1 < args.size()) named = args[i + 1];
+    if (a.rfind("--task=", 0) == 0) named = a.substr(7);
+  }
+  if (help) return named.empty() ? "classification" : named;
+  return parse_cli(static_cast<int>(args.size()), args.data(), builtin_task_flags()).task;
+}
+
 }  // namespace
 
 int main(int argc, char** argv, std::shared_ptr<Task> task) {
@@ -260,6 +278,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     // `ddptrain report RUN_DIR` and `ddptrain export CHECKPOINT OUT.pt` need
     // no ranks at all.
     if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc});
+    if (argc > 1 && std::string(argv[1]) == "generate") return generate_command({argv + 2, argv + argc});
     std::vector<char*> args(argv, argv + argc);
     std::string command;
     if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench")) {
@@ -276,7 +295,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     // The task's flags and defaults join the table before parsing; the
     // built-in task is the one --task names (so it is parsed twice).
     Config defaults;
-    if (!task) task = make_builtin_task(parse_cli(static_cast<int>(args.size()), args.data()).task);
+    if (!task) task = make_builtin_task(builtin_task_of(args));
     task->add_flags(defaults);
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
     if (command.empty()) c = with_saved_flags(c);

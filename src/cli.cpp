@@ -58,8 +58,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 
-      {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc) or regression (--loss mse|l1|huber; test_mse, test_mae, test_r2)", &c.task, {"classification", "regression"}, "model"},
-      {"--model", "network", &c.model, {"cnn", "resnet18", "resnet34", "resnet50"}, "model"},
+      {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
+      {"--model", "network; gpt-nano, gpt2 and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
       {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange},
       {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model", kMayChange},
@@ -312,7 +312,9 @@ constexpr const char* kHelpFooter =
     "  ddptrain report RUN_DIR              metrics, plots and the best epoch of a run\n"
     "  ddptrain export CHECKPOINT OUT.pt    a checkpoint's weights as a PyTorch state_dict\n"
     "  ddptrain doctor [flags]              check the ranks, devices and collectives of a job\n"
-    "  ddptrain bench [flags]               time training steps (--bench-steps, --image-size)\n";
+    "  ddptrain bench [flags]               time training steps (--bench-steps, --image-size)\n"
+    "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
+    "                                       sample text from a --task lm checkpoint\n";
 
 std::string version_text() {
 #ifndef DDP_VERSION

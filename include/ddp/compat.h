@@ -34,7 +34,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #define DDP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||      \
@@ -226,6 +228,31 @@ inline void set_cuda_math(bool tf32) {
   at::globalContext().setAllowTF32CuDNN(tf32);
 }
 
+
+/// Causal self-attention over q, k, v of shape B x heads x T x head_dim:
+/// softmax(q k^T / sqrt(head_dim), future masked) v. LibTorch 2.x has
+/// scaled_dot_product_attention, which picks the flash or memory-efficient
+/// kernels on a GPU and captures into a CUDA graph; 1.13 has none, so there
+/// it is written out with a mask built from the sizes (no buffer, so the
+/// model's state_dict is the same in both).
+#if DDP_TORCH_AT_LEAST(2, 0)
+constexpr bool kHasScaledDotProductAttention = true;
+#else
+constexpr bool kHasScaledDotProductAttention = false;
+#endif
+inline torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      double dropout_p, bool training) {
+#if DDP_TORCH_AT_LEAST(2, 0)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, training ? dropout_p : 0.0, /*is_causal=*/true);
+#else
+  const int64_t t = q.size(-2);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  auto future = torch::ones({t, t}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+  auto weights = torch::softmax(scores.masked_fill(future, -std::numeric_limits<double>::infinity()), -1);
+  if (training && dropout_p > 0) weights = torch::dropout(weights, dropout_p, true);
+  return torch::matmul(weights, v);
+#endif
+}
 
 /// Whether a store server can be bound to one address (below).
 #if DDP_TORCH_AT_LEAST(2, 4)

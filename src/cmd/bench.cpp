@@ -9,12 +9,92 @@
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/models/gpt.h"
 #include "ddp/models/registry.h"
+#include "ddp/train/lm_task.h"
 #include "ddp/train/trainer.h"
 
 namespace ddp {
 
+namespace {
+
+// H200 (SXM) dense bf16 peak, the denominator of MFU, as nanoGPT's
+// estimate_mfu uses A100's 312e12.
+constexpr double kPeakBf16Flops = 989e12;
+
+// GPT steps on random token ids: B x context tokens per rank per step.
+int run_gpt_bench(const Config& c, World& world) {
+  const auto dev = world.device();
+  Config lm = c;
+  if (c.task != "lm") {  // `ddptrain bench --model gpt2`: the lm flags at their defaults
+    Config flags;
+    LmTask().add_flags(flags);
+    lm.task_flags = flags.task_flags;
+  }
+  LmTask task;
+  const auto o = LmTask::model_options(lm);
+  auto model = task.make_gpt(o, "tokens");
+  model->to(dev);
+  model->train();
+  OptimizerSetup setup{train_step_options(c, dev).optimizer(), LrScheduleOptions()};
+  task.configure_optimizer(c, setup);
+  auto options = train_step_options(c, dev).optimizer(setup.optimizer);
+  TrainStep step(task, *model, world, options);
+  torch::manual_seed(c.seed + world.rank());
+  const auto ids = torch::TensorOptions().dtype(torch::kLong).device(dev);
+  data::Batch batch{{"input", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)},
+                    {"target", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)}};
+  auto sync = [&] {
+    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+  };
+  const double lr = setup.optimizer.lr();
+  const int warmup = std::max(10, options.graph_warmup() + 3);
+  torch::Tensor loss;
+  for (int i = 0; i < warmup; ++i) loss = step.run(batch, true, lr).loss;
+  sync();
+  world.barrier("bench warm-up");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < c.bench_steps; ++i) loss = step.run(batch, true, lr).loss;
+  sync();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double last_loss = loss.item<double>();
+  check_user(std::isfinite(last_loss), "the benchmark's loss became " + std::to_string(last_loss) + ".",
+             "lower --lr for this benchmark.");
+  const double ms = 1000.0 * seconds / c.bench_steps;
+  // nanoGPT's estimate_mfu: 6N + 12 L H Q T FLOPs per token (N without the
+  // position embedding, Q the head width, T the context).
+  const double n = static_cast<double>(task.gpt()->num_params(/*non_embedding=*/true));
+  const double flops_per_token = 6 * n + 12.0 * static_cast<double>(o.n_layer() * o.n_head() *
+                                                                     (o.n_embd() / o.n_head()) * o.block_size());
+  const double tokens_per_rank_s = static_cast<double>(c.batch * o.block_size()) * 1000.0 / ms;
+  if (world.is_main()) {
+    nlohmann::json j = {{"contender", c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager"},
+                        {"model", c.model},
+                        {"params", task.gpt()->num_params()},
+                        {"context", o.block_size()},
+                        {"batch", c.batch},
+                        {"ranks", world.size()},
+                        {"optimizer", c.optimizer},
+                        {"amp", c.amp},
+                        {"graphed", step.graphed()},
+                        {"device", dev.str()},
+                        {"ms_per_step", ms},
+                        {"tokens_per_s", tokens_per_rank_s * world.size()},
+                        {"flops_per_token", flops_per_token},
+                        {"peak_tflops", kPeakBf16Flops / 1e12},
+                        {"mfu", tokens_per_rank_s * flops_per_token / kPeakBf16Flops},
+                        {"peak_mem_mib", dev.is_cuda() ? compat::peak_cuda_bytes(dev.index()) / (1024.0 * 1024.0) : 0.0},
+                        {"final_loss", last_loss}};
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
 int run_bench(const Config& c, World& world) {
+  if (models::is_gpt(c.model)) return run_gpt_bench(c, world);
   const auto dev = world.device();
   const int64_t size = c.image_size > 0 ? c.image_size : 64;
   models::ModelSpec spec;

@@ -5,6 +5,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <set>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -115,8 +116,11 @@ void check_same_parameters(torch::nn::Module& model, World& world) {
 
 GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions options)
     : world_(world), options_(options) {
+  // A tensor registered under two names (a tied embedding and output head)
+  // is one parameter: it gets one slice, and autograd sums both uses into it.
+  std::set<const void*> seen;
   for (auto& p : model.parameters())
-    if (p.requires_grad()) params_.push_back(p);
+    if (p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second) params_.push_back(p);
   buffers_ = model.buffers();
   if (world_.size() > 1) check_same_parameters(model, world_);
 

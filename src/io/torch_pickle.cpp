@@ -629,9 +629,24 @@ void write_state_dict(const std::string& path, const NamedTensors& tensors) {
   p.op(2);
   p.new_ordered_dict();
   std::vector<torch::Tensor> storages;
+  // A tensor listed under two names (a tied embedding and output head) is
+  // written once and referenced twice, as torch.save shares the storage:
+  // the same memory, dtype, sizes and strides is the same tensor.
+  std::vector<torch::Tensor> originals;
+  auto written_as = [&](const torch::Tensor& x) {
+    for (size_t k = 0; k < originals.size(); ++k) {
+      const auto& o = originals[k];
+      if (x.numel() > 0 && o.data_ptr() == x.data_ptr() && o.scalar_type() == x.scalar_type() &&
+          o.device() == x.device() && o.sizes() == x.sizes() && o.strides() == x.strides())
+        return k;
+    }
+    return originals.size();
+  };
   if (!tensors.empty()) p.op('(');
   for (const auto& [name, tensor] : tensors) {
-    auto t = tensor.detach().to(torch::kCPU).contiguous();
+    const size_t key = written_as(tensor);
+    const bool fresh = key == originals.size();
+    auto t = fresh ? tensor.detach().to(torch::kCPU).contiguous() : storages[key];
     std::string storage_type;
     for (const auto& [type, dtype] : storage_types())
       if (dtype == t.scalar_type()) storage_type = type;
@@ -648,7 +663,7 @@ void write_state_dict(const std::string& path, const NamedTensors& tensors) {
     p.op('(');  // persistent id ('storage', torch.<Type>Storage, key, 'cpu', numel)
     p.string("storage");
     p.global("torch", storage_type);
-    p.string(std::to_string(storages.size()));
+    p.string(std::to_string(key));
     p.string("cpu");
     p.integer(t.numel());
     p.op('t');
@@ -660,7 +675,10 @@ void write_state_dict(const std::string& path, const NamedTensors& tensors) {
     p.new_ordered_dict();  // backward_hooks
     p.op('t');
     p.op('R');
-    storages.push_back(t);
+    if (fresh) {
+      originals.push_back(tensor);
+      storages.push_back(t);
+    }
   }
   if (!tensors.empty()) p.op('u');  // SETITEMS
   p.op('.');                        // STOP

@@ -7,6 +7,7 @@
 
 #include "ddp/error.h"
 #include "ddp/models/cnn.h"
+#include "ddp/models/gpt.h"
 #include "ddp/models/resnet.h"
 
 namespace ddp::models {
@@ -42,6 +43,8 @@ ResNetStem resolve_stem(const std::string& stem, const std::vector<int64_t>& hw)
 std::vector<std::string> model_names() { return {"cnn", "resnet18", "resnet34", "resnet50"}; }
 
 std::shared_ptr<Net> make_model(const ModelSpec& spec) {
+  check_user(!is_gpt(spec.name), "--model " + spec.name + " is a language model: it reads token ids, not images.",
+             "train it with --task lm --model " + spec.name + ".");
   const auto names = model_names();
   check_user(std::find(names.begin(), names.end(), spec.name) != names.end(),
              "Unknown model '" + spec.name + "'.", "Valid models: " + joined(names) + ".");

@@ -11,6 +11,7 @@
 #include "ddp/dist/world.h"
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
+#include "ddp/train/lm_task.h"
 
 namespace ddp {
 
@@ -192,10 +193,19 @@ std::vector<std::string> RegressionTask::ignored_flags() const {
   return out;
 }
 
+Config builtin_task_flags() {
+  Config lm;
+  LmTask().add_flags(lm);
+  Config out;
+  out.task_flags = lm.task_flags;
+  return out;
+}
+
 std::shared_ptr<Task> make_builtin_task(const std::string& name) {
   if (name == "classification") return std::make_shared<ClassificationTask>();
   if (name == "regression") return std::make_shared<RegressionTask>();
-  throw UserError("unknown --task '" + name + "'.", "use --task classification or --task regression.");
+  if (name == "lm") return std::make_shared<LmTask>();
+  throw UserError("unknown --task '" + name + "'.", "use --task classification, regression or lm.");
 }
 
 }  // namespace ddp

@@ -179,6 +179,9 @@ class RegressionTask : public ClassificationTask {
 
 /// The built-in task that --task names.
 std::shared_ptr<Task> make_builtin_task(const std::string& name);
+/// Default flags with every built-in task's own flags added (and no other
+/// default changed), for reading --task before the task is known.
+Config builtin_task_flags();
 
 /// Throws UserError if the user gave a flag that `task` ignores.
 void check_flags_apply(const Config& config, const Task& task);

@@ -1,0 +1,185 @@
+// Token files, the byte-level text corpus and the LM windows (tokens.h).
+#include "ddp/data/tokens.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "ddp/data/counter_rng.h"
+#include "ddp/error.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp::data {
+
+// ---- TokenBuffer -------------------------------------------------------------
+
+TokenBuffer::TokenBuffer(std::vector<uint16_t> tokens, std::string source)
+    : owned_(std::move(tokens)), source_(std::move(source)) {
+  data_ = owned_.data();
+  size_ = static_cast<int64_t>(owned_.size());
+}
+
+TokenBuffer::TokenBuffer(const std::string& path, int64_t offset, int64_t count) : source_(path) {
+  size_ = count;
+  if (count == 0) return;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  check_user(fd >= 0, "cannot open " + path + ": " + std::strerror(errno) + ".", "check the path and its permissions.");
+  map_bytes_ = static_cast<size_t>(offset + 2 * count);
+  map_ = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the file open
+  check_user(map_ != MAP_FAILED, "cannot map " + path + ": " + std::strerror(err) + ".", "check the file.");
+  data_ = reinterpret_cast<const uint16_t*>(static_cast<const char*>(map_) + offset);
+}
+
+TokenBuffer::~TokenBuffer() {
+  if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
+}
+
+// ---- token files ---------------------------------------------------------------
+
+TokenBufferPtr read_token_file(const std::string& path) {
+  const std::string fix =
+      "--data_root needs train.bin and val.bin as nanoGPT's prepare.py or llm.c's data scripts write them "
+      "(uint16 tokens, optionally after llm.c's 1024-byte header).";
+  std::error_code ec;
+  check_user(fs::is_regular_file(path, ec), "token file " + path + " does not exist.", fix);
+  const auto bytes = static_cast<int64_t>(fs::file_size(path, ec));
+  check_user(!ec, "cannot read the size of " + path + ".", "check its permissions.");
+  int32_t header[3] = {0, 0, 0};
+  if (bytes >= kLlmcHeaderBytes) {
+    std::ifstream in(path, std::ios::binary);
+    in.read(reinterpret_cast<char*>(header), sizeof(header));
+    check_user(static_cast<bool>(in), "cannot read " + path + ".", "check its permissions.");
+  }
+  if (header[0] == kLlmcMagic) {
+    // A raw uint16 file cannot start like this: the low half of the magic is
+    // token 54632, beyond GPT-2's vocabulary.
+    check_user(header[1] == kLlmcVersion,
+               path + " has llm.c's header but version " + std::to_string(header[1]) + "; ddptrain reads version " +
+                   std::to_string(kLlmcVersion) + " (uint16 GPT-2 tokens).",
+               "write it with llm.c's GPT-2 data scripts, or as raw uint16 tokens.");
+    const int64_t count = header[2];
+    check_user(count > 0 && kLlmcHeaderBytes + 2 * count == bytes,
+               path + " has llm.c's header for " + std::to_string(count) + " tokens, but " +
+                   std::to_string(bytes - kLlmcHeaderBytes) + " bytes of tokens follow it (expected " +
+                   std::to_string(2 * std::max<int64_t>(count, 0)) + ").",
+               "the file is truncated or damaged: write it again.");
+    return std::make_shared<TokenBuffer>(path, kLlmcHeaderBytes, count);
+  }
+  check_user(bytes > 0 && bytes % 2 == 0,
+             path + " has " + std::to_string(bytes) + " bytes, " +
+                 (bytes == 0 ? std::string("no tokens") : std::string("not a whole number of uint16 tokens")) + ".",
+             fix);
+  return std::make_shared<TokenBuffer>(path, 0, bytes / 2);
+}
+
+// ---- the text corpus -------------------------------------------------------------
+
+TextCorpus read_text_corpus(const std::string& path, double val_fraction) {
+  std::error_code ec;
+  check_user(fs::exists(path, ec),
+             "no text corpus at " + path + (path == kFortunesDir ? " (the fortunes package is not installed)." : "."),
+             "apt-get install fortunes (./setup.sh does), or pass --data_root DIR with train.bin and val.bin, or a "
+             "directory of text files.");
+  std::vector<fs::path> files;
+  if (fs::is_directory(path, ec)) {
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      const auto name = e.path().filename().string();
+      if (e.is_symlink() || !e.is_regular_file() || name.empty() || name[0] == '.' || e.path().extension() == ".dat")
+        continue;
+      files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(path);
+  }
+  TextCorpus out;
+  std::vector<uint16_t> train, val;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    check_user(!in.bad(), "cannot read " + f.string() + ".", "check its permissions.");
+    const auto n = static_cast<int64_t>(text.size());
+    const int64_t cut = n - static_cast<int64_t>(static_cast<double>(n) * val_fraction);
+    for (int64_t i = 0; i < n; ++i) (i < cut ? train : val).push_back(static_cast<unsigned char>(text[static_cast<size_t>(i)]));
+    ++out.files;
+  }
+  check_user(!train.empty() && !val.empty(), "the text corpus " + path + " is empty.",
+             "pass --data_root with text files, or train.bin and val.bin.");
+  out.train = std::make_shared<TokenBuffer>(std::move(train), path + " (train)");
+  out.val = std::make_shared<TokenBuffer>(std::move(val), path + " (val)");
+  return out;
+}
+
+// ---- windows -------------------------------------------------------------------------
+
+TokenWindows::TokenWindows(TokenBufferPtr tokens, TokenWindowsOptions options)
+    : tokens_(std::move(tokens)), o_(std::move(options)) {
+  TORCH_CHECK(tokens_ != nullptr, "TokenWindows needs tokens");
+  check_user(o_.context() > 0, "the context must be positive, got " + std::to_string(o_.context()) + ".");
+  const int64_t n = tokens_->size();
+  check_user(n > o_.context(), tokens_->source() + " holds " + std::to_string(n) + " tokens, too few for one window of " +
+                                   std::to_string(o_.context() + 1) + ".",
+             "use more data or a smaller --context.");
+  if (o_.random()) {
+    size_ = o_.windows() > 0 ? o_.windows() : std::max<int64_t>(1, n / o_.context());
+  } else {
+    const int64_t fit = (n - 1) / o_.context();
+    size_ = o_.windows() > 0 ? std::min(o_.windows(), fit) : fit;
+  }
+}
+
+int64_t TokenWindows::start_of(int64_t index, uint64_t seed, int64_t epoch) const {
+  if (!o_.random()) return index * o_.context();
+  const int64_t starts = tokens_->size() - o_.context();  // window of context + 1 tokens
+  return KeyedRandom(hash_words({seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(index), 0x6c6dull}))
+      .below(starts);
+}
+
+Batch TokenWindows::gather(const std::vector<int64_t>& starts) const {
+  const int64_t b = static_cast<int64_t>(starts.size()), t = o_.context();
+  auto input = torch::empty({b, t}, torch::kLong), target = torch::empty({b, t}, torch::kLong);
+  int64_t* x = input.data_ptr<int64_t>();
+  int64_t* y = target.data_ptr<int64_t>();
+  const uint16_t* tok = tokens_->data();
+  uint16_t largest = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const uint16_t* w = tok + starts[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < t; ++j) {
+      x[i * t + j] = w[j];
+      y[i * t + j] = w[j + 1];
+      largest = std::max({largest, w[j], w[j + 1]});
+    }
+  }
+  check_user(largest < o_.vocab_size(), tokens_->source() + " holds token id " + std::to_string(largest) +
+                                            ", beyond the model's vocabulary of " + std::to_string(o_.vocab_size()) + ".",
+             "pass --vocab-size " + std::to_string(largest + 1) + " or more (GPT-2 tokens need 50257).");
+  return Batch(input, target);
+}
+
+Example TokenWindows::get(int64_t index) const {
+  auto b = gather({start_of(index, 0, 0)});
+  return Batch(b.input()[0], b.target()[0]);
+}
+
+Batch TokenWindows::get_batch(const std::vector<int64_t>& indices) const {
+  return get_keyed_batch(indices, DrawKey{}, 0);
+}
+
+Batch TokenWindows::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key, int64_t) const {
+  std::vector<int64_t> starts;
+  starts.reserve(indices.size());
+  for (int64_t i : indices) starts.push_back(start_of(i, key.seed, key.epoch));
+  return gather(starts);
+}
+
+}  // namespace ddp::data

@@ -1,0 +1,179 @@
+// The GPT-2-style decoder (see gpt.h for the architecture and the names).
+#include "ddp/models/gpt.h"
+
+#include <cmath>
+#include <cstdio>
+#include <unordered_set>
+
+#include "ddp/compat.h"
+#include "ddp/error.h"
+
+namespace ddp::models {
+
+GptOptions gpt_preset(const std::string& name) {
+  if (name == "gpt" || name == "gpt-nano") return GptOptions();
+  if (name == "gpt2")
+    return GptOptions().n_layer(12).n_head(12).n_embd(768).block_size(1024).vocab_size(50304);
+  throw UserError("unknown GPT model '" + name + "'.", "use --model gpt-nano, gpt2 or gpt (sized by --layers, --heads, --width, --context).");
+}
+
+bool is_gpt(const std::string& name) { return name == "gpt" || name == "gpt-nano" || name == "gpt2"; }
+
+std::string gpt_arch(const GptOptions& o) {
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "gpt/L%lld/H%lld/C%lld/T%lld/V%lld/bias%d/drop%g", static_cast<long long>(o.n_layer()),
+                static_cast<long long>(o.n_head()), static_cast<long long>(o.n_embd()),
+                static_cast<long long>(o.block_size()), static_cast<long long>(o.vocab_size()), o.bias() ? 1 : 0,
+                o.dropout());
+  return buf;
+}
+
+GptOptions gpt_from_arch(const std::string& arch) {
+  long long l = 0, h = 0, c = 0, t = 0, v = 0;
+  int bias = 1;
+  double drop = 0;
+  const bool ok = std::sscanf(arch.c_str(), "gpt/L%lld/H%lld/C%lld/T%lld/V%lld/bias%d/drop%lf", &l, &h, &c, &t, &v,
+                              &bias, &drop) == 7;
+  check_user(ok && l > 0 && h > 0 && c > 0 && t > 0 && v > 0, "the checkpoint's model '" + arch + "' is not a GPT.",
+             "pass a checkpoint written by ddptrain --task lm.");
+  return GptOptions().n_layer(l).n_head(h).n_embd(c).block_size(t).vocab_size(v).bias(bias != 0).dropout(drop);
+}
+
+// ---- LayerNorm -------------------------------------------------------------
+
+GptLayerNormImpl::GptLayerNormImpl(int64_t width, bool with_bias) {
+  weight = register_parameter("weight", torch::ones({width}));
+  if (with_bias) bias = register_parameter("bias", torch::zeros({width}));
+}
+
+torch::Tensor GptLayerNormImpl::forward(const torch::Tensor& x) {
+  return torch::layer_norm(x, {weight.size(0)}, weight, bias, 1e-5);
+}
+
+// ---- attention, MLP, block -------------------------------------------------
+
+namespace {
+void check_options(const GptOptions& o) {
+  check_user(o.n_layer() > 0 && o.n_head() > 0 && o.n_embd() > 0 && o.block_size() > 0 && o.vocab_size() > 0,
+             "the GPT sizes must be positive (layers " + std::to_string(o.n_layer()) + ", heads " +
+                 std::to_string(o.n_head()) + ", width " + std::to_string(o.n_embd()) + ", context " +
+                 std::to_string(o.block_size()) + ", vocabulary " + std::to_string(o.vocab_size()) + ").",
+             "pass positive --layers, --heads, --width and --context.");
+  check_user(o.n_embd() % o.n_head() == 0,
+             "the GPT width " + std::to_string(o.n_embd()) + " is not a multiple of its " + std::to_string(o.n_head()) +
+                 " heads.",
+             "pick --width as a multiple of --heads, e.g. --width " + std::to_string(o.n_head() * 32) + ".");
+  check_user(o.dropout() >= 0 && o.dropout() < 1, "--dropout must be in [0, 1), got " + std::to_string(o.dropout()) + ".");
+}
+}  // namespace
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& o) : n_head(o.n_head()), dropout(o.dropout()) {
+  c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), 3 * o.n_embd()).bias(o.bias())));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), o.n_embd()).bias(o.bias())));
+  resid_dropout = register_module("resid_dropout", torch::nn::Dropout(o.dropout()));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
+  // One matmul for queries, keys and values, then B x heads x T x head_dim.
+  auto qkv = c_attn(x).split(c, 2);
+  auto heads = [&](const torch::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
+  auto y = compat::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), dropout, is_training());
+  y = y.transpose(1, 2).contiguous().view({b, t, c});
+  y = c_proj(y);
+  return dropout > 0 ? resid_dropout(y) : y;  // p = 0 costs no kernel
+}
+
+GptMlpImpl::GptMlpImpl(const GptOptions& o) {
+  c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), 4 * o.n_embd()).bias(o.bias())));
+  c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * o.n_embd(), o.n_embd()).bias(o.bias())));
+  dropout = register_module("dropout", torch::nn::Dropout(o.dropout()));
+}
+
+torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) {
+  auto y = c_proj(torch::gelu(c_fc(x)));  // the exact (erf) GELU, as nn.GELU()
+  return dropout->options.p() > 0 ? dropout(y) : y;
+}
+
+GptBlockImpl::GptBlockImpl(const GptOptions& o) {
+  ln_1 = register_module("ln_1", GptLayerNorm(o.n_embd(), o.bias()));
+  attn = register_module("attn", CausalSelfAttention(o));
+  ln_2 = register_module("ln_2", GptLayerNorm(o.n_embd(), o.bias()));
+  mlp = register_module("mlp", GptMlp(o));
+}
+
+torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
+  auto y = x + attn(ln_1(x));
+  return y + mlp(ln_2(y));
+}
+
+// ---- the model ---------------------------------------------------------------
+
+GptTransformerImpl::GptTransformerImpl(const GptOptions& o) {
+  wte = register_module("wte", torch::nn::Embedding(o.vocab_size(), o.n_embd()));
+  wpe = register_module("wpe", torch::nn::Embedding(o.block_size(), o.n_embd()));
+  drop = register_module("drop", torch::nn::Dropout(o.dropout()));
+  h = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < o.n_layer(); ++i) h->push_back(GptBlock(o));
+  ln_f = register_module("ln_f", GptLayerNorm(o.n_embd(), o.bias()));
+}
+
+TiedHeadImpl::TiedHeadImpl(const torch::Tensor& shared_weight) {
+  // The same tensor, not a copy: both names refer to one parameter.
+  weight = register_parameter("weight", shared_weight);
+}
+
+torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+
+GptImpl::GptImpl(GptOptions o) : options(std::move(o)) {
+  check_options(options);
+  transformer = register_module("transformer", GptTransformer(options));
+  lm_head = register_module("lm_head", TiedHead(transformer->wte->weight));
+  reset_parameters();
+}
+
+void GptImpl::reset_parameters() {
+  torch::NoGradGuard no_grad;
+  const double std = 0.02, residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(options.n_layer()));
+  for (auto& p : named_parameters()) {
+    const auto& name = p.key();
+    auto& t = p.value();
+    auto ends_with = [&](const std::string& s) {
+      return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends_with("lm_head.weight")) continue;  // the embedding, drawn once
+    if (name.find(".ln_") != std::string::npos) {
+      if (ends_with(".weight")) t.fill_(1.0);
+      else t.zero_();
+    } else if (ends_with(".bias")) {
+      t.zero_();
+    } else if (ends_with("c_proj.weight")) {
+      t.normal_(0.0, residual_std);
+    } else {
+      t.normal_(0.0, std);
+    }
+  }
+}
+
+torch::Tensor GptImpl::forward(torch::Tensor idx) {
+  const int64_t t = idx.size(1);
+  check_user(t <= options.block_size(), "a sequence of " + std::to_string(t) + " tokens is longer than the model's context of " +
+                                            std::to_string(options.block_size()) + ".",
+             "crop the input to the last " + std::to_string(options.block_size()) + " tokens, or train with a larger --context.");
+  auto pos = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+  auto x = transformer->wte(idx) + transformer->wpe(pos);
+  if (options.dropout() > 0) x = transformer->drop(x);
+  for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);
+  return lm_head(transformer->ln_f(x));
+}
+
+int64_t GptImpl::num_params(bool non_embedding) const {
+  std::unordered_set<const void*> seen;
+  int64_t n = 0;
+  for (const auto& p : parameters())
+    if (seen.insert(p.unsafeGetTensorImpl()).second) n += p.numel();
+  if (non_embedding) n -= transformer->wpe->weight.numel();
+  return n;
+}
+
+}  // namespace ddp::models

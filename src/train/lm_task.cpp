@@ -1,0 +1,168 @@
+// The language-modelling task (lm_task.h).
+#include "ddp/train/lm_task.h"
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "ddp/data/tokens.h"
+#include "ddp/dist/world.h"
+#include "ddp/error.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp {
+
+// GPT-2's 50257 tokens rounded up to a multiple of 64, as nanoGPT does for
+// faster matmuls; the extra rows are never targets.
+constexpr int64_t kGpt2PaddedVocab = 50304;
+
+void LmTask::add_flags(Config& config) {
+  config.model = "gpt-nano";
+  config.data_root = data::kFortunesDir;
+  config.augment = "none";     // the image flips and crops mean nothing for tokens
+  config.schedule = "cosine";
+  config.clip_grad_norm = 1.0;
+  config.add_flag("--context", "lm: tokens per sample, the model's context (0: the --model preset's: gpt-nano 64, gpt2 1024)", 0);
+  config.add_flag("--layers", "lm: Transformer blocks (0: the preset's: gpt-nano 2, gpt2 12)", 0);
+  config.add_flag("--heads", "lm: attention heads (0: the preset's: gpt-nano 4, gpt2 12)", 0);
+  config.add_flag("--width", "lm: embedding width (0: the preset's: gpt-nano 64, gpt2 768)", 0);
+  config.add_flag("--vocab-size", "lm: vocabulary (0: 256 for text, which is read as bytes; 50304 for token files)", 0);
+  config.add_flag("--dropout", "lm: dropout in the model", 0.0);
+  config.add_flag("--linear-bias", "lm: biases in the linear layers and LayerNorms (GPT-2: yes)", true);
+}
+
+models::GptOptions LmTask::model_options(const Config& c) {
+  auto o = models::gpt_preset(c.model);
+  if (c.flag<int>("context") > 0) o.block_size(c.flag<int>("context"));
+  if (c.flag<int>("layers") > 0) o.n_layer(c.flag<int>("layers"));
+  if (c.flag<int>("heads") > 0) o.n_head(c.flag<int>("heads"));
+  if (c.flag<int>("width") > 0) o.n_embd(c.flag<int>("width"));
+  if (c.flag<int>("vocab-size") > 0) o.vocab_size(c.flag<int>("vocab-size"));
+  check_user(c.flag<int>("context") >= 0 && c.flag<int>("layers") >= 0 && c.flag<int>("heads") >= 0 &&
+                 c.flag<int>("width") >= 0 && c.flag<int>("vocab-size") >= 0,
+             "--context, --layers, --heads, --width and --vocab-size must be 0 (the preset's) or positive.");
+  o.dropout(c.flag<double>("dropout")).bias(c.flag<bool>("linear-bias"));
+  return o;
+}
+
+data::Splits LmTask::make_data(const Config& c, World& world) {
+  check_user(models::is_gpt(c.model), "--task lm trains a GPT; --model " + c.model + " is not one.",
+             "pass --model gpt-nano, gpt2 or gpt.");
+  note_ignored_flags(c);
+  const auto o = model_options(c);
+  tokens_per_step_ = static_cast<int64_t>(c.batch) * world.size() * c.accum_steps * o.block_size();
+  const fs::path root(c.data_root);
+  std::error_code ec;
+  data::TokenBufferPtr train, val;
+  std::string name;
+  int64_t vocab = 0;
+  if (fs::exists(root / "train.bin", ec) || fs::exists(root / "val.bin", ec)) {
+    train = data::read_token_file((root / "train.bin").string());
+    val = data::read_token_file((root / "val.bin").string());
+    name = "tokens " + c.data_root;
+    vocab = c.flag<int>("vocab-size") > 0 ? c.flag<int>("vocab-size") : kGpt2PaddedVocab;
+    tokenizer_ = "tokens";
+  } else {
+    auto corpus = data::read_text_corpus(c.data_root);
+    train = corpus.train;
+    val = corpus.val;
+    name = c.data_root == data::kFortunesDir ? "fortunes" : c.data_root;
+    name += " (bytes)";
+    vocab = c.flag<int>("vocab-size") > 0 ? c.flag<int>("vocab-size") : 256;
+    tokenizer_ = "bytes";
+  }
+  auto windows = [&](const data::TokenBufferPtr& t, bool random, int64_t n, const std::string& split) {
+    return std::make_shared<data::TokenWindows>(t, data::TokenWindowsOptions()
+                                                       .context(o.block_size())
+                                                       .vocab_size(vocab)
+                                                       .random(random)
+                                                       .windows(n)
+                                                       .name(name + " " + split));
+  };
+  data::Splits s;
+  s.train = windows(train, true, c.train_samples, "train");
+  s.test = windows(val, false, c.test_samples, "val");
+  s.train_augmented = true;  // nothing to add on top of the windows
+  return s;
+}
+
+ModulePtr LmTask::make_gpt(const models::GptOptions& options, const std::string& tokenizer) {
+  gpt_ = models::Gpt(options);
+  tokenizer_ = tokenizer;
+  arch_ = models::gpt_arch(options) + "/" + tokenizer;
+  return gpt_.ptr();
+}
+
+ModulePtr LmTask::make_model(const Config& c, const data::Splits& data) {
+  auto o = model_options(c);
+  o.vocab_size(data.train->num_classes());
+  return make_gpt(o, tokenizer_);
+}
+
+void LmTask::configure_optimizer(const Config& c, OptimizerSetup& setup) {
+  // GPT-2's and nanoGPT's second-moment decay. The learning rate and weight
+  // decay stay what the flags say (config.toml records them, so that
+  // --config repeats the run).
+  if (c.optimizer != "sgd") setup.optimizer.beta2(0.95);
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum) {
+  namespace F = torch::nn::functional;
+  auto options = F::CrossEntropyFuncOptions();
+  if (sum) options.reduction(torch::kSum);
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), options);
+}
+
+StepOutput LmTask::training_step(const data::Batch& batch) {
+  return next_token_loss(gpt_->forward(batch.input()), batch.target());
+}
+
+TensorMap LmTask::validation_step(const data::Batch& batch) {
+  auto logits = gpt_->forward(batch.input()).to(torch::kFloat);
+  const auto& y = batch.target();
+  return {{"loss", next_token_loss(logits, y, /*sum=*/true).to(torch::kDouble)},
+          {"tokens", torch::full({}, static_cast<double>(y.numel()), torch::kDouble)},
+          {"count", torch::full({}, static_cast<double>(y.size(0)), torch::kDouble)}};
+}
+
+Metrics LmTask::validation_metrics(const Totals& t) {
+  const double loss = t.at("loss").item<double>() / std::max(1.0, t.at("tokens").item<double>());
+  return {{"test_loss", loss}, {"test_perplexity", std::exp(loss)}};
+}
+
+void LmTask::on_step_end(const StepEnd&) {
+  last_step_end_ = std::chrono::steady_clock::now();
+  if (steps_in_epoch_++ == 0) first_step_end_ = last_step_end_;
+}
+
+void LmTask::on_epoch_end(EpochEnd& epoch) {
+  const double seconds = std::chrono::duration<double>(last_step_end_ - first_step_end_).count();
+  if (steps_in_epoch_ > 1 && seconds > 0)
+    epoch.metrics["tokens_per_s"] = static_cast<double>((steps_in_epoch_ - 1) * tokens_per_step_) / seconds;
+  steps_in_epoch_ = 0;
+}
+
+std::vector<std::string> LmTask::ignored_flags() const { return ignored_; }
+
+// The image and classification flags this task does not read, where they
+// hold another value than the default: a run's config.toml lists every flag,
+// and `--config config.toml` must repeat the run.
+void LmTask::note_ignored_flags(const Config& c) {
+  const Config d;
+  ignored_.clear();
+  auto note = [&](bool differs, const char* name) {
+    if (differs) ignored_.push_back(name);
+  };
+  note(c.loss != d.loss, "loss");
+  note(c.label_smoothing != d.label_smoothing, "label-smoothing");
+  note(c.stem != d.stem, "stem");
+  note(c.augment != "none", "augment");
+  note(c.dataset != d.dataset, "dataset");
+  note(c.val_root != d.val_root, "val-root");
+  note(c.val_split != d.val_split, "val-split");
+  note(c.image_size != d.image_size, "image-size");
+  note(c.strict_data != d.strict_data, "strict-data");
+}
+
+}  // namespace ddp

@@ -1,0 +1,89 @@
+// `ddptrain generate` (src/cmd/generate.cpp) on a checkpoint of the tiny
+// GPT whose logits PyTorch wrote (tests/testdata/make_gpt_reference.py):
+// the logits it writes and its greedy token are PyTorch's, the context
+// slides over long prompts, and files that are not checkpoints are errors.
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/cmd/generate.h"
+#include "ddp/error.h"
+#include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
+#include "support/testing.h"
+
+namespace {
+
+using ddp::testing::run_process;
+
+const std::string kStateDict = std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_state_dict.pt";
+const std::string kArch = "gpt/L2/H2/C16/T8/V32/bias1/drop0/tokens";
+
+nlohmann::json reference() {
+  std::ifstream f(std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_expected.json");
+  return nlohmann::json::parse(f);
+}
+
+ddp::models::Gpt tiny_model() {
+  ddp::models::Gpt model(ddp::models::gpt_from_arch(kArch));
+  ddp::load_pretrained(kStateDict, *model, torch::kCPU);
+  return model;
+}
+
+// A ddptrain checkpoint holding PyTorch's weights.
+std::string tiny_checkpoint() {
+  const auto path = ddp::testing::temp_dir("generate") + "/tiny.pt";
+  auto model = tiny_model();
+  ddp::save_checkpoint(path, *model, nullptr, ddp::CheckpointMeta{ddp::TrainState(), kArch, {}});
+  return path;
+}
+
+TEST(Generate, LogitsAndGreedyTokenArePyTorchs) {
+  const auto ref = reference();
+  std::string prompt;
+  std::vector<int64_t> first;
+  for (const auto& id : ref["idx"][0]) {
+    first.push_back(id.get<int64_t>());
+    prompt += (prompt.empty() ? "" : " ") + std::to_string(first.back());
+  }
+  const auto dir = ddp::testing::temp_dir("generate_logits");
+  auto r = run_process({DDPTRAIN_EXE, "generate", tiny_checkpoint(), "--prompt", prompt, "--tokens", "1",
+                        "--temperature", "0", "--logits-out", dir + "/logits.pt"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  torch::Tensor logits;
+  for (const auto& [name, t] : ddp::read_state_dict(dir + "/logits.pt"))
+    if (name == "logits") logits = t;
+  ASSERT_TRUE(logits.defined());
+  auto expected = torch::tensor(ref["logits"].get<std::vector<double>>(), torch::kFloat).reshape({2, 8, 32})[0];
+  EXPECT_LE((logits[0] - expected).abs().max().item<double>(), 1e-5);
+  // Greedy: the prompt, then the argmax of PyTorch's last row.
+  EXPECT_EQ(r.output, prompt + " " + std::to_string(expected[7].argmax().item<int64_t>()) + "\n");
+}
+
+TEST(Generate, ContextSlidesOverPromptsLongerThanIt) {
+  auto model = tiny_model();
+  std::vector<int64_t> prompt(20, 3);
+  const auto out = ddp::sample_tokens(model, prompt, ddp::SampleOptions().tokens(5).seed(1));
+  ASSERT_EQ(out.size(), 25u);
+  for (size_t i = 20; i < out.size(); ++i) EXPECT_TRUE(out[i] >= 0 && out[i] < 32);
+  EXPECT_EQ(ddp::sample_tokens(model, prompt, ddp::SampleOptions().tokens(5).seed(1)), out) << "same seed, same draws";
+  // top-k 1 is greedy.
+  EXPECT_EQ(ddp::sample_tokens(model, prompt, ddp::SampleOptions().tokens(5).top_k(1).seed(2)),
+            ddp::sample_tokens(model, prompt, ddp::SampleOptions().tokens(5).temperature(0)));
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::sample_tokens(model, {40}, ddp::SampleOptions()); })
+                .find("prompt token 40 is outside the model's vocabulary of 32"),
+            std::string::npos);
+}
+
+TEST(Generate, AFileThatIsNoCheckpointIsAnError) {
+  auto r = run_process({DDPTRAIN_EXE, "generate", kStateDict, "--prompt", "1 2"});
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find(kStateDict + " is not a ddptrain checkpoint"), std::string::npos) << r.output;
+  auto missing = run_process({DDPTRAIN_EXE, "generate", "/nonexistent.pt"});
+  EXPECT_EQ(missing.exit_code, ddp::exit_code::kUsage) << missing.output;
+  EXPECT_NE(missing.output.find("checkpoint /nonexistent.pt does not exist"), std::string::npos) << missing.output;
+  auto usage = run_process({DDPTRAIN_EXE, "generate"});
+  EXPECT_EQ(usage.exit_code, ddp::exit_code::kUsage) << usage.output;
+}
+
+}  // namespace

@@ -1,0 +1,201 @@
+// Token data (src/data/tokens.cpp): nanoGPT's and llm.c's token files, the
+// errors for bad ones, the byte-level text corpus, and the windows whose
+// draws make 2 ranks x B equal 1 rank x 2B and resumes exact.
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "ddp/data/sampler.h"
+#include "ddp/data/tokens.h"
+#include "ddp/error.h"
+#include "support/testing.h"
+
+namespace fs = std::filesystem;
+
+namespace ddp::data {
+namespace {
+
+void write_bytes(const std::string& path, const void* data, size_t n) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+}
+
+std::vector<uint16_t> ramp(int n, int modulo = 65536) {
+  std::vector<uint16_t> v;
+  for (int i = 0; i < n; ++i) v.push_back(static_cast<uint16_t>(i % modulo));
+  return v;
+}
+
+void write_llmc(const std::string& path, const std::vector<uint16_t>& tokens, int32_t version, int32_t count) {
+  std::vector<int32_t> header(256, 0);
+  header[0] = kLlmcMagic;
+  header[1] = version;
+  header[2] = count;
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(header.data()), 1024);
+  f.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(2 * tokens.size()));
+}
+
+TEST(Tokens, ReadsNanoGptsRawUint16File) {
+  const auto dir = testing::temp_dir("tok_raw");
+  const auto tokens = ramp(5000, 50257);
+  write_bytes(dir + "/train.bin", tokens.data(), 2 * tokens.size());
+  auto t = read_token_file(dir + "/train.bin");
+  ASSERT_EQ(t->size(), 5000);
+  EXPECT_EQ(t->data()[0], 0);
+  EXPECT_EQ(t->data()[4999], 4999);
+}
+
+TEST(Tokens, ReadsLlmcsHeaderedFile) {
+  const auto dir = testing::temp_dir("tok_llmc");
+  const auto tokens = ramp(3000, 50257);
+  write_llmc(dir + "/val.bin", tokens, kLlmcVersion, 3000);
+  auto t = read_token_file(dir + "/val.bin");
+  ASSERT_EQ(t->size(), 3000);
+  EXPECT_EQ(t->data()[0], 0);
+  EXPECT_EQ(t->data()[2999], 2999);
+}
+
+TEST(Tokens, BadFilesAreErrorsThatNameThePathAndTheFix) {
+  const auto dir = testing::temp_dir("tok_bad");
+  auto error_for = [&](const std::string& name) { return testing::user_error([&] { read_token_file(dir + "/" + name); }); };
+  auto missing = error_for("train.bin");
+  EXPECT_NE(missing.find(dir + "/train.bin does not exist"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("Hint: --data_root needs train.bin and val.bin"), std::string::npos) << missing;
+
+  const char odd[3] = {1, 2, 3};
+  write_bytes(dir + "/odd.bin", odd, 3);
+  EXPECT_NE(error_for("odd.bin").find("has 3 bytes, not a whole number of uint16 tokens"), std::string::npos);
+  write_bytes(dir + "/empty.bin", odd, 0);
+  EXPECT_NE(error_for("empty.bin").find("has 0 bytes, no tokens"), std::string::npos);
+
+  write_llmc(dir + "/v2.bin", ramp(10), 2, 10);
+  EXPECT_NE(error_for("v2.bin").find("version 2; ddptrain reads version 1"), std::string::npos);
+  write_llmc(dir + "/short.bin", ramp(10), kLlmcVersion, 20);
+  const auto truncated = error_for("short.bin");
+  EXPECT_NE(truncated.find("header for 20 tokens, but 20 bytes of tokens follow it (expected 40)"), std::string::npos)
+      << truncated;
+  EXPECT_NE(truncated.find(dir + "/short.bin"), std::string::npos);
+}
+
+TEST(Tokens, WindowsAreTheTokensAndTheNextOnes) {
+  auto buf = std::make_shared<TokenBuffer>(ramp(1000, 200), "ramp");
+  TokenWindows w(buf, TokenWindowsOptions().context(16).vocab_size(200).windows(50));
+  EXPECT_EQ(w.size(), 50);
+  EXPECT_EQ(w.num_classes(), 200);
+  auto b = w.get_keyed_batch({0, 1, 2}, DrawKey{5, 2, 0}, 0);
+  ASSERT_EQ(b.input().sizes(), (std::vector<int64_t>{3, 16}));
+  EXPECT_EQ(b.input().scalar_type(), torch::kLong);
+  for (int64_t i = 0; i < 3; ++i) {
+    const int64_t start = w.start_of(i, 5, 2);
+    EXPECT_GE(start, 0);
+    EXPECT_LE(start + 16, 999);
+    EXPECT_EQ(b.input()[i][0].item<int64_t>(), start % 200);
+    EXPECT_TRUE(torch::equal(b.input()[i].slice(0, 1), b.target()[i].slice(0, 0, 15)));
+  }
+  // The default size is one pass in expectation: tokens / context.
+  EXPECT_EQ(TokenWindows(buf, TokenWindowsOptions().context(16).vocab_size(200)).size(), 1000 / 16);
+}
+
+TEST(Tokens, TokenBeyondTheVocabularyIsAnError) {
+  auto buf = std::make_shared<TokenBuffer>(ramp(1000), "ramp file");
+  TokenWindows w(buf, TokenWindowsOptions().context(16).vocab_size(256).random(false));
+  const auto msg = testing::user_error([&] { w.get_batch({20}); });
+  EXPECT_NE(msg.find("ramp file holds token id"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("beyond the model's vocabulary of 256"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--vocab-size"), std::string::npos) << msg;
+}
+
+// A window depends on (seed, epoch, sample index) only: not on the rank,
+// the batch it lands in or the other samples beside it.
+TEST(Tokens, TrainingWindowsDependOnSeedEpochAndIndexOnly) {
+  auto buf = std::make_shared<TokenBuffer>(ramp(100000, 256), "ramp");
+  TokenWindows w(buf, TokenWindowsOptions().context(32).windows(64));
+  auto both = w.get_keyed_batch({3, 9}, DrawKey{1, 4, 0}, 0);
+  auto nine = w.get_keyed_batch({9}, DrawKey{1, 4, 1}, 17);
+  EXPECT_TRUE(torch::equal(both.input()[1], nine.input()[0]));
+  EXPECT_NE(w.start_of(3, 1, 4), w.start_of(3, 1, 5)) << "a new epoch draws new windows";
+  EXPECT_NE(w.start_of(3, 1, 4), w.start_of(3, 2, 4)) << "another seed draws other windows";
+  std::set<int64_t> starts;
+  for (int64_t i = 0; i < 64; ++i) starts.insert(w.start_of(i, 1, 4));
+  EXPECT_GE(starts.size(), 60u);
+}
+
+// bench/gpt_torch.py's train mode replays these draws in Python for the
+// quality check beside PyTorch; its ddptrain_window_start() gave these.
+TEST(Tokens, WindowStartsEqualThePythonReplicaOfTheBenchScript) {
+  auto big = std::make_shared<TokenBuffer>(ramp(100000, 256), "ramp");
+  TokenWindows w(big, TokenWindowsOptions().context(32).windows(64));
+  EXPECT_EQ(w.start_of(0, 1, 4), 67997);
+  EXPECT_EQ(w.start_of(3, 1, 4), 94409);
+  EXPECT_EQ(w.start_of(63, 1, 4), 78601);
+  auto small = std::make_shared<TokenBuffer>(ramp(1064, 256), "ramp");
+  EXPECT_EQ(TokenWindows(small, TokenWindowsOptions().context(64)).start_of(0, 0, 0), 864);
+}
+
+// What the trainer does with these: rank r of 2 with batch B takes every
+// other index of the sampler's order; together they hold 1 rank's batch of 2B.
+TEST(Tokens, TwoRanksOfBatchBSeeOneRanksBatchOf2B) {
+  auto buf = std::make_shared<TokenBuffer>(ramp(50000, 256), "ramp");
+  auto w = std::make_shared<TokenWindows>(buf, TokenWindowsOptions().context(8).windows(40));
+  const int64_t b = 4;
+  DistributedSampler one({w->size(), 1, 0, true, 9, false});
+  one.set_epoch(2);
+  const auto all = one.indices();
+  for (int64_t k = 0; k < 40 / (2 * b); ++k) {
+    std::multiset<int64_t> global, split;
+    for (int64_t j = 0; j < 2 * b; ++j) global.insert(w->start_of(all[static_cast<size_t>(k * 2 * b + j)], 9, 2));
+    for (int r = 0; r < 2; ++r) {
+      DistributedSampler s({w->size(), 2, r, true, 9, false});
+      s.set_epoch(2);
+      const auto mine = s.indices();
+      for (int64_t j = 0; j < b; ++j) split.insert(w->start_of(mine[static_cast<size_t>(k * b + j)], 9, 2));
+    }
+    EXPECT_EQ(global, split) << "batch " << k;
+  }
+}
+
+TEST(Tokens, ValidationWindowsTileTheTokensInOrder) {
+  auto buf = std::make_shared<TokenBuffer>(ramp(1001, 256), "ramp");
+  TokenWindows all(buf, TokenWindowsOptions().context(100).random(false));
+  EXPECT_EQ(all.size(), 10);
+  auto b = all.get_batch({0, 9});
+  EXPECT_EQ(b.input()[1][0].item<int64_t>(), 900 % 256);
+  EXPECT_EQ(b.target()[1][99].item<int64_t>(), 1000 % 256);
+  EXPECT_EQ(TokenWindows(buf, TokenWindowsOptions().context(100).random(false).windows(4)).size(), 4);
+  EXPECT_NE(testing::user_error([&] { TokenWindows(buf, TokenWindowsOptions().context(1001)); })
+                .find("too few for one window of 1002"),
+            std::string::npos);
+}
+
+TEST(Tokens, TextCorpusIsBytesWithTheLastTenthOfEachFileHeldOut) {
+  const auto dir = testing::temp_dir("corpus");
+  std::string a(1000, 'a'), b(500, 'b');
+  write_bytes(dir + "/a", a.data(), a.size());
+  write_bytes(dir + "/b", b.data(), b.size());
+  write_bytes(dir + "/a.dat", "\x01\x02", 2);      // fortune's index files
+  fs::create_symlink(dir + "/a", dir + "/a.u8");   // fortune's aliases
+  auto corpus = read_text_corpus(dir);
+  EXPECT_EQ(corpus.files, 2);
+  ASSERT_EQ(corpus.train->size(), 900 + 450);
+  ASSERT_EQ(corpus.val->size(), 100 + 50);
+  EXPECT_EQ(corpus.train->data()[0], 'a');
+  EXPECT_EQ(corpus.train->data()[900], 'b');
+  EXPECT_EQ(corpus.val->data()[0], 'a');
+  EXPECT_EQ(corpus.val->data()[100], 'b');
+  const auto msg = testing::user_error([&] { read_text_corpus(dir + "/none"); });
+  EXPECT_NE(msg.find("no text corpus at " + dir + "/none"), std::string::npos) << msg;
+}
+
+TEST(Tokens, FortunesCorpusHasMegabytesOfText) {
+  if (!fs::exists(kFortunesDir)) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  auto corpus = read_text_corpus(kFortunesDir);
+  EXPECT_GE(corpus.files, 40);
+  EXPECT_GE(corpus.train->size(), 2000000);
+  EXPECT_GE(corpus.val->size(), 200000);
+}
+
+}  // namespace
+}  // namespace ddp::data

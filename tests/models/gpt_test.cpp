@@ -1,0 +1,216 @@
+// The GPT (src/models/gpt.cpp): nanoGPT's parameter names, GPT-2's sizes
+// and initialisation, logits equal to PyTorch's for the same weights, and
+// the tied embedding/head under the flat parameter buffer and in
+// checkpoints. Reference values: tests/testdata/make_gpt_reference.py.
+#include <cmath>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "ddp/dist/grad_sync.h"
+#include "ddp/dist/world.h"
+#include "ddp/error.h"
+#include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
+#include "ddp/models/gpt.h"
+#include "ddp/models/registry.h"
+#include "ddp/train/lm_task.h"
+#include "ddp/train/train_step.h"
+#include "support/testing.h"
+
+namespace ddp::models {
+namespace {
+
+nlohmann::json reference() {
+  std::ifstream f(std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_expected.json");
+  return nlohmann::json::parse(f);
+}
+const std::string kStateDict = std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_state_dict.pt";
+
+GptOptions tiny() { return GptOptions().n_layer(2).n_head(2).n_embd(16).block_size(8).vocab_size(32); }
+
+torch::Tensor tensor_of(const nlohmann::json& j, std::vector<int64_t> shape, torch::Dtype dtype) {
+  if (dtype == torch::kLong) {
+    std::vector<int64_t> v;
+    for (const auto& row : j)
+      for (const auto& x : row) v.push_back(x.get<int64_t>());
+    return torch::tensor(v, torch::kLong).reshape(shape);
+  }
+  return torch::tensor(j.get<std::vector<double>>(), torch::kDouble).to(dtype).reshape(shape);
+}
+
+std::vector<std::string> names_of(const torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& p : m.named_parameters()) out.push_back(p.key());
+  return out;
+}
+
+std::unique_ptr<World> single_world() {
+  Placement p;
+  WorldOptions o;
+  o.use_cuda = false;
+  return std::make_unique<World>(p, o);
+}
+
+TEST(Gpt, ParameterNamesAreNanoGptsGpt2Names) {
+  Gpt model(tiny());
+  EXPECT_EQ(names_of(*model), reference()["names"].get<std::vector<std::string>>());
+  // Without biases: the same names less every .bias, as nanoGPT's bias=False.
+  Gpt no_bias(tiny().bias(false));
+  std::vector<std::string> expected;
+  for (const auto& n : reference()["names"].get<std::vector<std::string>>())
+    if (n.size() < 5 || n.compare(n.size() - 5, 5, ".bias") != 0) expected.push_back(n);
+  EXPECT_EQ(names_of(*no_bias), expected);
+}
+
+TEST(Gpt, Gpt2PresetHas124MParameters) {
+  const auto o = gpt_preset("gpt2");
+  EXPECT_EQ(o.n_layer(), 12);
+  EXPECT_EQ(o.block_size(), 1024);
+  EXPECT_EQ(o.vocab_size(), 50304);
+  Gpt model(o);
+  // nanoGPT prints 123.69M for this configuration (without the position
+  // embedding); the tied weight counts once.
+  EXPECT_EQ(model->num_params(), 124475904);
+  EXPECT_EQ(model->num_params(/*non_embedding=*/true), 123689472);
+  EXPECT_EQ(gpt_from_arch(gpt_arch(o)).n_embd(), 768);
+  EXPECT_EQ(gpt_arch(gpt_from_arch(gpt_arch(o))), gpt_arch(o));
+}
+
+TEST(Gpt, HeadIsTheEmbeddingTensorAfterMovesAndCasts) {
+  Gpt model(tiny());
+  EXPECT_TRUE(model->lm_head->weight.is_same(model->transformer->wte->weight));
+  model->to(torch::kDouble);
+  EXPECT_TRUE(model->lm_head->weight.is_same(model->transformer->wte->weight));
+  EXPECT_EQ(model->lm_head->weight.scalar_type(), torch::kDouble);
+  auto named = model->named_parameters();
+  EXPECT_TRUE(named["lm_head.weight"].is_same(named["transformer.wte.weight"]));
+}
+
+TEST(Gpt, InitialisationIsGpt2s) {
+  torch::manual_seed(0);
+  Gpt model(GptOptions().n_layer(4).n_head(4).n_embd(128).block_size(64).vocab_size(256));
+  auto named = model->named_parameters();
+  const double residual = 0.02 / std::sqrt(8.0);
+  EXPECT_NEAR(named["transformer.h.0.attn.c_attn.weight"].std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(named["transformer.h.1.mlp.c_fc.weight"].std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(named["transformer.wte.weight"].std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(named["transformer.wpe.weight"].std().item<double>(), 0.02, 0.001);
+  EXPECT_NEAR(named["transformer.h.3.attn.c_proj.weight"].std().item<double>(), residual, residual * 0.05);
+  EXPECT_NEAR(named["transformer.h.2.mlp.c_proj.weight"].std().item<double>(), residual, residual * 0.05);
+  EXPECT_EQ(named["transformer.h.0.attn.c_attn.bias"].abs().sum().item<double>(), 0.0);
+  EXPECT_TRUE(torch::equal(named["transformer.h.0.ln_1.weight"], torch::ones({128})));
+  EXPECT_TRUE(torch::equal(named["transformer.ln_f.weight"], torch::ones({128})));
+  EXPECT_EQ(named["transformer.ln_f.bias"].abs().sum().item<double>(), 0.0);
+}
+
+// PyTorch's state_dict loads as it is (both names of the tied weight), and
+// the logits equal PyTorch's for the same weights and tokens.
+TEST(Gpt, LogitsEqualPyTorchsForTheSameWeights) {
+  const auto ref = reference();
+  Gpt model(tiny());
+  auto report = load_pretrained(kStateDict, *model, torch::kCPU);
+  EXPECT_EQ(report.loaded.size(), 29u) << report.summary();
+  EXPECT_TRUE(model->lm_head->weight.is_same(model->transformer->wte->weight)) << "loading broke the tie";
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto logits = model->forward(tensor_of(ref["idx"], {2, 8}, torch::kLong));
+  auto expected = tensor_of(ref["logits"], {2, 8, 32}, torch::kFloat);
+  EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-5);
+  EXPECT_GT(expected.abs().max().item<double>(), 0.5);  // not all near zero
+}
+
+TEST(Gpt, FutureTokensDoNotChangeEarlierLogits) {
+  torch::manual_seed(1);
+  Gpt model(tiny());
+  model->eval();
+  torch::NoGradGuard no_grad;
+  auto a = torch::randint(0, 32, {1, 8}, torch::kLong);
+  auto b = a.clone();
+  b.index_put_({0, torch::indexing::Slice(5)}, (b.index({0, torch::indexing::Slice(5)}) + 1) % 32);
+  auto la = model->forward(a), lb = model->forward(b);
+  EXPECT_TRUE(torch::allclose(la.slice(1, 0, 5), lb.slice(1, 0, 5), 0, 1e-6));
+  EXPECT_FALSE(torch::allclose(la.slice(1, 5), lb.slice(1, 5), 0, 1e-3));
+  EXPECT_NE(testing::user_error([&] { model->forward(torch::zeros({1, 9}, torch::kLong)); }).find("longer than the model's context of 8"),
+            std::string::npos);
+}
+
+// Under GradSync's flat buffers the tied weight is one slice: its gradient
+// is the sum over the embedding and the head (PyTorch's), and one SGD step
+// moves it once, for both names.
+TEST(Gpt, TiedWeightIsOneSliceOfTheFlatBufferWithTheSummedGradient) {
+  const auto ref = reference();
+  auto world = single_world();
+  LmTask task;
+  auto module = task.make_gpt(tiny(), "bytes");
+  load_pretrained(kStateDict, *module, torch::kCPU);
+  auto& gpt = task.gpt();
+  const auto w0 = gpt->transformer->wte->weight.detach().clone();
+  const double lr = 0.5;
+  TrainStep step(task, *module, *world,
+                 TrainStepOptions().optimizer(FlatOptimizerOptions().name("sgd").lr(lr).momentum(0).weight_decay(0)));
+  // Every slice starts 256-byte aligned (64 floats): the flat buffer holds
+  // each distinct tensor once, padded.
+  auto padded = [](int64_t n) { return (n + 63) / 64 * 64; };
+  int64_t distinct = 0;
+  for (const auto& p : gpt->parameters()) distinct += padded(p.numel());
+  distinct -= padded(gpt->lm_head->weight.numel());
+  int64_t flat = 0;
+  for (const auto& f : step.sync().flat_params()) flat += f.numel();
+  EXPECT_EQ(flat, distinct) << "the tied weight must have one slice";
+
+  data::Batch batch{{"input", tensor_of(ref["idx"], {2, 8}, torch::kLong)},
+                    {"target", tensor_of(ref["targets"], {2, 8}, torch::kLong)}};
+  // A micro-step without the optimizer leaves the gradient in the buffer.
+  auto out = step.run(batch, /*last_micro=*/false, lr);
+  EXPECT_NEAR(out.loss.item<double>(), ref["loss"].get<double>(), 1e-5);
+  const auto grad = tensor_of(ref["wte_grad"], {32, 16}, torch::kFloat);
+  EXPECT_LE((gpt->transformer->wte->weight.grad() - grad).abs().max().item<double>(), 1e-5);
+  EXPECT_TRUE(gpt->lm_head->weight.grad().is_same(gpt->transformer->wte->weight.grad()));
+  // The second micro-step adds the same gradient, and the step applies both once.
+  step.run(batch, /*last_micro=*/true, lr);
+  EXPECT_TRUE(gpt->lm_head->weight.is_same(gpt->transformer->wte->weight));
+  EXPECT_LE((gpt->transformer->wte->weight.detach() - (w0 - lr * 2 * grad)).abs().max().item<double>(), 1e-5);
+}
+
+// A checkpoint holds both names, as PyTorch's state_dict; loading restores
+// both from it and the two stay one tensor.
+TEST(Gpt, CheckpointHoldsBothNamesAndLoadingKeepsTheTie) {
+  Gpt model(tiny());
+  load_pretrained(kStateDict, *model, torch::kCPU);
+  const auto dir = testing::temp_dir("gpt_ckpt");
+  save_checkpoint(dir + "/c.pt", *model, nullptr, CheckpointMeta{TrainState(), gpt_arch(tiny()) + "/bytes", {}});
+  torch::Tensor wte, head;
+  for (const auto& [name, t] : read_state_dict(dir + "/c.pt")) {
+    if (name == "model/transformer.wte.weight") wte = t;
+    if (name == "model/lm_head.weight") head = t;
+  }
+  ASSERT_TRUE(wte.defined() && head.defined());
+  EXPECT_TRUE(torch::equal(wte, head));
+  // Written once and shared, as torch.save shares the storage of a tied weight.
+  EXPECT_EQ(wte.data_ptr(), head.data_ptr());
+
+  torch::manual_seed(7);
+  Gpt other(tiny());
+  EXPECT_FALSE(torch::equal(other->transformer->wte->weight, wte));
+  load_checkpoint(dir + "/c.pt", *other, nullptr, torch::kCPU, gpt_arch(tiny()) + "/bytes");
+  EXPECT_TRUE(torch::equal(other->transformer->wte->weight, wte));
+  EXPECT_TRUE(other->lm_head->weight.is_same(other->transformer->wte->weight));
+  // The export is nanoGPT's state_dict: the same names in the same order.
+  export_state_dict(*other, dir + "/sd.pt");
+  std::vector<std::string> names;
+  for (const auto& [name, t] : read_state_dict(dir + "/sd.pt")) names.push_back(name);
+  EXPECT_EQ(names, reference()["names"].get<std::vector<std::string>>());
+}
+
+TEST(Gpt, ImageTasksRefuseGptModelsWithAHint) {
+  ModelSpec spec;
+  spec.name = "gpt-nano";
+  const auto msg = testing::user_error([&] { make_model(spec); });
+  EXPECT_NE(msg.find("--task lm --model gpt-nano"), std::string::npos) << msg;
+  EXPECT_NE(testing::user_error([] { Gpt(GptOptions().n_embd(30).n_head(4)); }).find("not a multiple of its 4 heads"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace ddp::models
