@@ -164,14 +164,17 @@ inline void fused_adam(const std::vector<torch::Tensor>& params, const std::vect
 #endif
 }
 
-/// One fused SGD-with-momentum step over a list of tensors.
+/// One fused SGD step over a list of tensors. With momentum 0 the kernel
+/// takes no momentum buffers (it refuses momentum 0 with buffers, as
+/// torch.optim.SGD(fused=True) never passes them).
 inline void fused_sgd(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                       const std::vector<torch::Tensor>& momentum_buffers, double weight_decay, double momentum,
                       const torch::Tensor& lr, const torch::Tensor& found_inf) {
 #if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
   c10::optional<torch::Tensor> inf = found_inf.defined() ? c10::optional<torch::Tensor>(found_inf) : c10::nullopt;
-  at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, 0.0, false, false, false, c10::nullopt,
-                  inf);
+  const std::vector<torch::Tensor> none;
+  at::_fused_sgd_(params, grads, momentum == 0 ? none : momentum_buffers, weight_decay, momentum, lr, 0.0, false, false,
+                  false, c10::nullopt, inf);
 #else
   TORCH_CHECK(false, "fused SGD needs CUDA LibTorch 2.2 or later");
 #endif

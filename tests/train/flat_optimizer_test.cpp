@@ -12,6 +12,7 @@ namespace {
 struct Case {
   std::string name;
   double weight_decay;
+  double momentum = 0.9;  // SGD
 };
 
 // Runs `steps` updates with random gradients on the same start, once with
@@ -26,12 +27,12 @@ double max_difference(const Case& c, const torch::Device& device, int steps) {
   auto flat = start.clone();
   auto flat_grad = torch::zeros_like(flat);
   ddp::FlatOptimizer flat_opt({flat}, {flat_grad},
-                              ddp::FlatOptimizerOptions().name(c.name).lr(0.01).weight_decay(c.weight_decay));
+                              ddp::FlatOptimizerOptions().name(c.name).lr(0.01).weight_decay(c.weight_decay).momentum(c.momentum));
   std::vector<torch::Tensor> params;
   for (auto& piece : start.clone().split_with_sizes(sizes)) params.push_back(piece.clone().requires_grad_());
   std::unique_ptr<torch::optim::Optimizer> ref;
   if (c.name == "sgd")
-    ref = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9).weight_decay(c.weight_decay));
+    ref = std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(c.momentum).weight_decay(c.weight_decay));
   else if (c.name == "adam")
     ref = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).weight_decay(c.weight_decay));
   else
@@ -57,7 +58,7 @@ double max_difference(const Case& c, const torch::Device& device, int steps) {
 }
 
 // Names the case in gtest's and ctest's listings (not raw bytes).
-void PrintTo(const Case& c, std::ostream* os) { *os << c.name << " wd=" << c.weight_decay; }
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name << " wd=" << c.weight_decay << " momentum=" << c.momentum; }
 
 class FlatOptimizerEquals : public ::testing::TestWithParam<Case> {};
 
@@ -72,10 +73,11 @@ TEST_P(FlatOptimizerEquals, PerTensorOptimizerOnGpu_CUDA) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, FlatOptimizerEquals,
-                         ::testing::Values(Case{"sgd", 0.0}, Case{"sgd", 5e-4}, Case{"adam", 0.0}, Case{"adam", 1e-2},
-                                           Case{"adamw", 0.05}),
+                         ::testing::Values(Case{"sgd", 0.0}, Case{"sgd", 5e-4}, Case{"sgd", 5e-4, 0.0}, Case{"adam", 0.0},
+                                           Case{"adam", 1e-2}, Case{"adamw", 0.05}),
                          [](const auto& info) {
-                           return info.param.name + (info.param.weight_decay > 0 ? "_wd" : "");
+                           return info.param.name + (info.param.weight_decay > 0 ? "_wd" : "") +
+                                  (info.param.name == "sgd" && info.param.momentum == 0 ? "_no_momentum" : "");
                          });
 
 // Operators dispatched by one optimizer step over GradSync's flat buffers,
