@@ -160,6 +160,20 @@ void resolve_defaults(Config& c) {
   if (!c.was_given("weight-decay")) c.weight_decay = c.optimizer == "sgd" ? 5e-4 : (c.optimizer == "adamw" ? 0.05 : 0.0);
 }
 
+nlohmann::json value_of(const FlagTarget& target) {
+  return std::visit([](auto* p) { return nlohmann::json(*p); }, target);
+}
+
+// True if one of the flag's long names is among the (normalised) arguments.
+bool on_command_line(const std::vector<std::string>& args, const Flag& f) {
+  std::stringstream names(f.names);
+  std::string name;
+  while (std::getline(names, name, ','))
+    for (size_t i = 1; i < args.size() && args[i] != "--"; ++i)
+      if (args[i] == name || args[i].rfind(name + "=", 0) == 0) return true;
+  return false;
+}
+
 // ---- names: '_' and '-' alike, and "did you mean" ----
 
 std::string dashes(std::string name) {
@@ -330,6 +344,7 @@ std::string version_text() {
 Config parse_cli(int argc, const char* const* argv, Config defaults) {
   Config c = std::move(defaults);
   c.given.clear();
+  const Config defaults_copy = c;
   CLI::App app{
       "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
       "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or 2 CPU ranks)."};
@@ -383,8 +398,15 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
   } catch (const CLI::ParseError& e) {
     throw UserError(std::string(e.what()) + ".", "run 'ddptrain --help' to see every flag and its values.");
   }
-  for (auto& f : table)
-    if (app.count(f.names.substr(0, f.names.find(','))) > 0) c.given.push_back(f.key());
+  // Given: on the command line, or in a config file with a value other than
+  // the default (a run's config.toml spells out every default).
+  Config untouched = defaults_copy;
+  auto default_table = flag_table(untouched);
+  for (size_t i = 0; i < table.size(); ++i) {
+    const Flag& f = table[i];
+    if (app.count(f.names.substr(0, f.names.find(','))) == 0) continue;
+    if (on_command_line(args, f) || value_of(f.target) != value_of(default_table[i].target)) c.given.push_back(f.key());
+  }
   validate(c);
   resolve_defaults(c);
   return c;
@@ -397,10 +419,6 @@ std::string spelled(const FlagTarget& target) {
   std::ostringstream os;
   std::visit([&](auto* p) { os << std::boolalpha << *p; }, target);
   return os.str();
-}
-
-nlohmann::json value_of(const FlagTarget& target) {
-  return std::visit([](auto* p) { return nlohmann::json(*p); }, target);
 }
 
 // Sets *p from a saved JSON value; false if the JSON holds another type.

@@ -87,6 +87,19 @@ TEST(Task, BuiltinRegressionLearnsAndBestFollowsTheLowestLoss) {
 }
 
 // --stop-at in the direction of the monitor, and its errors.
+// A run's config.toml repeats it, also for a task that ignores some
+// built-in flags: the defaults spelt out in the file are not "given".
+TEST(Task, ConfigTomlRepeatsARegressionRun) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("task_config"), again = ddp::testing::temp_dir("task_config_again");
+  auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "1", "--epochs", "1",
+                                                   "--train-samples", "500", "--test-samples", "100"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto r2 = run_process({DDPTRAIN_EXE, "--config", run_dir_of(dir) + "/config.toml", "--save_path", again});
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  EXPECT_EQ(read_metrics(dir)[0]["test_loss"], read_metrics(again)[0]["test_loss"]);
+}
+
 TEST(Task, StopAtAMetricWhereLowerIsBetter) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("task_stop_at");
