@@ -58,10 +58,14 @@ int usable_gpus(const Config& c) {
   return c.backend == "gloo" ? 0 : gpu_count();
 }
 
-// Ranks to run on this node: --size, else one per usable GPU, else 2 CPU ranks.
+// Ranks to run on this node: --size, else one per usable GPU, else one CPU
+// rank with every core (as torchrun's and Lightning's CPU defaults). Two
+// single-threaded ranks on a 2-core machine train at 1,100 samples/s where
+// one rank with both cores does 1,800 (bench/RESULTS.md, "The first hour");
+// --size N still runs N CPU ranks over Gloo.
 int local_ranks(const Config& c) {
   const int usable = usable_gpus(c);
-  return c.size > 0 ? c.size : (usable > 0 ? usable : 2);
+  return c.size > 0 ? c.size : (usable > 0 ? usable : 1);
 }
 
 // --visible on a machine where LibTorch sees no GPU: running CPU ranks

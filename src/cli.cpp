@@ -38,7 +38,7 @@ std::vector<Flag> flag_table(Config& c) {
   std::vector<Flag> table = {
       // group "seed": the seed template's flags, unchanged in name and meaning.
       {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kMayChange},
-      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 2 CPU ranks", &c.size, {}, "launch", kMayChange},
+      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 1 CPU rank with every core", &c.size, {}, "launch", kMayChange},
       {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kMayChange},
       {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kMayChange},
       {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kMayChange},
@@ -347,7 +347,7 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
   const Config defaults_copy = c;
   CLI::App app{
       "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
-      "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or 2 CPU ranks)."};
+      "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or one CPU rank; --size 2 for two)."};
   app.set_help_flag("-h,--help", "print this help and exit");
   app.get_formatter()->column_width(34);
   // --config is not a Config field: it names where the others come from.

@@ -3,7 +3,7 @@
 // Copy this folder and edit the four marked parts. ddptrain brings the rest
 // (the launcher, the process group, the sampler, gradient sync,
 // SyncBatchNorm, mixed precision, checkpoints, logs and the command line):
-//   ./build/train                      trains on every GPU (or 2 CPU ranks)
+//   ./build/train                      trains on every GPU (or one CPU rank)
 //   ./build/train --size 4 --epochs 20 --batch 128 --lr 3e-3
 //   torchrun --nproc-per-node 8 --no-python ./build/train
 // `./build/train --help` lists every flag; examples/ has more tasks.

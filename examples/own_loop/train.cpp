@@ -1,7 +1,7 @@
 // Your own training loop, from ddptrain's parts, the way one writes a loop
 // with PyTorch DDP: the process group, the sampler, gradient sync, a plain
 // torch::optim optimizer, checkpoints, Ctrl-C / SIGTERM, crash reports.
-//   ./build/own_loop [DIR]                2 CPU ranks (or one per GPU); checkpoints in DIR
+//   ./build/own_loop [DIR]                one CPU rank (or one per GPU); checkpoints in DIR
 //   torchrun --nproc-per-node 2 --no-python ./build/own_loop
 #include <ddp/data/loader.h>
 #include <ddp/data/sampler.h>

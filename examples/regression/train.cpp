@@ -11,7 +11,7 @@
 // It reuses the built-in RegressionTask (MSE, L1 or Huber with --loss;
 // metrics test_loss, test_mse, test_mae and test_r2) and brings only its
 // data and its model:
-//   ./build/regression                       2 CPU ranks or every GPU
+//   ./build/regression                       one CPU rank or every GPU
 //   ./build/regression --loss huber --epochs 5
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddp/app.h>

@@ -1,6 +1,6 @@
 // Two inputs, a custom loss with its own flag, and macro-F1 as the monitor
 // (see task.h):
-//   ./build/two_inputs                       2 CPU ranks or every GPU
+//   ./build/two_inputs                       one CPU rank or every GPU
 //   ./build/two_inputs --aux-weight 0.5 --stop-at test_f1=0.9
 #include "task.h"
 

@@ -30,7 +30,7 @@ struct TaskFlag {
 struct Config {
   // The seed template's flags, same names and meanings.
   int port = 0;                     // 0: a free port on one node
-  int size = 0;                     // ranks on this node; 0: every visible GPU, else 2 CPU ranks
+  int size = 0;                     // ranks on this node; 0: every visible GPU, else 1 CPU rank
   std::string visible;              // GPUs, e.g. "0,1"; "": all
   std::string address = "127.0.0.1";
   int epochs = 3;

@@ -63,7 +63,7 @@ TEST(LmTask, GptNanoLearnsFortunesAndGeneratesText) {
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   const auto dir = ddp::testing::temp_dir("lm_learn");
   // The README's command: 300 steps of 2 ranks x 8 windows of 64 bytes.
-  auto r = run_process(lm_args(dir, {"--epochs", "1", "--batch", "8", "--train-samples", "4800", "--lr", "3e-3",
+  auto r = run_process(lm_args(dir, {"--size", "2", "--epochs", "1", "--batch", "8", "--train-samples", "4800", "--lr", "3e-3",
                                      "--log-every", "100"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto m = metrics(dir);
