@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +22,32 @@ namespace {
 // H200 (SXM) dense bf16 peak, the denominator of MFU, as nanoGPT's
 // estimate_mfu uses A100's 312e12.
 constexpr double kPeakBf16Flops = 989e12;
+
+// Warm-up (cuDNN autotuning, graph capture), then `steps` timed steps;
+// ms per step and the last loss, which must be finite.
+struct Timing {
+  double ms = 0;
+  double last_loss = 0;
+};
+
+Timing time_steps(const std::function<torch::Tensor()>& run_step, int warmup, int steps, World& world) {
+  const auto dev = world.device();
+  auto sync = [&] {
+    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+  };
+  torch::Tensor loss;
+  for (int i = 0; i < warmup; ++i) loss = run_step();
+  sync();
+  world.barrier("bench warm-up");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) loss = run_step();
+  sync();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double last_loss = loss.item<double>();
+  check_user(std::isfinite(last_loss), "the benchmark's loss became " + std::to_string(last_loss) + ".",
+             "lower --lr for this benchmark.");
+  return {1000.0 * seconds / steps, last_loss};
+}
 
 // GPT steps on random token ids: B x context tokens per rank per step.
 int run_gpt_bench(const Config& c, World& world) {
@@ -44,23 +71,9 @@ int run_gpt_bench(const Config& c, World& world) {
   const auto ids = torch::TensorOptions().dtype(torch::kLong).device(dev);
   data::Batch batch{{"input", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)},
                     {"target", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)}};
-  auto sync = [&] {
-    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
-  };
   const double lr = setup.optimizer.lr();
-  const int warmup = std::max(10, options.graph_warmup() + 3);
-  torch::Tensor loss;
-  for (int i = 0; i < warmup; ++i) loss = step.run(batch, true, lr).loss;
-  sync();
-  world.barrier("bench warm-up");
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < c.bench_steps; ++i) loss = step.run(batch, true, lr).loss;
-  sync();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double last_loss = loss.item<double>();
-  check_user(std::isfinite(last_loss), "the benchmark's loss became " + std::to_string(last_loss) + ".",
-             "lower --lr for this benchmark.");
-  const double ms = 1000.0 * seconds / c.bench_steps;
+  const auto [ms, last_loss] = time_steps([&] { return step.run(batch, true, lr).loss; },
+                                          std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
   // nanoGPT's estimate_mfu: 6N + 12 L H Q T FLOPs per token (N without the
   // position embedding, Q the head width, T the context).
   const double n = static_cast<double>(task.gpt()->num_params(/*non_embedding=*/true));
@@ -111,23 +124,8 @@ int run_bench(const Config& c, World& world) {
   torch::manual_seed(c.seed + world.rank());
   auto x = step.prepare(torch::randn({c.batch, 3, size, size}, torch::TensorOptions().device(dev)));
   auto y = torch::randint(0, spec.num_classes, {c.batch}, torch::TensorOptions().dtype(torch::kLong).device(dev));
-
-  auto sync = [&] {
-    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
-  };
-  const int warmup = std::max(10, options.graph_warmup() + 3);
-  torch::Tensor loss;
-  for (int i = 0; i < warmup; ++i) loss = step.run(x, y, true, c.lr);
-  sync();
-  world.barrier("bench warm-up");
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < c.bench_steps; ++i) loss = step.run(x, y, true, c.lr);
-  sync();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double last_loss = loss.item<double>();
-  check_user(std::isfinite(last_loss), "the benchmark's loss became " + std::to_string(last_loss) + ".",
-             "lower --lr for this benchmark.");
-  const double ms = 1000.0 * seconds / c.bench_steps;
+  const auto [ms, last_loss] = time_steps([&] { return step.run(x, y, true, c.lr); },
+                                          std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
   if (world.is_main()) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.bn_kernel == "native") contender += ", LibTorch BN";
