@@ -78,7 +78,7 @@ class NhwcBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, mean, invstd = ctx.saved_tensors
-        dx, dw, db = ext.backward(dy, x, w, mean, invstd)
+        dx, dw, db, _ = ext.backward(dy, x, w, mean, invstd)
         return dx, dw, db, None, None
 
 

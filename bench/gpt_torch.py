@@ -219,6 +219,7 @@ def main():
     ap.add_argument("--amp", default="bf16", choices=["bf16", "off"])
     ap.add_argument("--compile", action="store_true", help="torch.compile the model, as nanoGPT does")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-trace", default="", help="step: then profile --steps more steps (torch.profiler) into this Chrome trace")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     ap.add_argument("--data-root", default="", help="train: directory with train.bin and val.bin (uint16)")
     ap.add_argument("--eval-windows", type=int, default=200, help="train: validation windows (ddptrain's --test-samples)")
@@ -270,6 +271,14 @@ def main():
         if dev.type == "cuda":
             torch.cuda.synchronize()
         ms = 1000 * (time.time() - t0) / args.steps
+        if args.profile_trace:  # bench/kernel_breakdown.py reads it
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(args.steps):
+                    step()
+                torch.cuda.synchronize()
+            if rank == 0:
+                prof.export_chrome_trace(args.profile_trace)
         tokens_rank_s = args.batch * t * 1000 / ms
         if rank == 0:
             print(json.dumps({

@@ -54,11 +54,13 @@ step_config() {  # name, then shared args for ddptrain bench and torch_ddp.py st
       --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph="$graph" 2>"$OUT/$name.$graph.err" \
       | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
   done
-  if [[ $amp != off && $cl == on ]]; then  # what ddptrain's batch-norm kernels add
-    log "config $name: ddptrain cuda-graph, LibTorch's batch norm"
-    $B bench --model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" \
-      --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph --bn-kernel native 2>"$OUT/$name.nativebn.err" \
-      | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+  if [[ $amp != off && $cl == on ]]; then  # what ddptrain's batch-norm kernels, and their fusion, add
+    for bn in unfused native; do
+      log "config $name: ddptrain cuda-graph, --bn-kernel $bn"
+      $B bench --model "$model" --image-size "$size" --batch "$batch" --optimizer adam --lr 1e-4 --amp "$amp" \
+        --bench-steps "$STEPS" --channels-last "$cl" --cuda-graph --bn-kernel $bn 2>"$OUT/$name.$bn.bn.err" \
+        | grep '^{' | sed "s/^{/{\"config\": \"$name\", /" | tee -a "$R"
+    done
   fi
 }
 
@@ -119,7 +121,14 @@ if has gpt; then
   done
 fi
 if has profile; then
-  log "config c: kernel-time profile of the PyTorch step"
-  timeout 120 python3 bench/profile_step.py 2>"$OUT/profile.err" | tee -a "$OUT/profile.jsonl"
+  log "config c: kernel-time profiles of the PyTorch steps (eager, compile) and of ddptrain's"
+  for compile in none default; do
+    timeout 300 python3 bench/profile_step.py --compile $compile 2>"$OUT/profile.$compile.err" | tee -a "$OUT/profile.jsonl"
+  done
+  OUT="$OUT" bash bench/profile_ddptrain.sh c --cuda-graph 2>"$OUT/profile.ddptrain.err" | tee -a "$OUT/profile.jsonl"
+fi
+if has gpt_profile; then
+  log "config e: kernel-time profile of ddptrain's GPT step"
+  OUT="$OUT" bash bench/profile_ddptrain.sh e --cuda-graph 2>"$OUT/profile.e.err" | tee -a "$OUT/profile.jsonl"
 fi
 python3 bench/table.py "$R" > "$OUT/table.md" && cat "$OUT/table.md"

@@ -12,7 +12,7 @@ CONFIGS = {
     "d": "(d) Fashion-MNIST, ResNet-18 small stem, launch to 93%",
 }
 PYTORCH = ["pytorch ddp", "pytorch ddp + compile", "pytorch ddp + compile (reduce-overhead)"]
-ORDER = ["seed (betas fixed)"] + PYTORCH + ["ddptrain eager", "ddptrain cuda-graph, LibTorch BN",
+ORDER = ["seed (betas fixed)"] + PYTORCH + ["ddptrain eager", "ddptrain cuda-graph, LibTorch BN", "ddptrain cuda-graph, BN unfused",
          "ddptrain cuda-graph"]
 
 

@@ -2,6 +2,7 @@
 // before starting ranks, and how a worker's error reaches the user.
 #include <filesystem>
 
+#include "ddp/compat.h"
 #include "ddp/error.h"
 #include "support/testing.h"
 
@@ -36,6 +37,19 @@ TEST(App, TwoRanksPrintOneErrorLine) {
                              {}, 120);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
   EXPECT_EQ(count(r.output, "'" + root + "' does not exist"), 1u) << r.output;
+}
+
+// --profile-trace needs Kineto's GPU profiling (a CUDA LibTorch 2.2+): a
+// build without it refuses the flag before timing anything.
+TEST(App, ProfileTraceWithoutAGpuProfilerIsAnError) {
+  if (ddp::compat::kHasGpuProfiler) GTEST_SKIP() << "this build has the Kineto GPU profiler";
+  const auto trace = ddp::testing::temp_dir("profile") + "/trace.json";
+  const auto r = run_process({DDPTRAIN_EXE, "bench", "--model", "cnn", "--bench-steps", "2", "--profile-trace", trace},
+                             {}, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_EQ(count(r.output, "--profile-trace " + trace + ": this build has no Kineto GPU profiler"), 1u) << r.output;
+  EXPECT_NE(r.output.find("drop --profile-trace"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(trace));
 }
 
 }  // namespace

@@ -89,6 +89,7 @@ struct Config {
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
   int bench_steps = 100;            // `ddptrain bench`
+  std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;

@@ -36,6 +36,8 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <string>
 #include <limits>
 
 #define DDP_TORCH_AT_LEAST(major, minor) \
@@ -179,6 +181,19 @@ inline void fused_sgd(const std::vector<torch::Tensor>& params, const std::vecto
   TORCH_CHECK(false, "fused SGD needs CUDA LibTorch 2.2 or later");
 #endif
 }
+
+/// Whether profile_chrome_trace() works: CUDA LibTorch 2.2 or later (Debian's
+/// 1.13 has no Kineto GPU profiling).
+#if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
+constexpr bool kHasGpuProfiler = true;
+#else
+constexpr bool kHasGpuProfiler = false;
+#endif
+
+/// Runs `fn` under LibTorch's Kineto profiler (CPU and CUDA activity) and
+/// writes a Chrome trace (every kernel with its time) to `path`; throws
+/// where kHasGpuProfiler is false. In src/compat.cpp: its header is heavy.
+void profile_chrome_trace(const std::function<void()>& fn, const std::string& path);
 
 /// Peak bytes allocated on a CUDA device since the last reset (what Python's
 /// torch.cuda.max_memory_allocated reports); 0 without CUDA.

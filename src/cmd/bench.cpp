@@ -49,6 +49,21 @@ Timing time_steps(const std::function<torch::Tensor()>& run_step, int warmup, in
   return {1000.0 * seconds / steps, last_loss};
 }
 
+// --profile-trace: `steps` more steps under the Kineto profiler, written as
+// a Chrome trace (bench/kernel_breakdown.py groups its kernels by class).
+void profile_steps(const std::function<torch::Tensor()>& run_step, int steps, const Config& c, World& world) {
+  if (c.profile_trace.empty()) return;
+  const auto dev = world.device();
+  auto run = [&] {
+    for (int i = 0; i < steps; ++i) run_step();
+    if (dev.is_cuda()) torch::cuda::synchronize(dev.index());
+  };
+  if (world.is_main())
+    compat::profile_chrome_trace(run, c.profile_trace);
+  else
+    run();  // the other ranks take part, unprofiled
+}
+
 // GPT steps on random token ids: B x context tokens per rank per step.
 int run_gpt_bench(const Config& c, World& world) {
   const auto dev = world.device();
@@ -72,8 +87,9 @@ int run_gpt_bench(const Config& c, World& world) {
   data::Batch batch{{"input", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)},
                     {"target", torch::randint(0, o.vocab_size(), {c.batch, o.block_size()}, ids)}};
   const double lr = setup.optimizer.lr();
-  const auto [ms, last_loss] = time_steps([&] { return step.run(batch, true, lr).loss; },
-                                          std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
+  auto run_step = [&] { return step.run(batch, true, lr).loss; };
+  const auto [ms, last_loss] = time_steps(run_step, std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
+  profile_steps(run_step, c.bench_steps, c, world);
   // nanoGPT's estimate_mfu: 6N + 12 L H Q T FLOPs per token (N without the
   // position embedding, Q the head width, T the context).
   const double n = static_cast<double>(task.gpt()->num_params(/*non_embedding=*/true));
@@ -107,6 +123,9 @@ int run_gpt_bench(const Config& c, World& world) {
 }  // namespace
 
 int run_bench(const Config& c, World& world) {
+  check_user(c.profile_trace.empty() || compat::kHasGpuProfiler,
+             "--profile-trace " + c.profile_trace + ": this build has no Kineto GPU profiler.",
+             "build against a CUDA LibTorch 2.2 or later (the GPU machine's PyTorch), or drop --profile-trace.");
   if (models::is_gpt(c.model)) return run_gpt_bench(c, world);
   const auto dev = world.device();
   const int64_t size = c.image_size > 0 ? c.image_size : 64;
@@ -124,11 +143,13 @@ int run_bench(const Config& c, World& world) {
   torch::manual_seed(c.seed + world.rank());
   auto x = step.prepare(torch::randn({c.batch, 3, size, size}, torch::TensorOptions().device(dev)));
   auto y = torch::randint(0, spec.num_classes, {c.batch}, torch::TensorOptions().dtype(torch::kLong).device(dev));
-  const auto [ms, last_loss] = time_steps([&] { return step.run(x, y, true, c.lr); },
-                                          std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
+  auto run_step = [&] { return step.run(x, y, true, c.lr); };
+  const auto [ms, last_loss] = time_steps(run_step, std::max(10, options.graph_warmup() + 3), c.bench_steps, world);
+  profile_steps(run_step, c.bench_steps, c, world);
   if (world.is_main()) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.bn_kernel == "native") contender += ", LibTorch BN";
+    if (c.bn_kernel == "unfused") contender += ", BN unfused";
     nlohmann::json j = {{"contender", contender},
                         {"model", c.model},
                         {"image_size", size},

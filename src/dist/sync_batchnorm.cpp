@@ -123,21 +123,50 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
   }
 };
 
-std::atomic<bool> g_nhwc_kernels{true};  // use_nhwc_batchnorm_kernels()
+std::atomic<bool> g_nhwc_kernels{true};   // use_nhwc_batchnorm_kernels()
+std::atomic<bool> g_fused_relu{true};     // use_fused_batchnorm_relu()
 
 #ifdef DDP_WITH_CUDA_KERNELS
-// Local (unsynced) training statistics through ddptrain's NHWC kernels.
+// Local (unsynced) training statistics through ddptrain's NHWC kernels,
+// optionally followed by a ReLU in the same pass. (Two Functions, with and
+// without the residual, because autograd takes no undefined tensor input.)
+variable_list nhwc_forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
+                           const torch::Tensor& bias, const torch::Tensor& residual, const torch::Tensor& running_mean,
+                           const torch::Tensor& running_var, double eps, double momentum, bool relu) {
+  auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, relu);
+  // The output is saved only for the ReLU's mask.
+  ctx->save_for_backward({x, weight, out[1], out[2], relu ? out[0] : torch::Tensor()});
+  return {out[0]};
+}
+
+// {dx, dweight, dbias, dresidual}
+std::vector<torch::Tensor> nhwc_backward(AutogradContext* ctx, const variable_list& grads) {
+  auto s = ctx->get_saved_variables();
+  return cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4]);
+}
+
 struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
-                               torch::Tensor running_mean, torch::Tensor running_var, double eps, double momentum) {
-    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps);
-    ctx->save_for_backward({x, weight, out[1], out[2]});
-    return out[0];
+                               torch::Tensor running_mean, torch::Tensor running_var, double eps, double momentum,
+                               bool relu) {
+    return nhwc_forward(ctx, x, weight, bias, {}, running_mean, running_var, eps, momentum, relu)[0];
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto s = ctx->get_saved_variables();
-    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3]);
-    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    auto g = nhwc_backward(ctx, grads);
+    return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// relu(bn(x) + residual).
+struct NhwcBatchNormAddReluFn : torch::autograd::Function<NhwcBatchNormAddReluFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                               torch::Tensor residual, torch::Tensor running_mean, torch::Tensor running_var,
+                               double eps, double momentum) {
+    return nhwc_forward(ctx, x, weight, bias, residual, running_mean, running_var, eps, momentum, true)[0];
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = nhwc_backward(ctx, grads);
+    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -151,6 +180,7 @@ bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
 }  // namespace
 
 void use_nhwc_batchnorm_kernels(bool on) { g_nhwc_kernels.store(on); }
+void use_fused_batchnorm_relu(bool on) { g_fused_relu.store(on); }
 
 bool have_nhwc_batchnorm_kernels() {
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -184,7 +214,7 @@ void BatchNormImpl::pretty_print(std::ostream& stream) const {
          << (synced() ? ", synced" : "") << ")";
 }
 
-torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
+void BatchNormImpl::check_input(const torch::Tensor& input) const {
   const int d = options.dim();
   const bool rank_ok = d == 1 ? (input.dim() == 2 || input.dim() == 3) : input.dim() == d + 2;
   check_user(rank_ok, "BatchNorm" + std::to_string(d) + "d got a " + std::to_string(input.dim()) +
@@ -194,6 +224,10 @@ torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
              "BatchNorm expected " + std::to_string(options.num_features()) + " channels, got " +
                  std::to_string(input.size(1)) + " (input " + c10::str(input.sizes()) + ").",
              "the model's channel counts do not match its data.");
+}
+
+torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
+  check_input(input);
   const bool use_batch_stats = is_training() || !options.track_running_stats();
   if (is_training() && options.track_running_stats()) num_batches_tracked.add_(1);
   // Only training communicates, as in PyTorch: in eval the ranks may run
@@ -207,10 +241,30 @@ torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
   }
 #ifdef DDP_WITH_CUDA_KERNELS
   if (is_training() && nhwc_kernels_apply(input, *this))
-    return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum());
+    return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum(),
+                                  false);
 #endif
   return torch::batch_norm(input, weight, bias, running_mean, running_var, use_batch_stats,
                            options.momentum(), options.eps(), at::globalContext().userEnabledCuDNN());
+}
+
+torch::Tensor BatchNormImpl::forward_relu(const torch::Tensor& input, const torch::Tensor& residual) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (is_training() && !synced() && g_fused_relu.load() && nhwc_kernels_apply(input, *this) &&
+      (!residual.defined() ||
+       (residual.scalar_type() == input.scalar_type() && residual.sizes() == input.sizes() &&
+        cuda::bn_nhwc_supported(residual)))) {
+    check_input(input);
+    if (options.track_running_stats()) num_batches_tracked.add_(1);
+    if (residual.defined())
+      return NhwcBatchNormAddReluFn::apply(input, weight, bias, residual, running_mean, running_var, options.eps(),
+                                           options.momentum());
+    return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum(),
+                                  true);
+  }
+#endif
+  auto y = forward(input);
+  return torch::relu(residual.defined() ? y + residual : y);
 }
 
 int convert_sync_batchnorm(torch::nn::Module& module, World& world) {

@@ -26,8 +26,8 @@ CnnImpl::CnnImpl(CnnOptions options_) : options(std::move(options_)) {
 torch::Tensor CnnImpl::forward(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 4 && x.size(1) == options.in_channels(), "Cnn expects B x ",
               options.in_channels(), " x H x W input, got ", x.sizes());
-  x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
-  x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);
+  x = torch::max_pool2d(bn1->forward_relu(conv1(x)), 2);
+  x = torch::max_pool2d(bn2->forward_relu(conv2(x)), 2);
   // A no-op for 28 px inputs with the default grid; it lets other sizes share the head.
   if (x.size(2) != options.grid() || x.size(3) != options.grid()) {
     x = torch::adaptive_avg_pool2d(x, {options.grid(), options.grid()});

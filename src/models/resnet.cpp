@@ -62,9 +62,9 @@ BasicBlockImpl::BasicBlockImpl(int64_t in_planes, int64_t planes, int64_t stride
 }
 
 torch::Tensor BasicBlockImpl::forward(torch::Tensor x) {
-  auto out = torch::relu(bn1(conv1(x)));
-  out = bn2(conv2(out));
-  return torch::relu(out + (downsample.is_empty() ? x : downsample->forward(x)));
+  auto out = conv2(bn1->forward_relu(conv1(x)));
+  auto shortcut = downsample.is_empty() ? x : downsample->forward(x);
+  return bn2->forward_relu(out, shortcut);
 }
 
 BottleneckImpl::BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride) {
@@ -79,10 +79,10 @@ BottleneckImpl::BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride
 }
 
 torch::Tensor BottleneckImpl::forward(torch::Tensor x) {
-  auto out = torch::relu(bn1(conv1(x)));
-  out = torch::relu(bn2(conv2(out)));
-  out = bn3(conv3(out));
-  return torch::relu(out + (downsample.is_empty() ? x : downsample->forward(x)));
+  auto out = bn1->forward_relu(conv1(x));
+  out = conv3(bn2->forward_relu(conv2(out)));
+  auto shortcut = downsample.is_empty() ? x : downsample->forward(x);
+  return bn3->forward_relu(out, shortcut);
 }
 
 ResNetImpl::ResNetImpl(ResNetOptions options_) : options(std::move(options_)) {
@@ -122,7 +122,7 @@ ResNetImpl::ResNetImpl(ResNetOptions options_) : options(std::move(options_)) {
 torch::Tensor ResNetImpl::forward_features(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 4 && x.size(1) == options.in_channels(), "ResNet expects B x ",
               options.in_channels(), " x H x W input, got ", x.sizes());
-  x = torch::relu(bn1(conv1(x)));
+  x = bn1->forward_relu(conv1(x));
   if (options.stem() == ResNetStem::kImageNet) {
     x = torch::max_pool2d(x, /*kernel_size=*/3, /*stride=*/2, /*padding=*/1);
   }

@@ -90,7 +90,8 @@ Totals reduce_totals(World& world, const Totals& local, const torch::Device& dev
 TrainStepOptions train_step_options(const Config& c, const torch::Device& device) {
   const bool cuda = device.is_cuda();
   if (cuda) compat::set_cuda_math(c.tf32);
-  use_nhwc_batchnorm_kernels(c.bn_kernel == "auto");
+  use_nhwc_batchnorm_kernels(c.bn_kernel != "native");
+  use_fused_batchnorm_relu(c.bn_kernel == "auto");
   return TrainStepOptions()
       .amp(c.amp)
       .cuda_graph(c.cuda_graph)

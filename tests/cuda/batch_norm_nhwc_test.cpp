@@ -72,6 +72,97 @@ TEST(BatchNormNhwc, MatchesLibTorchForwardAndBackward_CUDA) {
   }
 }
 
+// relu(bn(x) + residual) through BatchNorm::forward_relu, three ways.
+struct FusedResult {
+  torch::Tensor y, dx, dres, dw, db, running_mean;
+};
+
+enum class Path { kFused, kUnfused, kNative };
+
+FusedResult run_fused(Path path, const torch::Tensor& x, const torch::Tensor& res, const torch::Tensor& dy,
+                      const torch::Tensor& w, const torch::Tensor& b) {
+  ddp::use_nhwc_batchnorm_kernels(path != Path::kNative);
+  ddp::use_fused_batchnorm_relu(path == Path::kFused);
+  ddp::BatchNorm bn(x.size(1));
+  bn->to(x.device());
+  {
+    torch::NoGradGuard no_grad;
+    bn->weight.copy_(w);
+    bn->bias.copy_(b);
+  }
+  bn->train();
+  auto xg = x.clone().requires_grad_();
+  auto rg = res.defined() ? res.clone().requires_grad_() : torch::Tensor();
+  auto y = bn->forward_relu(xg, rg);
+  y.backward(dy);
+  ddp::use_nhwc_batchnorm_kernels(true);
+  ddp::use_fused_batchnorm_relu(true);
+  return {y.detach(), xg.grad(), rg.defined() ? rg.grad() : torch::Tensor(), bn->weight.grad(), bn->bias.grad(),
+          bn->running_mean.clone()};
+}
+
+bool same_bits(const torch::Tensor& a, const torch::Tensor& b) { return torch::equal(a, b); }
+
+// The fused kernels give exactly the unfused ops' bits (the same roundings,
+// the same mask, the same sums), and both match a float64 reference.
+TEST(BatchNormNhwc, FusedReluAndResidualEqualTheSeparateOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(5);
+  const std::vector<std::vector<int64_t>> shapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
+                                                 {3, 8, 5, 7},     {2, 24, 1, 1},     {5, 96, 9, 3}};
+  const double eps = 1.0 / 128;
+  for (const auto& shape : shapes) {
+    for (const bool with_residual : {false, true}) {
+      SCOPED_TRACE(c10::str(shape, with_residual ? " with residual" : " relu only"));
+      const int64_t c = shape[1];
+      auto cl = [&](torch::Tensor t) { return t.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
+      auto x = cl(torch::randn(shape, gpu) * 3 + 2);
+      auto res = with_residual ? cl(torch::randn(shape, gpu)) : torch::Tensor();
+      auto dy = cl(torch::randn(shape, gpu));
+      auto w = torch::rand({c}, gpu) + 0.5, b = torch::randn({c}, gpu);
+      auto fused = run_fused(Path::kFused, x, res, dy, w, b);
+      auto unfused = run_fused(Path::kUnfused, x, res, dy, w, b);
+      auto native = run_fused(Path::kNative, x, res, dy, w, b);
+      EXPECT_TRUE(fused.y.is_contiguous(at::MemoryFormat::ChannelsLast));
+      EXPECT_TRUE(same_bits(fused.y, unfused.y));
+      EXPECT_TRUE(same_bits(fused.dx, unfused.dx));
+      EXPECT_TRUE(same_bits(fused.dw, unfused.dw));
+      EXPECT_TRUE(same_bits(fused.db, unfused.db));
+      EXPECT_TRUE(same_bits(fused.running_mean, unfused.running_mean));
+      if (with_residual) {
+        EXPECT_TRUE(same_bits(fused.dres, unfused.dres));
+      }
+      EXPECT_LE(rel(fused.y, native.y), 2 * eps);
+      // LibTorch's batch norm rounds a few outputs near 0 to the other side
+      // of the ReLU; there the gradient is dy against 0, which says nothing
+      // about either kernel. Compare dx where the masks agree, and require
+      // them to disagree only rarely. (The float64 check below is exact.)
+      auto agree = (fused.y > 0) == (native.y > 0);
+      EXPECT_LT(1.0 - agree.to(torch::kDouble).mean().item<double>(), 1e-3);
+      EXPECT_LE(rel(fused.dx.masked_fill(agree.logical_not(), 0), native.dx.masked_fill(agree.logical_not(), 0)), 4 * eps);
+
+      // float64, with the bf16 rounding of bn's output before the add and
+      // the ReLU mask of the bf16 output (where float64 would round
+      // differently at 0, the mask is not the thing under test).
+      auto xd = x.to(torch::kDouble).requires_grad_();
+      auto wd = w.to(torch::kDouble).requires_grad_(), bd = b.to(torch::kDouble).requires_grad_();
+      auto yd = torch::batch_norm(xd, wd, bd, {}, {}, true, 0.1, 1e-5, false);
+      if (with_residual) yd = yd + res.to(torch::kDouble);
+      auto mask = (fused.y > 0).to(torch::kDouble);
+      (yd * mask).backward(dy.to(torch::kDouble));
+      EXPECT_LE(rel(fused.y, torch::relu(yd).detach()), 2 * eps);
+      EXPECT_LE(rel(fused.dx, xd.grad()), 4 * eps);
+      EXPECT_LE(rel(fused.dw, wd.grad()), 1e-3);
+      EXPECT_LE(rel(fused.db, bd.grad()), 1e-3);
+      if (with_residual) {
+        EXPECT_LE(rel(fused.dres, dy.to(torch::kDouble) * mask), 1e-6);
+      }
+    }
+  }
+}
+
 // Inputs the kernels do not take run through LibTorch's batch norm.
 TEST(BatchNormNhwc, OtherInputsTakeLibTorchsPath_CUDA) {
   DDP_SKIP_UNLESS_CUDA();

@@ -1,5 +1,6 @@
 // The training step: channels-last, clipping, fp16 rules, and CUDA graphs
 // against eager execution.
+#include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
 #include "ddp/train/train_step.h"
@@ -155,6 +156,24 @@ TEST(TrainStep, GraphedEqualsEagerBf16_CUDA) {
   auto graphed = trajectory(adam.cuda_graph(true), gpu, 50);
   EXPECT_LT(eager.back(), eager.front());
   EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs " << ::testing::PrintToString(eager);
+}
+
+// ddptrain's batch-norm kernels with the ReLU and residual add fused in
+// give the same 50-step trajectory as the same kernels followed by separate
+// ReLU and add ops: each fused op reproduces the separate ops' bits.
+TEST(TrainStep, FusedBatchNormReluEqualsUnfusedBf16_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  DeterministicCuDNN deterministic;
+  auto adam =
+      ddp::TrainStepOptions().amp("bf16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).channels_last(true);
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto fused = trajectory(adam, gpu, 50);
+  ddp::use_fused_batchnorm_relu(false);
+  auto unfused = trajectory(adam, gpu, 50);
+  ddp::use_fused_batchnorm_relu(true);
+  EXPECT_LT(fused.back(), fused.front());
+  EXPECT_LE(max_rel_diff(fused, unfused), 1e-6) << ::testing::PrintToString(fused) << " vs " << ::testing::PrintToString(unfused);
 }
 
 // fp16 with dynamic loss scaling: eager trains, and the captured step (the

@@ -9,7 +9,8 @@
 // The kernels make the minimum number of passes over memory (forward: read
 // x for the statistics, read x and write y; backward: read x and dy for two
 // sums, read them again and write dx), with 16-byte loads and fp32
-// arithmetic (Welford statistics, combined with Chan's formula).
+// arithmetic (Welford statistics, combined with Chan's formula). Fused
+// variants add a residual and apply a ReLU in the same passes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -24,13 +25,20 @@ bool bn_nhwc_supported(const at::Tensor& x);
 
 /// Forward over the batch: returns {y, mean, invstd} (the last two fp32 [C]),
 /// and updates the running statistics (fp32, unbiased variance) in place.
-std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& weight,
-                                           const at::Tensor& bias, const at::Tensor& running_mean,
-                                           const at::Tensor& running_var, double momentum, double eps);
+/// With `residual` (a tensor like x), y = bn(x) + residual; with `relu`,
+/// y = max(that, 0): the residual networks' tails in one pass, rounded as
+/// the separate ops round (bn's output to bf16 before the add).
+std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                        const at::Tensor& running_mean, const at::Tensor& running_var,
+                                        double momentum, double eps, const at::Tensor& residual = {},
+                                        bool relu = false);
 
-/// Backward: returns {dx, dweight, dbias} for the forward's saved mean/invstd.
-std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy, const at::Tensor& x,
-                                            const at::Tensor& weight, const at::Tensor& mean,
-                                            const at::Tensor& invstd);
+/// Backward: returns {dx, dweight, dbias, dz} for the forward's saved
+/// mean/invstd. With `relu_output` (the forward's y when it applied the
+/// ReLU), dy is first masked where y <= 0. dz is the gradient after the
+/// mask, which is also the residual's gradient (dy itself without a mask).
+std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                         const at::Tensor& mean, const at::Tensor& invstd,
+                                         const at::Tensor& relu_output = {});
 
 }  // namespace ddp::cuda

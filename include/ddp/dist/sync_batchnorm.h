@@ -37,6 +37,11 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
   explicit BatchNormImpl(BatchNormOptions options);
   void reset() override;
   torch::Tensor forward(const torch::Tensor& input);
+  /// relu(forward(input) + residual), the residual optional: a residual
+  /// block's tail. In training on channels-last bf16 CUDA input it is one
+  /// pass of ddptrain's kernels forward, with the ReLU folded into the batch
+  /// norm's backward; elsewhere it is the separate ops, with equal results.
+  torch::Tensor forward_relu(const torch::Tensor& input, const torch::Tensor& residual = {});
   void pretty_print(std::ostream& stream) const override;
 
   /// Makes training statistics global over `world` (nullptr: local again).
@@ -47,6 +52,7 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
   torch::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
 
  private:
+  void check_input(const torch::Tensor& input) const;
   World* world_ = nullptr;
 };
 TORCH_MODULE(BatchNorm);
@@ -59,6 +65,9 @@ inline BatchNorm BatchNorm3d(int64_t c) { return BatchNorm(BatchNormOptions(c, 3
 /// (include/ddp/cuda/batch_norm_nhwc.h) on channels-last bf16 input
 /// where they apply (default: yes, in builds that have them).
 void use_nhwc_batchnorm_kernels(bool on);
+/// Whether BatchNorm::forward_relu fuses the ReLU (and residual add) into
+/// those kernels (default: yes); off, it runs them and then the separate ops.
+void use_fused_batchnorm_relu(bool on);
 /// True when this build has those kernels (a CUDA LibTorch build).
 bool have_nhwc_batchnorm_kernels();
 

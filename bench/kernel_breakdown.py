@@ -1,0 +1,91 @@
+"""GPU kernel time per step by class, from a Chrome trace that
+`ddptrain bench --profile-trace FILE` (or torch.profiler's
+export_chrome_trace) wrote.
+
+    python3 bench/kernel_breakdown.py TRACE --steps N [--wall-ms MS] [--label L] [--gpt]
+
+Classes are those of bench/profile_step.py (convolution, batch norm,
+elementwise, optimizer, copies, ...), plus, with --gpt, the Transformer's:
+matmul, attention, layer norm, softmax / cross-entropy. With --wall-ms (the
+step's measured wall time), "idle" is wall time minus kernel time: the
+host gaps. Prints one JSON line; --top K adds the K costliest kernels, and
+--by-op K the K ATen ops whose kernels cost most (eager steps only: a CUDA
+graph's replayed kernels have no launching op)."""
+import argparse
+import json
+from collections import defaultdict
+
+from profile_step import kind_of as image_kind
+
+
+def kind_of(name, gpt):
+    n = name.lower()
+    if "ddp::cuda" in n:
+        return "batch norm (ddptrain kernels)"
+    if not gpt:
+        return image_kind(name)
+    if "flash" in n or "fmha" in n or "attention" in n or "attn" in n:
+        return "attention"
+    if "layer_norm" in n or "layernorm" in n:
+        return "layer norm"
+    if "softmax" in n or "nll_loss" in n or "cross_entropy" in n:
+        return "softmax / cross-entropy"
+    if any(k in n for k in ("gemm", "cublas", "nvjet", "xmma", "cutlass", "sm90_", "sm100_")):
+        return "matmul"
+    if "adam" in n or "multi_tensor" in n:
+        return "optimizer"
+    if "copy" in n or "memcpy" in n or "memset" in n or "catarray" in n:
+        return "copies"
+    if "embedding" in n or "index" in n:
+        return "embedding"
+    if "gelu" in n:
+        return "gelu"
+    if "elementwise" in n or "vectorized" in n or "reduce" in n:
+        return "elementwise (add, cast, dropout, ...)"
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--wall-ms", type=float)
+    p.add_argument("--label", default="ddptrain")
+    p.add_argument("--gpt", action="store_true")
+    p.add_argument("--top", type=int, default=0)
+    p.add_argument("--by-op", type=int, default=0)
+    p.add_argument("--shapes", action="store_true", help="--by-op: one row per op and input shapes")
+    a = p.parse_args()
+    events = json.load(open(a.trace))
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    groups, names, ops = defaultdict(float), defaultdict(float), defaultdict(float)
+    # The op that launched a kernel shares its "External id" (correlation).
+    def op_name(e):  # with its input shapes and types, when the trace has them
+        args = e.get("args", {})
+        if not a.shapes or "Input Dims" not in args:
+            return e.get("name", "")
+        return f'{e.get("name", "")} {args["Input Dims"]} {args.get("Input type", "")}'
+    op_of = {e["args"]["External id"]: op_name(e) for e in events
+             if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat", "").lower() in ("kernel", "gpu_memcpy", "gpu_memset"):
+            ms = e.get("dur", 0) / 1000 / a.steps
+            groups[kind_of(e.get("name", ""), a.gpt)] += ms
+            names[e.get("name", "")[:120]] += ms
+            ops[op_of.get(e.get("args", {}).get("External id"), "(no op: graph replay, or none)")] += ms
+    kernel_ms = sum(groups.values())
+    if a.wall_ms:
+        groups["idle between kernels (host gaps)"] = max(0.0, a.wall_ms - kernel_ms)
+    out = {"profile": a.label, "ms_per_step_kernels": round(kernel_ms, 2),
+           "ms": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
+    if a.wall_ms:
+        out["ms_per_step_wall"] = a.wall_ms
+    if a.top:
+        out["top"] = [[k, round(v, 3)] for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:a.top]]
+    if a.by_op:
+        out["by_op"] = [[k, round(v, 3)] for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:a.by_op]]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
