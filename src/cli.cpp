@@ -69,7 +69,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--batch", "batch size per rank (global batch = batch x ranks x accum-steps)", &c.batch, {}, "train", kMayChange},
       {"--optimizer", "optimizer", &c.optimizer, {"sgd", "adam", "adamw"}, "train"},
       {"--lr", "peak learning rate; default: 0.1 (sgd), 2e-3 (adam, adamw)", &c.lr, {}, "train"},
-      {"--weight-decay", "weight decay; default: 5e-4 (sgd), 0 (adam), 0.05 (adamw)", &c.weight_decay, {}, "train"},
+      {"--weight-decay", "weight decay (--task lm: on matrices and embeddings only, as nanoGPT); default: 5e-4 (sgd), 0 (adam), 0.05 (adamw)", &c.weight_decay, {}, "train"},
       {"--momentum", "SGD momentum", &c.momentum, {}, "train"},
       {"--schedule", "learning-rate schedule, as PyTorch's of the same name (formulas below)", &c.schedule, {"constant", "step", "cosine", "onecycle"}, "train"},
       {"--warmup-epochs", "linear warm-up in epochs (may be fractional; 0: none); onecycle: its rise (default 30% of the run)", &c.warmup_epochs, {}, "train"},

@@ -6,6 +6,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <tuple>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -133,11 +134,12 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     broadcast_buffers();
   }
 
-  // Group by (dtype, device); within a group, reverse registration order.
-  std::map<std::pair<int, std::string>, std::vector<size_t>> groups;
+  // Group by (dtype, device, and with separate_1d whether 1-D); within a
+  // group, reverse registration order.
+  std::map<std::tuple<int, std::string, bool>, std::vector<size_t>> groups;
   for (size_t i = params_.size(); i-- > 0;) {
     const auto& p = params_[i];
-    groups[{static_cast<int>(p.scalar_type()), p.device().str()}].push_back(i);
+    groups[{static_cast<int>(p.scalar_type()), p.device().str(), options_.separate_1d() && p.dim() < 2}].push_back(i);
   }
   bucket_of_.assign(params_.size(), 0);
   grad_views_.assign(params_.size(), torch::Tensor());
@@ -167,6 +169,7 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     const size_t flat_index = flat_grads_.size();
     flat_grads_.push_back(flat);
     flat_params_.push_back(flat_param);
+    flat_1d_.push_back(std::get<2>(it->first) ? 1 : 0);
     const int64_t elem = static_cast<int64_t>(flat.element_size());
     int64_t offset = 0;
     Bucket cur;

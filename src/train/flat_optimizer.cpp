@@ -3,6 +3,7 @@
 #include "ddp/train/flat_optimizer.h"
 
 #include <cmath>
+#include <set>
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
@@ -11,9 +12,19 @@ namespace ddp {
 
 FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                              FlatOptimizerOptions options)
-    : o_(std::move(options)), params_(std::move(params)), grads_(std::move(grads)) {
+    : FlatOptimizer(std::move(params), std::move(grads), std::move(options), nullptr) {}
+
+FlatOptimizer::FlatOptimizer(const GradSync& sync, FlatOptimizerOptions options)
+    : FlatOptimizer(sync.flat_params(), sync.flat_grads(), std::move(options), &sync) {}
+
+FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+                             FlatOptimizerOptions options, const GradSync* sync)
+    : o_(std::move(options)), params_(std::move(params)), grads_(std::move(grads)), sync_(sync) {
   check_user(o_.name() == "sgd" || o_.name() == "adam" || o_.name() == "adamw",
              "unknown optimizer '" + o_.name() + "'.", "use --optimizer sgd, adam or adamw.");
+  check_user(!o_.no_decay_1d() || (sync_ && sync_->options().separate_1d()),
+             "no_decay_1d needs the 1-D parameters in flat buffers of their own.",
+             "build the FlatOptimizer on a GradSync made with GradSyncOptions().separate_1d(true), as TrainStep does.");
   TORCH_CHECK(params_.size() == grads_.size() && !params_.empty(), "FlatOptimizer needs matching flat buffers");
   adam_ = o_.name() != "sgd";
   const auto& dev = params_.front().device();
@@ -24,17 +35,12 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
     m_.push_back(torch::zeros_like(params_[i]));
     if (adam_) v_.push_back(torch::zeros_like(params_[i]));
     step_.push_back(torch::zeros({}, params_[i].options().dtype(torch::kFloat)));
-    slices_.push_back(ParamSlice{i, 0, params_[i].numel()});
+    weight_decay_.push_back(o_.no_decay_1d() && sync_->holds_1d(i) ? 0.0 : o_.weight_decay());
+    if (!sync_) slices_.push_back(ParamSlice{i, 0, params_[i].numel()});
   }
+  if (sync_) slices_ = sync_->param_slices();
   lr_t_ = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(dev));
   set_lr(o_.lr());
-  init_state();
-}
-
-FlatOptimizer::FlatOptimizer(const GradSync& sync, FlatOptimizerOptions options)
-    : FlatOptimizer(sync.flat_params(), sync.flat_grads(), std::move(options)) {
-  sync_ = &sync;
-  slices_ = sync.param_slices();
   init_state();
 }
 
@@ -78,22 +84,33 @@ torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_
   return flat[s.flat].narrow(0, s.offset, s.numel);
 }
 
-// One update of the tensors p[k] (gradients g[k], moments m[k] and v[k]);
-// the fused kernels read the step count from step[k], the composed
-// arithmetic takes it from host_step.
+// One update of the tensors p[k] (gradients g[k], moments m[k] and v[k],
+// weight decay weight_decay[k]); the fused kernels read the step count from
+// step[k], the composed arithmetic takes it from host_step.
 void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
                            const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
-                           const std::vector<torch::Tensor>& step, int64_t host_step, const torch::Tensor& found_inf) {
+                           const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay,
+                           int64_t host_step, const torch::Tensor& found_inf) {
   if (fused_) {
-    if (adam_)
-      compat::fused_adam(p, g, m, v, step, lr_t_, o_.beta1(), o_.beta2(), o_.weight_decay(), o_.eps(),
-                         o_.name() == "adamw", found_inf);
-    else
-      compat::fused_sgd(p, g, m, o_.weight_decay(), o_.momentum(), lr_t_, found_inf);
+    // A fused kernel takes one weight decay: one call per value (two with
+    // no_decay_1d), each over the tensors that have it.
+    for (double wd : std::set<double>(weight_decay.begin(), weight_decay.end())) {
+      auto with_wd = [&](const std::vector<torch::Tensor>& all) {
+        std::vector<torch::Tensor> out;
+        for (size_t i = 0; i < all.size(); ++i)
+          if (weight_decay[i] == wd) out.push_back(all[i]);
+        return out;
+      };
+      if (adam_)
+        compat::fused_adam(with_wd(p), with_wd(g), with_wd(m), with_wd(v), with_wd(step), lr_t_, o_.beta1(), o_.beta2(),
+                           wd, o_.eps(), o_.name() == "adamw", found_inf);
+      else
+        compat::fused_sgd(with_wd(p), with_wd(g), with_wd(m), wd, o_.momentum(), lr_t_, found_inf);
+    }
     return;
   }
-  const double wd = o_.weight_decay();
   for (size_t i = 0; i < p.size(); ++i) {
+    const double wd = weight_decay[i];
     torch::Tensor grad = g[i];
     if (!adam_) {
       // torch::optim::SGD (dampening 0, no Nesterov); a zero buffer makes the
@@ -121,11 +138,11 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 // The common step: every buffer whole, with the buffers' step count.
 void FlatOptimizer::whole_step(const torch::Tensor& found_inf) {
   if (!fused_) {
-    update(params_, grads_, m_, v_, {}, ++host_step_, {});
+    update(params_, grads_, m_, v_, {}, weight_decay_, ++host_step_, {});
     return;
   }
   for (auto& s : step_) s.add_(1);
-  update(params_, grads_, m_, v_, step_, 0, found_inf);
+  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf);
   // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
   if (found_inf.defined())
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
@@ -197,7 +214,7 @@ void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor
       m.copy_(s.m);
       v.copy_(s.v);
       torch::sub_out(own_step_[i], step_[slices_[i].flat], missed_[i]);
-      update({p}, {g}, {m}, {v}, {own_step_[i]}, 0, found_inf);
+      update({p}, {g}, {m}, {v}, {own_step_[i]}, {weight_decay_[slices_[i].flat]}, 0, found_inf);
     }
     if (s.unused_here) {
       const auto skip = used_anywhere.select(0, static_cast<int64_t>(i)).le(0);
@@ -226,12 +243,14 @@ void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vecto
       ++host_missed_[i];
       continue;
     }
-    update({p}, {slice(grads_, i)}, {m}, {v}, {}, host_step_ - host_missed_[i], {});
+    update({p}, {slice(grads_, i)}, {m}, {v}, {}, {weight_decay_[slices_[i].flat]}, host_step_ - host_missed_[i], {});
   }
 }
 
 void FlatOptimizer::save(TensorMap& state) const {
   state["name"] = string_tensor(o_.name());
+  // The buffers' layout: with no_decay_1d the 1-D parameters have their own.
+  state["no_decay_1d"] = torch::full({}, o_.no_decay_1d() ? 1.0f : 0.0f);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     // The composed path counts on the host; the fused one on the device.
@@ -253,6 +272,16 @@ void FlatOptimizer::load(const TensorMap& state) {
   check_user(name != state.end() && tensor_string(name->second) == o_.name(),
              "the checkpoint's optimizer state is not for --optimizer " + o_.name() + ".",
              "resume with the optimizer that wrote it.");
+  // Checkpoints written before no_decay_1d existed decayed every parameter.
+  auto grouping = state.find("no_decay_1d");
+  const bool apart = grouping != state.end() && grouping->second.item<float>() != 0;
+  check_user(apart == o_.no_decay_1d(),
+             std::string("the checkpoint's optimizer state ") +
+                 (apart ? "leaves the 1-D parameters (biases, norm weights) undecayed; this run decays every parameter."
+                        : "decays every parameter; this run leaves the 1-D ones (biases, norm weights) undecayed, as "
+                          "nanoGPT."),
+             "resume with the ddptrain that wrote it (--task lm decayed every parameter before it followed nanoGPT), "
+             "or start without --resume.");
   torch::NoGradGuard no_grad;
   auto read = [&](const std::string& key, torch::Tensor& dst) {
     auto src = state.find(key);

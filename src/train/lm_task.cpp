@@ -101,10 +101,12 @@ ModulePtr LmTask::make_model(const Config& c, const data::Splits& data) {
 }
 
 void LmTask::configure_optimizer(const Config& c, OptimizerSetup& setup) {
-  // GPT-2's and nanoGPT's second-moment decay. The learning rate and weight
-  // decay stay what the flags say (config.toml records them, so that
-  // --config repeats the run).
+  // GPT-2's and nanoGPT's second-moment decay, and nanoGPT's weight-decay
+  // groups: matrices and embeddings decay, biases and LayerNorm weights do
+  // not. The learning rate and weight decay stay what the flags say
+  // (config.toml records them, so that --config repeats the run).
   if (c.optimizer != "sgd") setup.optimizer.beta2(0.95);
+  setup.optimizer.no_decay_1d(true);
 }
 
 torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum) {

@@ -113,8 +113,11 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
     std::optional<c10::cuda::CUDAStreamGuard> on_side;
     if (graph_) on_side.emplace(graph_->stream);
 #endif
-    sync_ = std::make_unique<GradSync>(
-        model_, world_, GradSyncOptions().bucket_cap_mb(o_.bucket_cap_mb()).channels_last(o_.channels_last()));
+    sync_ = std::make_unique<GradSync>(model_, world_,
+                                       GradSyncOptions()
+                                           .bucket_cap_mb(o_.bucket_cap_mb())
+                                           .channels_last(o_.channels_last())
+                                           .separate_1d(o_.optimizer().no_decay_1d()));
 #ifdef DDP_WITH_CUDA
     // GradSync copied the parameters into its flat buffers on the capture
     // stream and released their old storage, which belongs to the default

@@ -1,7 +1,8 @@
 // The GPT (src/models/gpt.cpp): nanoGPT's parameter names, GPT-2's sizes
-// and initialisation, logits equal to PyTorch's for the same weights, and
-// the tied embedding/head under the flat parameter buffer and in
-// checkpoints. Reference values: tests/testdata/make_gpt_reference.py.
+// and initialisation, logits equal to PyTorch's for the same weights, the
+// tied embedding/head under the flat parameter buffer and in checkpoints,
+// and LmTask's weight decay on matrices and embeddings only. Reference
+// values: tests/testdata/make_gpt_reference.py.
 #include <cmath>
 #include <fstream>
 
@@ -43,13 +44,6 @@ std::vector<std::string> names_of(const torch::nn::Module& m) {
   std::vector<std::string> out;
   for (const auto& p : m.named_parameters()) out.push_back(p.key());
   return out;
-}
-
-std::unique_ptr<World> single_world() {
-  Placement p;
-  WorldOptions o;
-  o.use_cuda = false;
-  return std::make_unique<World>(p, o);
 }
 
 TEST(Gpt, ParameterNamesAreNanoGptsGpt2Names) {
@@ -140,7 +134,7 @@ TEST(Gpt, FutureTokensDoNotChangeEarlierLogits) {
 // moves it once, for both names.
 TEST(Gpt, TiedWeightIsOneSliceOfTheFlatBufferWithTheSummedGradient) {
   const auto ref = reference();
-  auto world = single_world();
+  auto world = testing::one_rank_world();
   LmTask task;
   auto module = task.make_gpt(tiny(), "bytes");
   load_pretrained(kStateDict, *module, torch::kCPU);
@@ -171,6 +165,42 @@ TEST(Gpt, TiedWeightIsOneSliceOfTheFlatBufferWithTheSummedGradient) {
   step.run(batch, /*last_micro=*/true, lr);
   EXPECT_TRUE(gpt->lm_head->weight.is_same(gpt->transformer->wte->weight));
   EXPECT_LE((gpt->transformer->wte->weight.detach() - (w0 - lr * 2 * grad)).abs().max().item<double>(), 1e-5);
+}
+
+// LmTask's AdamW has nanoGPT's two groups: with a zero gradient a step only
+// decays, and it shrinks every matrix and embedding (the tied one once) by
+// 1 - lr * wd and leaves the biases and LayerNorm weights as they were.
+TEST(Gpt, LmTaskDecaysMatricesAndEmbeddingsOnly) {
+  auto world = testing::one_rank_world();
+  LmTask task;
+  auto module = task.make_gpt(tiny(), "bytes");
+  {
+    torch::NoGradGuard no_grad;  // biases start at 0, where decay would not show
+    for (auto& p : module->parameters())
+      if (p.dim() < 2) p.uniform_(0.5, 1.5);
+  }
+  const double lr = 0.1, wd = 0.1;
+  OptimizerSetup setup{FlatOptimizerOptions().name("adamw").lr(lr).weight_decay(wd), LrScheduleOptions()};
+  task.configure_optimizer(Config(), setup);
+  TrainStep step(task, *module, *world, TrainStepOptions().optimizer(setup.optimizer));
+  std::vector<torch::Tensor> before;
+  for (const auto& p : module->parameters()) before.push_back(p.detach().clone());
+  step.optimizer().step();  // the gradients are GradSync's zeroed buffers
+  int decayed = 0, kept = 0;
+  const auto params = module->named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& name = params[i].key();
+    const auto& p = params[i].value();
+    if (p.dim() < 2) {
+      EXPECT_TRUE(torch::equal(p, before[i])) << name << " must not decay";
+      ++kept;
+    } else {
+      EXPECT_TRUE(torch::allclose(p, before[i] * (1 - lr * wd), 0, 1e-7)) << name << " must decay once";
+      ++decayed;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(decayed, 0);
 }
 
 // A checkpoint holds both names, as PyTorch's state_dict; loading restores

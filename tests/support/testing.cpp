@@ -1,6 +1,7 @@
 // Process and filesystem helpers for tests.
 #include "support/testing.h"
 
+#include "ddp/dist/world.h"
 #include "ddp/error.h"
 
 #include <fcntl.h>
@@ -137,6 +138,14 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::unique_ptr<ddp::World> one_rank_world(bool cuda) {
+  ddp::Placement p;
+  ddp::WorldOptions o;
+  o.use_cuda = cuda;
+  if (cuda) o.backend = "nccl";
+  return std::make_unique<ddp::World>(p, o);
 }
 
 std::string user_error(const std::function<void()>& f) {

@@ -1,5 +1,6 @@
 // Shared helpers for the test suite: running real processes, temporary
-// directories, and skipping tests whose hardware is absent.
+// directories, a world of one rank, and skipping tests whose hardware is
+// absent.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,8 +11,13 @@
 
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace ddp {
+class World;
+}
 
 namespace ddp::testing {
 
@@ -53,6 +59,9 @@ std::string user_error(const std::function<void()>& f);
 
 /// parse_cli on these flags (the program name is added).
 ddp::Config parse_args(std::vector<std::string> args);
+
+/// A world of this process alone: Gloo on the CPU, or NCCL on a GPU.
+std::unique_ptr<ddp::World> one_rank_world(bool cuda = false);
 
 }  // namespace ddp::testing
 

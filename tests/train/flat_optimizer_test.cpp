@@ -85,11 +85,8 @@ INSTANTIATE_TEST_SUITE_P(Kinds, FlatOptimizerEquals,
 int64_t ops_per_step(int layers, const std::string& optimizer) {
   torch::nn::Sequential net;
   for (int i = 0; i < layers; ++i) net->push_back(torch::nn::Linear(8, 8));
-  ddp::Placement p;
-  ddp::WorldOptions o;
-  o.use_cuda = false;
-  ddp::World world(p, o);
-  ddp::GradSync sync(*net, world);
+  auto world = ddp::testing::one_rank_world();
+  ddp::GradSync sync(*net, *world);
   // Built on the GradSync, as the trainer does: with every parameter used,
   // its step is the whole-buffer one.
   ddp::FlatOptimizer opt(sync, ddp::FlatOptimizerOptions().name(optimizer));
@@ -145,10 +142,7 @@ TEST(FlatOptimizer, StateRoundTripsThroughATensorMap) {
 // out of a step does not count it, and the counts survive a checkpoint.
 TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
   DDP_SKIP_UNLESS_GLOO();
-  ddp::Placement place;
-  ddp::WorldOptions wo;
-  wo.use_cuda = false;
-  ddp::World world(place, wo);
+  auto world = ddp::testing::one_rank_world();
   auto run = [&](torch::nn::Sequential& net, ddp::GradSync& sync, ddp::FlatOptimizer& opt, bool use_second) {
     sync.zero_grad();
     auto h = net[0]->as<torch::nn::Linear>()->forward(torch::ones({2, 4}));
@@ -159,7 +153,7 @@ TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
   };
   torch::manual_seed(0);
   torch::nn::Sequential a(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
-  ddp::GradSync sync_a(*a, world);
+  ddp::GradSync sync_a(*a, *world);
   ddp::FlatOptimizer opt_a(sync_a, ddp::FlatOptimizerOptions().name("adamw").weight_decay(0.1));
   for (bool use : {true, false, false, true}) run(a, sync_a, opt_a, use);
   EXPECT_EQ(opt_a.steps_taken(), 4);
@@ -173,7 +167,7 @@ TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
   }
-  ddp::GradSync sync_b(*b, world);
+  ddp::GradSync sync_b(*b, *world);
   ddp::FlatOptimizer opt_b(sync_b, ddp::FlatOptimizerOptions().name("adamw").weight_decay(0.1));
   opt_b.load(state);
   EXPECT_EQ(opt_b.parameter_steps(), opt_a.parameter_steps());

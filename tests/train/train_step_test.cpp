@@ -8,13 +8,7 @@
 
 namespace {
 
-std::unique_ptr<ddp::World> one_rank_world(bool cuda) {
-  ddp::Placement p;
-  ddp::WorldOptions o;
-  o.use_cuda = cuda;
-  if (cuda) o.backend = "nccl";
-  return std::make_unique<ddp::World>(p, o);
-}
+using ddp::testing::one_rank_world;
 
 std::shared_ptr<ddp::Net> small_resnet(const torch::Device& device) {
   torch::manual_seed(1);

@@ -5,7 +5,10 @@
 // each parameter becomes a view into one flat parameter buffer per dtype and
 // its .grad a view into a flat gradient buffer of the same layout, so that an
 // optimizer can update every parameter with a few kernels over two flat
-// tensors (see flat_optimizer.h). With channels_last, 4-D weights get
+// tensors (see flat_optimizer.h). With separate_1d, the parameters of fewer
+// than 2 dimensions get flat buffers of their own, so that an optimizer can
+// give them other settings (no weight decay); their buckets follow the
+// others', and are small. With channels_last, 4-D weights get
 // channels-last strides inside their slice. The gradient buffer is cut into buckets of at most `bucket_cap_mb`, filled in
 // reverse registration order (the order backward produces gradients). A hook
 // on each parameter's gradient accumulator counts down its bucket; when a
@@ -43,6 +46,10 @@ struct GradSyncOptions {
   /// Give 4-D parameters (convolution weights) channels-last strides, to
   /// match channels-last activations.
   TORCH_ARG(bool, channels_last) = false;
+  /// Put the parameters of fewer than 2 dimensions (biases, norm weights)
+  /// in flat buffers of their own, apart from the matrices and embeddings
+  /// (for FlatOptimizerOptions::no_decay_1d).
+  TORCH_ARG(bool, separate_1d) = false;
 };
 
 /// Where one parameter lives in the flat buffers: `numel` elements of
@@ -110,10 +117,15 @@ class GradSync {
   /// Buckets whose all-reduce started inside backward in this step so far
   /// (reset by finish()); lets tests prove that communication overlaps.
   size_t launched_during_backward() const { return launched_in_backward_; }
-  /// The flat gradient buffers, one per (dtype, device).
+  /// The flat gradient buffers, one per (dtype, device), and with
+  /// separate_1d also per kind (fewer than 2 dimensions or not).
   const std::vector<torch::Tensor>& flat_grads() const { return flat_grads_; }
   /// The flat parameter buffers, laid out like flat_grads().
   const std::vector<torch::Tensor>& flat_params() const { return flat_params_; }
+  /// Whether flat buffer `flat` holds the parameters of fewer than 2
+  /// dimensions (only with separate_1d; without it, false for every buffer).
+  bool holds_1d(size_t flat) const { return flat_1d_.at(flat) != 0; }
+  const GradSyncOptions& options() const { return options_; }
 
  private:
   struct Bucket {
@@ -137,6 +149,7 @@ class GradSync {
   std::vector<Bucket> buckets_;
   std::vector<torch::Tensor> flat_grads_;
   std::vector<torch::Tensor> flat_params_;
+  std::vector<char> flat_1d_;  // per flat buffer: holds_1d()
   std::vector<torch::Tensor> buffers_;
   std::vector<ParamSlice> slices_;
   std::vector<char> fired_;   // param index -> its hook fired in this step (any micro-batch)

@@ -27,6 +27,17 @@
 // place it runs without a sync: without fused kernels a CUDA step is not
 // captured anyway, and the read happens only in steps where this rank left
 // some parameter unused).
+//
+// Weight decay applies to every parameter, as torch.optim with one param
+// group, unless no_decay_1d asks for nanoGPT's two groups (--task lm does):
+// decay on matrices and embeddings (2 or more dimensions), none on biases
+// and norm weights. The fused kernels take one weight decay per call, so
+// GradSync keeps the 1-D parameters in flat buffers of their own
+// (GradSyncOptions::separate_1d), and a step makes one fused call per
+// weight decay, each over whole buffers; the unused-parameter fix-ups step
+// a slice with its buffer's decay. Both groupings equal torch.optim's
+// (tests/train/weight_decay_groups_test.cpp). A checkpoint records the
+// grouping, since it decides the buffers that the state is laid out in.
 #pragma once
 
 #include <string>
@@ -49,12 +60,20 @@ struct FlatOptimizerOptions {
   TORCH_ARG(double, eps) = 1e-8;
   /// Use LibTorch's fused kernels where this build has them (CUDA, 2.2+).
   TORCH_ARG(bool, fused) = true;
+  /// Weight decay on the parameters of 2 or more dimensions only (matrices,
+  /// embeddings, convolution kernels); biases and norm weights get none, as
+  /// with nanoGPT's two param groups. Off: every parameter decays, as
+  /// torch.optim with one group. Needs the GradSync constructor, on a
+  /// GradSync made with GradSyncOptions().separate_1d(true) (TrainStep does
+  /// that).
+  TORCH_ARG(bool, no_decay_1d) = false;
 };
 
 class FlatOptimizer {
  public:
   /// `params[i]` and `grads[i]` are flat buffers of equal size; each is
-  /// stepped whole, every step.
+  /// stepped whole, every step, with weight_decay() (no_decay_1d needs the
+  /// GradSync constructor, which knows the parameters' shapes).
   FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads, FlatOptimizerOptions options);
   /// Steps GradSync's flat buffers, and skips the parameters that got no
   /// gradient on any rank (sync.usage(), read at every step()).
@@ -91,11 +110,14 @@ class FlatOptimizer {
     bool unused_here;
     torch::Tensor p, m, v;
   };
+  FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads, FlatOptimizerOptions options,
+                const GradSync* sync);
   void init_state();
   torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
   void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
               const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
-              const std::vector<torch::Tensor>& step, int64_t host_step, const torch::Tensor& found_inf);
+              const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay, int64_t host_step,
+              const torch::Tensor& found_inf);
   void whole_step(const torch::Tensor& found_inf);
   void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf);
   void composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped);
@@ -105,6 +127,7 @@ class FlatOptimizer {
   std::vector<torch::Tensor> params_, grads_;
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_)
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
+  std::vector<double> weight_decay_;  // per buffer: o_.weight_decay(), or 0 for 1-D parameters with no_decay_1d
   torch::Tensor lr_t_;                // learning rate on the device (fused path)
   double lr_ = 0;
   int64_t host_step_ = 0;             // composed path
