@@ -67,6 +67,17 @@ void check_options(const GptOptions& o) {
 }
 }  // namespace
 
+// x W^T + b through the ATen op, not torch::nn::Linear::forward: for 3-D
+// input the C++ frontend's F::linear adds the bias in place after a matmul,
+// which under autocast is a separate, mixed-dtype (bf16 += fp32) pass: 4.6 ms
+// of a GPT-2 124M step on the H200 (bench/RESULTS.md). at::linear casts the
+// bias with the rest and folds it into the matmul, as PyTorch's nn.Linear.
+namespace {
+torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
+  return torch::linear(x, layer->weight, layer->bias);
+}
+}  // namespace
+
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& o) : n_head(o.n_head()), dropout(o.dropout()) {
   c_attn = register_module("c_attn", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), 3 * o.n_embd()).bias(o.bias())));
   c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), o.n_embd()).bias(o.bias())));
@@ -76,11 +87,11 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& o) : n_head(o
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
   // One matmul for queries, keys and values, then B x heads x T x head_dim.
-  auto qkv = c_attn(x).split(c, 2);
+  auto qkv = linear(c_attn, x).split(c, 2);
   auto heads = [&](const torch::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
   auto y = compat::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), dropout, is_training());
   y = y.transpose(1, 2).contiguous().view({b, t, c});
-  y = c_proj(y);
+  y = linear(c_proj, y);
   return dropout > 0 ? resid_dropout(y) : y;  // p = 0 costs no kernel
 }
 
@@ -91,7 +102,7 @@ GptMlpImpl::GptMlpImpl(const GptOptions& o) {
 }
 
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) {
-  auto y = c_proj(torch::gelu(c_fc(x)));  // the exact (erf) GELU, as nn.GELU()
+  auto y = linear(c_proj, torch::gelu(linear(c_fc, x)));  // the exact (erf) GELU, as nn.GELU()
   return dropout->options.p() > 0 ? dropout(y) : y;
 }
 
