@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds and runs the loader benchmark (bench/loader_bench.cpp): images/s out
 # of ddp::data::Loader for 0, 1, 2, 4, ... worker threads (up to nproc) on a
-# generated Fashion-MNIST PNG folder and a folder of synthetic JPEGs.
+# generated Fashion-MNIST PNG folder and a folder of synthetic JPEGs, and on
+# 2000 x 1500 JPEGs decoded in full and at reduced scale.
 #
 #   bench/loader.sh [loader_bench flags, e.g. --jpegs 2000 --max-workers 16]
+#   bench/loader.sh --fmnist 0 --jpegs 0 --large-jpegs 200    (only the large JPEGs)
 #
 # The image folders are generated once under $TMPDIR/ddp_loader_bench (or
 # --dir) and reused. Record the table in bench/RESULTS.md with the date and

@@ -8,12 +8,17 @@
 //                 grayscale PNGs, one folder per class (skipped when the
 //                 dataset is not installed);
 //   jpeg/         --jpegs synthetic photos-like JPEGs of 256..384 px a side
-//                 (smooth colour fields plus noise, quality 90), 10 classes.
-// Each is read for one full pass per worker count, in a fixed shuffled
-// order, with the training transform (random-resized crop + flip) at
-// --fmnist-size and --jpeg-size; a first pass warms the page cache.
+//                 (smooth colour fields plus noise, quality 90), 10 classes;
+//   jpeg-WxH/     --large-jpegs of them at --large-size (2000x1500), the
+//                 size of a camera photo, read twice: decoded in full and
+//                 at the reduced scale the transform allows (image_codec.h).
+// A count of 0 skips that folder. Each is read for one full pass per worker
+// count, in a fixed shuffled order, with the training transform
+// (random-resized crop + flip) at --fmnist-size and --jpeg-size; a first
+// pass warms the page cache.
 //
-//   loader_bench [--dir D] [--jpegs N] [--fmnist N] [--batch B] [--max-workers W] [--intra-op-threads T]
+//   loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] [--batch B]
+//                [--max-workers W] [--intra-op-threads T]
 #include <unistd.h>
 
 #include <chrono>
@@ -27,6 +32,7 @@
 
 #include <torch/torch.h>
 
+#include "ddp/app.h"
 #include "ddp/data/counter_rng.h"
 #include "ddp/data/idx.h"
 #include "ddp/data/image_codec.h"
@@ -41,6 +47,7 @@ namespace {
 struct Args {
   std::string dir = (fs::temp_directory_path() / "ddp_loader_bench").string();
   int64_t jpegs = 2000, fmnist = 10000, batch = 64, jpeg_size = 224, fmnist_size = 28;
+  int64_t large_jpegs = 200, large_width = 2000, large_height = 1500;
   int64_t max_workers = std::max(1u, std::thread::hardware_concurrency());
   int intra_op_threads = 1;
 };
@@ -59,6 +66,17 @@ Args parse(int argc, char** argv) {
     if (k == "--dir") a.dir = value();
     else if (k == "--jpegs") a.jpegs = std::stoll(value());
     else if (k == "--fmnist") a.fmnist = std::stoll(value());
+    else if (k == "--large-jpegs") a.large_jpegs = std::stoll(value());
+    else if (k == "--large-size") {
+      const std::string v = value();
+      const auto x = v.find('x');
+      if (x == std::string::npos) {
+        std::fprintf(stderr, "loader_bench: --large-size wants WIDTHxHEIGHT, e.g. 2000x1500, got '%s'\n", v.c_str());
+        std::exit(2);
+      }
+      a.large_width = std::stoll(v.substr(0, x));
+      a.large_height = std::stoll(v.substr(x + 1));
+    }
     else if (k == "--batch") a.batch = std::stoll(value());
     else if (k == "--jpeg-size") a.jpeg_size = std::stoll(value());
     else if (k == "--fmnist-size") a.fmnist_size = std::stoll(value());
@@ -66,8 +84,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--intra-op-threads") a.intra_op_threads = std::stoi(value());
     else {
       std::fprintf(stderr,
-                   "usage: loader_bench [--dir D] [--jpegs N] [--fmnist N] [--batch B] [--jpeg-size S] "
-                   "[--fmnist-size S] [--max-workers W] [--intra-op-threads T]\n");
+                   "usage: loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] "
+                   "[--batch B] [--jpeg-size S] [--fmnist-size S] [--max-workers W] [--intra-op-threads T]\n");
       std::exit(k == "-h" || k == "--help" ? 0 : 2);
     }
   }
@@ -78,10 +96,15 @@ void mark_complete(const std::string& dir) { std::ofstream(dir + "/complete") <<
 bool is_complete(const std::string& dir) { return fs::exists(dir + "/complete"); }
 
 // A photo-like image: a few smooth colour gradients, a texture and noise,
-// so that it compresses like a photograph rather than a flat colour.
-torch::Tensor photo_like(int64_t index) {
+// so that it compresses like a photograph rather than a flat colour. Of
+// 256..384 px a side, or h x w when given.
+torch::Tensor photo_like(int64_t index, int64_t h = 0, int64_t w = 0) {
   KeyedRandom rng(hash_words({0x62656e63, static_cast<uint64_t>(index)}));
-  const int64_t h = 256 + rng.below(129), w = 256 + rng.below(129);
+  const int64_t drawn_h = 256 + rng.below(129), drawn_w = 256 + rng.below(129);
+  if (h <= 0 || w <= 0) {
+    h = drawn_h;
+    w = drawn_w;
+  }
   auto y = torch::linspace(0, 1, h).view({h, 1, 1});
   auto x = torch::linspace(0, 1, w).view({1, w, 1});
   std::vector<torch::Tensor> channels;
@@ -93,15 +116,17 @@ torch::Tensor photo_like(int64_t index) {
   return img.clamp(0, 255).to(torch::kByte).contiguous();
 }
 
-std::string make_jpeg_folder(const Args& a) {
-  const std::string dir = a.dir + "/jpeg";
+// Writes `count` JPEGs of h x w (0 x 0: of 256..384 px a side) in dir
+// once; "" when count is 0.
+std::string make_jpeg_folder(const std::string& dir, int64_t count, int64_t h = 0, int64_t w = 0) {
+  if (count <= 0) return "";
   if (is_complete(dir)) return dir;
-  std::printf("generating %lld JPEGs in %s ...\n", static_cast<long long>(a.jpegs), dir.c_str());
+  std::printf("generating %lld JPEGs in %s ...\n", static_cast<long long>(count), dir.c_str());
   torch::manual_seed(0);
-  for (int64_t i = 0; i < a.jpegs; ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     const std::string cls = dir + "/class" + std::to_string(i % 10);
     fs::create_directories(cls);
-    write_jpeg(cls + "/" + std::to_string(i) + ".jpg", photo_like(i), 90);
+    write_jpeg(cls + "/" + std::to_string(i) + ".jpg", photo_like(i, h, w), 90);
   }
   mark_complete(dir);
   return dir;
@@ -110,6 +135,7 @@ std::string make_jpeg_folder(const Args& a) {
 // "" when Fashion-MNIST is not installed.
 std::string make_fmnist_folder(const Args& a) {
   const std::string dir = a.dir + "/fmnist-png";
+  if (a.fmnist <= 0) return "";
   if (is_complete(dir)) return dir;
   if (!fs::exists(std::string(kFashionMnistRoot) + "/train-images-idx3-ubyte.gz")) {
     std::printf("Fashion-MNIST not found in %s: skipping the PNG folder\n", kFashionMnistRoot);
@@ -137,10 +163,10 @@ double images_per_second(const DatasetPtr& data, const std::vector<int64_t>& ord
   return static_cast<double>(seen) / s;
 }
 
-void bench(const std::string& name, const std::string& root, int64_t size, const Args& a) {
-  auto data = std::make_shared<ImageFolderDataset>(scan_image_folder(root),
-                                                   ImageFolderOptions().transform(ImageTransformOptions().size(size)),
-                                                   name);
+void bench(const std::string& name, const std::string& root, int64_t size, const Args& a, bool scaled_decode = true) {
+  auto data = std::make_shared<ImageFolderDataset>(
+      scan_image_folder(root),
+      ImageFolderOptions().transform(ImageTransformOptions().size(size)).scaled_jpeg_decode(scaled_decode), name);
   // A fixed shuffled order, as a DistributedSampler would give one rank.
   std::vector<int64_t> order(static_cast<size_t>(data->size()));
   KeyedRandom rng(7);
@@ -164,16 +190,23 @@ void bench(const std::string& name, const std::string& root, int64_t size, const
 }  // namespace
 
 int main(int argc, char** argv) {
+  ddp::keep_freed_memory_in_heap();  // as ddptrain: a freed 36 MB image stays mapped for the next one
   const Args a = parse(argc, argv);
   torch::set_num_threads(a.intra_op_threads);
   fs::create_directories(a.dir);
   const std::string fmnist = make_fmnist_folder(a);
-  const std::string jpeg = make_jpeg_folder(a);
+  const std::string jpeg = make_jpeg_folder(a.dir + "/jpeg", a.jpegs);
+  const std::string large_name = std::to_string(a.large_width) + "x" + std::to_string(a.large_height);
+  const std::string large = make_jpeg_folder(a.dir + "/jpeg-" + large_name, a.large_jpegs, a.large_height, a.large_width);
   std::printf("\nloader images/s: batch %lld, training transform (random-resized crop + flip), %d intra-op "
               "thread(s), %u hardware threads; workers 0 = decode on the calling thread\n\n",
               static_cast<long long>(a.batch), a.intra_op_threads, std::thread::hardware_concurrency());
   std::printf("| folder | images | output | workers | images/s | vs 1 worker |\n|---|---|---|---|---|---|\n");
   if (!fmnist.empty()) bench("Fashion-MNIST PNG 28 px gray", fmnist, a.fmnist_size, a);
-  bench("synthetic JPEG 256-384 px", jpeg, a.jpeg_size, a);
+  if (!jpeg.empty()) bench("synthetic JPEG 256-384 px", jpeg, a.jpeg_size, a);
+  if (!large.empty()) {
+    bench("synthetic JPEG " + large_name + ", full-size decode", large, a.jpeg_size, a, false);
+    bench("synthetic JPEG " + large_name + ", scaled decode", large, a.jpeg_size, a, true);
+  }
   return 0;
 }

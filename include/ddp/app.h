@@ -21,6 +21,11 @@ namespace ddp {
 /// was found; only the bare run falls back to synthetic data, with a banner.
 data::Splits load_data(const Config& config, bool verbose);
 
+/// Keeps memory that LibTorch frees in glibc's heap instead of unmapping
+/// it (app.cpp says why); ddp::main() calls it first. Benchmarks of a part
+/// of ddptrain call it too, so that they allocate as ddptrain does.
+void keep_freed_memory_in_heap();
+
 /// Runs ddptrain with `task` (your own, or nullptr: the built-in one that
 /// --task names); returns the process exit code.
 int main(int argc, char** argv, std::shared_ptr<Task> task = nullptr);

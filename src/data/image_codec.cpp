@@ -7,6 +7,7 @@
 // destructor, and turns the jump into a CorruptImage exception.
 #include "ddp/data/image_codec.h"
 
+#include <algorithm>
 #include <csetjmp>
 #include <cstdio>  // before jpeglib.h, which needs FILE
 #include <cstring>
@@ -49,7 +50,17 @@ void jpeg_message(j_common_ptr c, int level) {
   }
 }
 
-torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path) {
+// The strongest reduction, 1/8, 1/4 or 1/2 (else none), that leaves the
+// shorter side of a height x width JPEG at least min_side; libjpeg rounds
+// each scaled side up. PIL's draft() offers the same three.
+unsigned jpeg_scale_denominator(int64_t height, int64_t width, int64_t min_side) {
+  const int64_t shorter = std::min(height, width);
+  for (unsigned denom : {8u, 4u, 2u})
+    if (min_side > 0 && (shorter + denom - 1) / denom >= min_side) return denom;
+  return 1;
+}
+
+torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options) {
   jpeg_decompress_struct cinfo;
   JpegErrors errors{};
   torch::Tensor out;
@@ -67,6 +78,8 @@ torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& 
   // passes through, and it is converted below.
   const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
   cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
+  cinfo.scale_num = 1;
+  cinfo.scale_denom = jpeg_scale_denominator(cinfo.image_height, cinfo.image_width, options.min_side());
   jpeg_start_decompress(&cinfo);
   const int64_t h = cinfo.output_height, w = cinfo.output_width, c = cinfo.output_components;
   out = torch::empty({h, w, cmyk ? 4 : 3}, torch::kByte);
@@ -81,10 +94,12 @@ torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& 
     throw CorruptImage(path, std::string("truncated JPEG (") + errors.message + ")");
   if (cmyk) {
     // Adobe writes CMYK JPEGs inverted (0 = full ink); nearly all CMYK JPEGs
-    // come from Adobe software, so read them that way: R = C * K / 255.
+    // come from Adobe software, so PIL reads every one that way, and so does
+    // this: R = C * K / 255 on the stored bytes, rounded to nearest as PIL's
+    // cmyk2rgb does (a product over 255 never falls on a half).
     auto f = out.to(torch::kInt);
     auto k = f.select(2, 3).unsqueeze(2);
-    out = (f.narrow(2, 0, 3) * k).div(255, "floor").to(torch::kByte).contiguous();
+    out = (f.narrow(2, 0, 3) * k + 127).div(255, "floor").to(torch::kByte).contiguous();
   }
   return out;
 }
@@ -203,15 +218,16 @@ void write_png_rows(const std::string& path, const torch::Tensor& pixels, int co
 
 }  // namespace
 
-torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path) {
+torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options) {
   static const uint8_t kPng[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   if (size >= 8 && std::memcmp(bytes, kPng, 8) == 0) return decode_png(bytes, size, path);
-  if (size >= 3 && bytes[0] == 0xff && bytes[1] == 0xd8 && bytes[2] == 0xff) return decode_jpeg(bytes, size, path);
+  if (size >= 3 && bytes[0] == 0xff && bytes[1] == 0xd8 && bytes[2] == 0xff)
+    return decode_jpeg(bytes, size, path, options);
   if (size == 0) throw CorruptImage(path, "empty file");
   throw CorruptImage(path, "neither a JPEG nor a PNG (unrecognised first bytes)");
 }
 
-torch::Tensor decode_image_file(const std::string& path) {
+torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& options) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw CorruptImage(path, "cannot open for reading");
   const std::streamoff size = f.tellg();
@@ -219,7 +235,7 @@ torch::Tensor decode_image_file(const std::string& path) {
   std::vector<uint8_t> bytes(static_cast<size_t>(size));
   f.seekg(0);
   if (size > 0 && !f.read(reinterpret_cast<char*>(bytes.data()), size)) throw CorruptImage(path, "read error");
-  return decode_image(bytes.data(), bytes.size(), path);
+  return decode_image(bytes.data(), bytes.size(), path, options);
 }
 
 void write_png(const std::string& path, const torch::Tensor& hwc) {

@@ -139,6 +139,7 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOption
   check_user(options_.transform().size() >= 1,
              "image size " + std::to_string(options_.transform().size()) + " is not positive.",
              "pass e.g. --image-size 224.");
+  if (options_.scaled_jpeg_decode()) decode_.min_side(decode_min_side(options_.transform()));
 }
 
 std::vector<std::string> ImageFolderDataset::corrupt_files() const {
@@ -156,7 +157,7 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
     }
     const std::string& path = files_.paths[static_cast<size_t>(i)];
     try {
-      torch::Tensor image = decode_image_file(path);
+      torch::Tensor image = decode_image_file(path, decode_);
       *label = files_.labels[static_cast<size_t>(i)];
       return image;
     } catch (const CorruptImage& e) {

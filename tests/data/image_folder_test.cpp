@@ -220,6 +220,35 @@ TEST(ImageFolder, LoaderBatchesAreBitIdenticalFor0And1And3Workers) {
   EXPECT_TRUE(torch::equal(other[0].target(), reference[0].target()));
 }
 
+// A JPEG far larger than the output is decoded at the scale the transform
+// needs (decode_min_side), the same way on every call; turning the option
+// off gives the full-size decode.
+TEST(ImageFolder, LargeJpegsAreDecodedAtTheScaleTheTransformNeeds) {
+  const auto root = ddp::testing::temp_dir("imgfolder_large");
+  fs::create_directories(root + "/a");
+  const std::string path = root + "/a/big.jpg";
+  ddp::data::write_jpeg(path, textured(192, 256, 3), 90);
+  const ddp::data::DrawKey key{5, 2, 1};
+  for (const bool train : {true, false}) {
+    // Output 24: training needs a shorter side of 24 (1/8 gives 24 x 32),
+    // evaluation 27 (resized to 27 before the centre crop; 1/4 gives 48 x 64).
+    const auto o = ImageTransformOptions().size(24).train(train);
+    EXPECT_EQ(ddp::data::decode_min_side(o), train ? 24 : 27);
+    const auto scaled = ddp::data::decode_image_file(path, ddp::data::DecodeOptions().min_side(train ? 24 : 27));
+    EXPECT_EQ(scaled.sizes(), (std::vector<int64_t>{train ? 24 : 48, train ? 32 : 64, 3}));
+    ImageFolderDataset data(ddp::data::scan_image_folder(root), ImageFolderOptions().transform(o), "t");
+    const auto batch = data.get_keyed_batch({0}, key, 7).input()[0];
+    EXPECT_TRUE(torch::equal(batch, ddp::data::transform_image(scaled, o, key, 7))) << "train " << train;
+    EXPECT_TRUE(torch::equal(data.get_keyed_batch({0}, key, 7).input()[0], batch)) << "train " << train;
+
+    ImageFolderDataset full(ddp::data::scan_image_folder(root),
+                            ImageFolderOptions().transform(o).scaled_jpeg_decode(false), "t");
+    const auto full_batch = full.get_keyed_batch({0}, key, 7).input()[0];
+    EXPECT_TRUE(torch::equal(full_batch, ddp::data::transform_image(ddp::data::decode_image_file(path), o, key, 7)));
+    EXPECT_FALSE(torch::equal(full_batch, batch)) << "train " << train << ": the option changes nothing";
+  }
+}
+
 TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {
   const auto root = mixed_folder();
   auto splits = ddp::data::load_image_folder(ddp::data::ImageFolderSplitOptions().root(root).val_fraction(1.0 / 3).image_size(16));

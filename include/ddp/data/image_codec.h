@@ -6,12 +6,26 @@
 // 16-bit samples are reduced to 8 bits, and an alpha channel is dropped (not
 // composited), which is what PIL's convert("RGB") does in torchvision's
 // default loader. One channel count for every file keeps a folder of mixed
-// images stackable into one batch.
+// images stackable into one batch. CMYK (and YCCK) JPEGs are read the way
+// Adobe software writes them, inverted, whether or not the file carries
+// Adobe's marker, and become RGB = (255 - C)(255 - K) / 255, rounded: both
+// exactly as PIL 9 does.
 //
 // A file that cannot be decoded, including a truncated JPEG (which libjpeg
 // would otherwise pad with grey and only warn about), raises CorruptImage
 // with the path and the library's reason. The format is told by the file's
 // first bytes, not its name, so a PNG saved as .jpg still loads.
+//
+// A caller that will shrink the image anyway can say how small it may come
+// out (DecodeOptions::min_side). A JPEG is then decoded at 1/2, 1/4 or 1/8
+// of its size when that still leaves its shorter side at least min_side:
+// libjpeg-turbo scales in the DCT domain, so a 2000 x 1500 photo decoded at
+// 1/4 skips most of the inverse DCT, colour conversion and chroma
+// upsampling, and the resize after it has 1/16 of the pixels to read. These
+// are the scales PIL's Image.draft() picks from, and the pixels are the
+// ones draft() gives (the same library call). PNGs, and JPEGs too small to
+// halve, are decoded at full size. The scale depends only on the file's
+// dimensions and min_side, so a file always decodes the same way.
 //
 // The encoders exist for tests and the loader benchmark, which need real
 // files without depending on an image tool being installed.
@@ -38,14 +52,23 @@ class CorruptImage : public std::runtime_error {
   std::string path_, reason_;
 };
 
+struct DecodeOptions {
+  /// The shorter side, in pixels, the caller needs at least; 0: full size.
+  /// A JPEG comes out at the smallest of 1/2, 1/4 and 1/8 of its size (each
+  /// side rounded up, as libjpeg does) whose shorter side is still >=
+  /// min_side, or at full size when none is; never larger than the file.
+  TORCH_ARG(int64_t, min_side) = 0;
+};
+
 /// Reads and decodes a JPEG or PNG file into uint8 H x W x 3 (RGB).
 /// Throws CorruptImage if the file is unreadable, of another format, or
 /// damaged.
-torch::Tensor decode_image_file(const std::string& path);
+torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& options = DecodeOptions());
 
 /// Decodes JPEG or PNG bytes already in memory; `path` only names the
 /// source in errors.
-torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path);
+torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path,
+                           const DecodeOptions& options = DecodeOptions());
 
 /// Writes uint8 H x W x C (C = 1 gray, 3 RGB, 4 RGBA) as an 8-bit PNG.
 /// Throws std::runtime_error if the file cannot be written.

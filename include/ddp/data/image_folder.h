@@ -15,6 +15,9 @@
 // and transformed one at a time (image_transforms.h): random-resized crop
 // and flip for training, resize and centre crop for evaluation, keyed on
 // (seed, epoch, rank, position) like every other random draw in ddptrain.
+// A JPEG much larger than the transform needs is decoded at a reduced
+// scale (image_codec.h); the scale is fixed by the file and the options, so
+// the draws stay a function of (seed, epoch, rank, position).
 //
 // A file that fails to decode is reported once per process on stderr, by the
 // rank that met it (each rank reads different files), and the sample is
@@ -32,6 +35,7 @@
 #include <vector>
 
 #include "ddp/data/dataset.h"
+#include "ddp/data/image_codec.h"
 #include "ddp/data/image_transforms.h"
 
 namespace ddp::data {
@@ -65,6 +69,10 @@ struct ImageFolderOptions {
   TORCH_ARG(ImageTransformOptions, transform) = ImageTransformOptions();
   /// Stop at the first corrupt file instead of replacing the sample.
   TORCH_ARG(bool, strict) = false;
+  /// Decode large JPEGs at 1/2, 1/4 or 1/8 scale when the transform needs
+  /// no more pixels (decode_min_side, image_transforms.h); off: every file
+  /// at full size, as torchvision's default loader does.
+  TORCH_ARG(bool, scaled_jpeg_decode) = true;
 };
 
 class ImageFolderDataset : public Dataset {
@@ -93,6 +101,7 @@ class ImageFolderDataset : public Dataset {
 
   ImageFolderIndex files_;
   ImageFolderOptions options_;
+  DecodeOptions decode_;
   std::string name_;
   mutable std::mutex mutex_;           // guards the two below
   mutable std::set<int64_t> corrupt_;  // indices known not to decode

@@ -73,6 +73,15 @@ torch::Tensor resize_shorter_side(const torch::Tensor& chw, int64_t size);
 /// The centred size x size window of C x H x W (a view; H, W >= size).
 torch::Tensor center_crop(const torch::Tensor& chw, int64_t size);
 
+/// Evaluation: the side the shorter image side is resized to before the
+/// centre crop (size / eval_crop_fraction, at least size).
+int64_t eval_resize_side(const ImageTransformOptions& options);
+
+/// The shorter side a decoded image needs for this transform to lose
+/// nothing it would otherwise keep, or little (see the .cpp for the rule);
+/// image folders pass it to the decoder as DecodeOptions::min_side.
+int64_t decode_min_side(const ImageTransformOptions& options);
+
 /// The whole per-image pipeline: uint8 H x W x 3 in, normalised float32
 /// 3 x size x size out. `key` and `position` fix the random draws; eval
 /// ignores them.
