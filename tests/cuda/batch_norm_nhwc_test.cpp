@@ -33,6 +33,11 @@ Result run_bn(bool kernels, const torch::Tensor& x, const torch::Tensor& dy, con
   return {y.detach(), xg.grad(), bn->weight.grad(), bn->bias.grad(), bn->running_mean.clone(), bn->running_var.clone()};
 }
 
+// ResNet-50's batch-norm shapes at a smaller batch, and odd ones (8 channels,
+// 1 x 1 images, rows not a multiple of the block).
+const std::vector<std::vector<int64_t>> kShapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
+                                                {3, 8, 5, 7},     {2, 24, 1, 1},     {5, 96, 9, 3}};
+
 // Largest difference relative to the reference's largest magnitude.
 double rel(const torch::Tensor& got, const torch::Tensor& ref) {
   auto r = ref.to(torch::kDouble), g = got.to(torch::kDouble);
@@ -44,12 +49,10 @@ TEST(BatchNormNhwc, MatchesLibTorchForwardAndBackward_CUDA) {
   if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(3);
-  const std::vector<std::vector<int64_t>> shapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
-                                                 {3, 8, 5, 7},     {2, 24, 1, 1},     {5, 96, 9, 3}};
   {
     const auto dtype = torch::kBFloat16;
     const double eps = 1.0 / 128;  // one unit of bf16 rounding
-    for (const auto& shape : shapes) {
+    for (const auto& shape : kShapes) {
       SCOPED_TRACE(c10::str(dtype, " ", shape));
       const int64_t c = shape[1];
       auto x = (torch::randn(shape, gpu) * 3 + 2).to(dtype).contiguous(at::MemoryFormat::ChannelsLast);
@@ -110,10 +113,8 @@ TEST(BatchNormNhwc, FusedReluAndResidualEqualTheSeparateOps_CUDA) {
   if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(5);
-  const std::vector<std::vector<int64_t>> shapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
-                                                 {3, 8, 5, 7},     {2, 24, 1, 1},     {5, 96, 9, 3}};
   const double eps = 1.0 / 128;
-  for (const auto& shape : shapes) {
+  for (const auto& shape : kShapes) {
     for (const bool with_residual : {false, true}) {
       SCOPED_TRACE(c10::str(shape, with_residual ? " with residual" : " relu only"));
       const int64_t c = shape[1];
