@@ -1,5 +1,6 @@
 // Entry point shared by ddptrain and the template.
 #include "ddp/app.h"
+#include "ddp/data/gpu_images.h"
 
 #include <malloc.h>
 
@@ -195,11 +196,20 @@ Config with_saved_flags(const Config& c) {
 
 }  // namespace
 
-data::Splits load_data(const Config& c, bool verbose) {
+data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
-  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty()),
-             "--image-size and --val-root apply to --dataset imagefolder only.",
+  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu"),
+             "--image-size, --val-root and --image-decode gpu apply to --dataset imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
+  if (c.image_decode == "gpu") {
+    check_user(device.is_cuda(), "--image-decode gpu needs training on a GPU, but this run trains on the CPU.",
+               "use --image-decode cpu (or auto), or train on a GPU.");
+    check_user(data::gpu_jpeg_available(),
+               "--image-decode gpu needs a CUDA build of ddptrain with nvJPEG, and this build has none.",
+               "use --image-decode cpu (or auto), or rebuild where the CUDA toolkit provides nvjpeg.h and libnvjpeg.");
+  }
+  const bool gpu_decode =
+      c.image_decode == "gpu" || (c.image_decode == "auto" && device.is_cuda() && data::gpu_jpeg_available());
   if (c.dataset == "imagefolder")
     return data::load_image_folder(data::ImageFolderSplitOptions()
                                        .root(c.data_root)
@@ -207,7 +217,8 @@ data::Splits load_data(const Config& c, bool verbose) {
                                        .val_fraction(c.val_split)
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
                                        .augment(c.augment == "standard")
-                                       .strict(c.strict_data));
+                                       .strict(c.strict_data)
+                                       .gpu_decode(gpu_decode));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
   // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";

@@ -55,6 +55,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
+      {"--image-decode", "imagefolder: decode JPEGs and crop on the loader's CPU threads (cpu) or on the GPU with nvJPEG (gpu); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 

@@ -19,7 +19,9 @@ namespace ddp {
 /// Loads the dataset the flags name. Data the user named (--data_root or
 /// --dataset) that is missing or of another kind is a UserError saying what
 /// was found; only the bare run falls back to synthetic data, with a banner.
-data::Splits load_data(const Config& config, bool verbose);
+/// `device` is where training runs: image folders decode on it with
+/// --image-decode gpu, or auto on a CUDA device of a build with nvJPEG.
+data::Splits load_data(const Config& config, bool verbose, torch::Device device = torch::kCPU);
 
 /// Keeps memory that LibTorch frees in glibc's heap instead of unmapping
 /// it (app.cpp says why); ddp::main() calls it first. Benchmarks of a part

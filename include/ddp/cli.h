@@ -48,6 +48,7 @@ struct Config {
   double val_split = 0.1;           // imagefolder: fraction of each class held out
   int image_size = 0;               // imagefolder crops (0: 224); ddptrain bench inputs (0: 64)
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
+  std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)
   std::string augment = "standard";
   int workers = 1;
   // The task, model and optimisation.

@@ -17,8 +17,8 @@ struct DeviceFeeder::Cuda {
 struct DeviceFeeder::Cuda {};
 #endif
 
-DeviceFeeder::DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare)
-    : loader_(loader), device_(device), prepare_(std::move(prepare)) {
+DeviceFeeder::DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare, std::shared_ptr<DeviceStage> stage)
+    : loader_(loader), device_(device), prepare_(std::move(prepare)), stage_(std::move(stage)) {
 #ifdef DDP_WITH_CUDA
   if (device_.is_cuda()) cuda_ = std::make_unique<Cuda>(device_.index());
 #endif
@@ -32,6 +32,7 @@ std::optional<Batch> DeviceFeeder::fetch() {
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!batch) return batch;
   auto move = [&](Batch& b) {
+    if (stage_) stage_->run(b, device_);
     for (auto& [name, t] : b) t = t.to(device_, /*non_blocking=*/true);
     if (prepare_ && b.contains("input")) b.input() = prepare_(b.input());
   };

@@ -227,7 +227,7 @@ torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string&
   throw CorruptImage(path, "neither a JPEG nor a PNG (unrecognised first bytes)");
 }
 
-torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& options) {
+std::vector<uint8_t> read_image_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw CorruptImage(path, "cannot open for reading");
   const std::streamoff size = f.tellg();
@@ -235,7 +235,42 @@ torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& op
   std::vector<uint8_t> bytes(static_cast<size_t>(size));
   f.seekg(0);
   if (size > 0 && !f.read(reinterpret_cast<char*>(bytes.data()), size)) throw CorruptImage(path, "read error");
+  return bytes;
+}
+
+torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& options) {
+  const auto bytes = read_image_file(path);
   return decode_image(bytes.data(), bytes.size(), path, options);
+}
+
+std::optional<JpegInfo> plain_jpeg_info(const uint8_t* bytes, size_t size) {
+  if (size < 4 || bytes[0] != 0xFF || bytes[1] != 0xD8) return std::nullopt;
+  // A whole file ends with the end-of-image marker, possibly followed by a
+  // few stray bytes; one cut short does not. Only the tail is searched, so
+  // this costs nothing next to a decode.
+  const size_t tail = std::min<size_t>(size, 1024);
+  bool ends = false;
+  for (size_t i = size - 1; i > size - tail && !ends; --i) ends = bytes[i - 1] == 0xFF && bytes[i] == 0xD9;
+  if (!ends) return std::nullopt;
+  jpeg_decompress_struct cinfo;
+  JpegErrors errors{};
+  cinfo.err = jpeg_std_error(&errors.mgr);
+  errors.mgr.error_exit = jpeg_fail;
+  errors.mgr.emit_message = jpeg_message;
+  if (setjmp(errors.jump)) {
+    jpeg_destroy_decompress(&cinfo);
+    return std::nullopt;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, const_cast<unsigned char*>(bytes), static_cast<unsigned long>(size));
+  jpeg_read_header(&cinfo, TRUE);
+  const bool colour = cinfo.jpeg_color_space == JCS_YCbCr && cinfo.num_components == 3;
+  const bool gray = cinfo.jpeg_color_space == JCS_GRAYSCALE && cinfo.num_components == 1;
+  const bool plain = (colour || gray) && !cinfo.progressive_mode && !cinfo.arith_code;
+  const JpegInfo info{cinfo.image_height, cinfo.image_width, cinfo.num_components};
+  jpeg_destroy_decompress(&cinfo);
+  if (!plain) return std::nullopt;
+  return info;
 }
 
 void write_png(const std::string& path, const torch::Tensor& hwc) {

@@ -140,6 +140,18 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOption
              "image size " + std::to_string(options_.transform().size()) + " is not positive.",
              "pass e.g. --image-size 224.");
   if (options_.scaled_jpeg_decode()) decode_.min_side(decode_min_side(options_.transform()));
+  // With gpu_decode, files nvJPEG refuses are decoded at full size, like the rest.
+  if (options_.gpu_decode()) decode_.min_side(0);
+}
+
+std::shared_ptr<DeviceStage> ImageFolderDataset::device_stage() const {
+  if (!options_.gpu_decode()) return nullptr;
+  std::call_once(stage_once_, [this] {
+    stage_ = make_gpu_jpeg_stage(options_.transform(), [this](int64_t index, const DrawKey& key, int64_t position) {
+      return decode_on_cpu(index, key, position);
+    });
+  });
+  return stage_;
 }
 
 std::vector<std::string> ImageFolderDataset::corrupt_files() const {
@@ -147,7 +159,7 @@ std::vector<std::string> ImageFolderDataset::corrupt_files() const {
   return corrupt_order_;
 }
 
-torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* label) const {
+torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* label, int64_t* used) const {
   const int64_t n = size();
   for (int64_t step = 0; step < n; ++step) {
     const int64_t i = (index + step) % n;
@@ -159,6 +171,7 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
     try {
       torch::Tensor image = decode_image_file(path, decode_);
       *label = files_.labels[static_cast<size_t>(i)];
+      if (used) *used = i;
       return image;
     } catch (const CorruptImage& e) {
       if (options_.strict())
@@ -183,22 +196,75 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
                   "check that the files are JPEG or PNG images.");
 }
 
+EncodedSample ImageFolderDataset::decode_on_cpu(int64_t index, const DrawKey& key, int64_t position) const {
+  EncodedSample s;
+  s.kind = kEncodedRgb;
+  const torch::Tensor image = decode(index, key.rank, &s.label, &s.index).contiguous();
+  s.height = image.size(0);
+  s.width = image.size(1);
+  s.bytes.assign(image.data_ptr<uint8_t>(), image.data_ptr<uint8_t>() + image.numel());
+  s.window = transform_window(s.height, s.width, options_.transform(), key, position);
+  return s;
+}
+
+EncodedSample ImageFolderDataset::encode(int64_t index, const DrawKey& key, int64_t position) const {
+  bool known_corrupt = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    known_corrupt = corrupt_.count(index) > 0;
+  }
+  if (!known_corrupt) {
+    try {
+      EncodedSample s;
+      s.bytes = read_image_file(files_.paths[static_cast<size_t>(index)]);
+      if (const auto info = plain_jpeg_info(s.bytes.data(), s.bytes.size())) {
+        s.kind = kEncodedJpeg;
+        s.height = info->height;
+        s.width = info->width;
+        s.index = index;
+        s.label = files_.labels[static_cast<size_t>(index)];
+        s.window = transform_window(s.height, s.width, options_.transform(), key, position);
+        return s;
+      }
+    } catch (const CorruptImage&) {
+      // Unreadable: decode_on_cpu reports it as the CPU path does.
+    }
+  }
+  return decode_on_cpu(index, key, position);
+}
+
 Batch ImageFolderDataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                                           int64_t first_position) const {
+  if (!options_.gpu_decode()) return decoded_batch(indices, key, first_position);
+  std::vector<EncodedSample> samples;
+  samples.reserve(indices.size());
+  for (size_t j = 0; j < indices.size(); ++j) {
+    check_index(indices[j]);
+    samples.push_back(encode(indices[j], key, first_position + static_cast<int64_t>(j)));
+  }
+  return encoded_batch(samples, key, first_position);
+}
+
+void ImageFolderDataset::check_index(int64_t i) const {
+  TORCH_CHECK(i >= 0 && i < size(), name_, ": index ", i, " outside [0, ", size(), ")");
+}
+
+Batch ImageFolderDataset::decoded_batch(const std::vector<int64_t>& indices, const DrawKey& key,
+                                        int64_t first_position) const {
   const int64_t s = options_.transform().size(), b = static_cast<int64_t>(indices.size());
+  for (int64_t i : indices) check_index(i);
   Batch batch{torch::empty({b, 3, s, s}), torch::empty({b}, torch::kLong)};
   int64_t* labels = batch.target().data_ptr<int64_t>();
   for (int64_t j = 0; j < b; ++j) {
-    const int64_t i = indices[static_cast<size_t>(j)];
-    TORCH_CHECK(i >= 0 && i < size(), name_, ": index ", i, " outside [0, ", size(), ")");
-    const torch::Tensor image = decode(i, key.rank, &labels[j]);
+    const torch::Tensor image = decode(indices[static_cast<size_t>(j)], key.rank, &labels[j]);
     batch.input()[j].copy_(transform_image(image, options_.transform(), key, first_position + j));
   }
   return batch;
 }
 
 Batch ImageFolderDataset::get_batch(const std::vector<int64_t>& indices) const {
-  return get_keyed_batch(indices, DrawKey{}, 0);
+  // Decoded here even with gpu_decode: get() and get_batch() give tensors.
+  return decoded_batch(indices, DrawKey{}, 0);
 }
 
 Example ImageFolderDataset::get(int64_t index) const {
@@ -239,10 +305,14 @@ Splits load_image_folder(const ImageFolderSplitOptions& options) {
   splits.std = kImageNetStd;
   splits.train_augmented = true;  // crop and flip per image, or none at all
   splits.train = std::make_shared<ImageFolderDataset>(
-      std::move(train), ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict()),
+      std::move(train),
+      ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict())
+          .gpu_decode(options.gpu_decode()),
       "imagefolder " + options.root() + " (train)");
   splits.test = std::make_shared<ImageFolderDataset>(
-      std::move(val), ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict()),
+      std::move(val),
+      ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict())
+          .gpu_decode(options.gpu_decode()),
       val_name);
   return splits;
 }

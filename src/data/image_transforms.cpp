@@ -94,28 +94,45 @@ int64_t decode_min_side(const ImageTransformOptions& options) {
   return options.train() ? options.size() : eval_resize_side(options);
 }
 
-torch::Tensor transform_image(const torch::Tensor& hwc, const ImageTransformOptions& options,
-                              const DrawKey& key, int64_t position) {
-  TORCH_CHECK(hwc.dim() == 3 && hwc.size(2) == 3 && hwc.scalar_type() == torch::kByte,
-              "transform_image wants uint8 H x W x 3, got ", hwc.sizes(), " ", hwc.scalar_type());
+TransformWindow transform_window(int64_t height, int64_t width, const ImageTransformOptions& options,
+                                 const DrawKey& key, int64_t position) {
   const int64_t size = options.size();
   check_user(size >= 1, "image size " + std::to_string(size) + " is not positive.", "pass e.g. --image-size 224.");
-  const auto to_float = [](const torch::Tensor& window) {
-    return window.permute({2, 0, 1}).to(torch::kFloat);  // H x W x 3 bytes -> 3 x H x W
-  };
-  torch::Tensor out;
+  TransformWindow t;
   if (options.train()) {
     const auto seed = key.seed, epoch = static_cast<uint64_t>(key.epoch), rank = static_cast<uint64_t>(key.rank),
                pos = static_cast<uint64_t>(position);
     KeyedRandom crop_rng(hash_words({seed, kTagCrop, epoch, rank, pos}));
     KeyedRandom flip_rng(hash_words({seed, kTagFlip, epoch, rank, pos}));
-    const CropBox box = random_resized_crop_box(hwc.size(0), hwc.size(1), options, crop_rng);
-    // Crop the bytes first: only the window is converted and resampled.
-    out = resize_image(to_float(hwc.narrow(0, box.top, box.height).narrow(1, box.left, box.width)), size, size);
-    if (options.flip() && (flip_rng.next() >> 63) != 0) out = out.flip({2});
+    t.source = random_resized_crop_box(height, width, options, crop_rng);
+    t.resized_height = t.resized_width = size;
+    t.flip = options.flip() && (flip_rng.next() >> 63) != 0;
   } else {
-    out = center_crop(resize_shorter_side(to_float(hwc), eval_resize_side(options)), size);
+    // Shorter side to eval_resize_side (the longer one rounded), then the
+    // centre size x size.
+    const int64_t side = eval_resize_side(options);
+    t.source = CropBox{0, 0, height, width};
+    t.resized_height = height <= width ? side : std::max<int64_t>(1, std::llround(static_cast<double>(height) * side / width));
+    t.resized_width = height <= width ? std::max<int64_t>(1, std::llround(static_cast<double>(width) * side / height)) : side;
+    TORCH_CHECK(t.resized_height >= size && t.resized_width >= size, "transform_window: ", t.resized_height, " x ",
+                t.resized_width, " is smaller than ", size);
+    t.offset_y = (t.resized_height - size) / 2;
+    t.offset_x = (t.resized_width - size) / 2;
   }
+  return t;
+}
+
+torch::Tensor apply_transform_window(const torch::Tensor& hwc, const TransformWindow& t,
+                                     const ImageTransformOptions& options) {
+  TORCH_CHECK(hwc.dim() == 3 && hwc.size(2) == 3 && hwc.scalar_type() == torch::kByte,
+              "transform_image wants uint8 H x W x 3, got ", hwc.sizes(), " ", hwc.scalar_type());
+  const int64_t size = options.size();
+  // Crop the bytes first: only the window is converted and resampled.
+  const auto window = hwc.narrow(0, t.source.top, t.source.height).narrow(1, t.source.left, t.source.width);
+  torch::Tensor out = resize_image(window.permute({2, 0, 1}).to(torch::kFloat), t.resized_height, t.resized_width)
+                          .narrow(1, t.offset_y, size)
+                          .narrow(2, t.offset_x, size);
+  if (t.flip) out = out.flip({2});
   const auto& mean = options.mean();
   const auto& stdev = options.std();
   TORCH_CHECK(mean.size() == 3 && stdev.size() == 3, "transform_image: mean and std need 3 values");
@@ -129,6 +146,12 @@ torch::Tensor transform_image(const torch::Tensor& hwc, const ImageTransformOpti
     for (int64_t i = 0; i < plane; ++i) p[c * plane + i] = p[c * plane + i] * scale + shift;
   }
   return out;
+}
+
+torch::Tensor transform_image(const torch::Tensor& hwc, const ImageTransformOptions& options,
+                              const DrawKey& key, int64_t position) {
+  TORCH_CHECK(hwc.dim() == 3, "transform_image wants uint8 H x W x 3, got ", hwc.sizes(), " ", hwc.scalar_type());
+  return apply_transform_window(hwc, transform_window(hwc.size(0), hwc.size(1), options, key, position), options);
 }
 
 }  // namespace ddp::data

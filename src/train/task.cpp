@@ -25,7 +25,7 @@ bool Monitor::better(double value, double than) const {
 
 data::Splits Task::make_data(const Config& config, World& world) {
   builtin_data_ = true;
-  return load_data(config, world.is_main());
+  return load_data(config, world.is_main(), world.device());
 }
 
 namespace {

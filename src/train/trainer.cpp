@@ -388,7 +388,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   double lr = schedule_->at(state_.step);
   const int accum = config_.accum_steps;
 
-  data::DeviceFeeder feeder(loader, dev, [this](const torch::Tensor& t) { return step_->prepare(t); });
+  data::DeviceFeeder feeder(loader, dev, [this](const torch::Tensor& t) { return step_->prepare(t); },
+                            data_.train->device_stage());
   while (auto batch = feeder.next()) {
     // Gradient accumulation: each optimizer step averages the micro-batches
     // of its group; the epoch's last group may be smaller, and is averaged
@@ -471,7 +472,9 @@ Metrics Trainer::evaluate() {
                       data::LoaderOptions(config_.batch * 2).workers(config_.workers).pin_memory(world_.device().is_cuda()));
   const auto dev = world_.device();
   Totals totals;
+  const auto stage = test->device_stage();
   while (auto batch = loader.next()) {
+    if (stage) stage->run(*batch, dev);
     for (auto& [name, t] : *batch) t = t.to(dev, true);
     if (batch->contains("input")) batch->input() = step_->prepare(batch->input());
     TensorMap sums;

@@ -66,6 +66,18 @@ struct DrawKey {
   int64_t rank = 0;
 };
 
+/// Work on a batch that waits for the training device: a dataset whose
+/// batches leave their last stage to the GPU (image folders decoding JPEGs
+/// with nvJPEG) hands one out from Dataset::device_stage(). The trainer runs
+/// it on each batch before the batch's tensors move to the device (on the
+/// DeviceFeeder's side stream, so it overlaps the step); afterwards the
+/// batch looks like any other, with "input" on the device.
+class DeviceStage {
+ public:
+  virtual ~DeviceStage() = default;
+  virtual void run(TensorDict& batch, torch::Device device) = 0;
+};
+
 class Dataset {
  public:
   virtual ~Dataset() = default;
@@ -82,6 +94,9 @@ class Dataset {
   /// the default ignores both and calls get_batch(indices).
   virtual Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                                 int64_t first_position) const;
+  /// The device stage its batches need (see DeviceStage), or null: most
+  /// datasets finish their batches on the CPU.
+  virtual std::shared_ptr<DeviceStage> device_stage() const { return nullptr; }
   /// Shape of one "input", e.g. {1, 28, 28}; empty when not known. The
   /// built-in models are sized from it.
   virtual std::vector<int64_t> input_shape() const { return {}; }

@@ -20,7 +20,10 @@ namespace ddp::data {
 class DeviceFeeder {
  public:
   using Prepare = std::function<torch::Tensor(const torch::Tensor&)>;
-  DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare = nullptr);
+  /// `stage`, if any, finishes each batch on the device first (e.g. decodes
+  /// its JPEGs there; see DeviceStage), on the same side stream.
+  DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare = nullptr,
+               std::shared_ptr<DeviceStage> stage = nullptr);
   ~DeviceFeeder();
   DeviceFeeder(const DeviceFeeder&) = delete;
   DeviceFeeder& operator=(const DeviceFeeder&) = delete;
@@ -37,6 +40,7 @@ class DeviceFeeder {
   Loader& loader_;
   torch::Device device_;
   Prepare prepare_;
+  std::shared_ptr<DeviceStage> stage_;
   bool started_ = false;
   std::optional<Batch> ahead_;
   double wait_seconds_ = 0;

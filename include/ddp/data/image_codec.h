@@ -32,8 +32,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -69,6 +71,21 @@ torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& op
 /// source in errors.
 torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path,
                            const DecodeOptions& options = DecodeOptions());
+
+/// The bytes of an image file. Throws CorruptImage if it cannot be read.
+std::vector<uint8_t> read_image_file(const std::string& path);
+
+/// Height, width and components (1 or 3) of a sequential, Huffman-coded
+/// JPEG in YCbCr or grayscale that ends with its end-of-image marker: the
+/// files a GPU decoder (nvJPEG) takes as they are. Anything else (PNG,
+/// progressive, CMYK, a file cut short or with a damaged header) gives
+/// nullopt, and is decoded on the CPU with decode_image, which reports it
+/// by path if it is corrupt. Reads the header only.
+struct JpegInfo {
+  int64_t height = 0, width = 0;
+  int components = 0;
+};
+std::optional<JpegInfo> plain_jpeg_info(const uint8_t* bytes, size_t size);
 
 /// Writes uint8 H x W x C (C = 1 gray, 3 RGB, 4 RGBA) as an 8-bit PNG.
 /// Throws std::runtime_error if the file cannot be written.

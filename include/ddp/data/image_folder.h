@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "ddp/data/dataset.h"
+#include "ddp/data/gpu_images.h"
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_transforms.h"
 
@@ -73,6 +74,9 @@ struct ImageFolderOptions {
   /// no more pixels (decode_min_side, image_transforms.h); off: every file
   /// at full size, as torchvision's default loader does.
   TORCH_ARG(bool, scaled_jpeg_decode) = true;
+  /// Leave decoding and the transform to the GPU (gpu_images.h): batches
+  /// carry the files' bytes, and device_stage() finishes them on the device.
+  TORCH_ARG(bool, gpu_decode) = false;
 };
 
 class ImageFolderDataset : public Dataset {
@@ -91,13 +95,25 @@ class ImageFolderDataset : public Dataset {
   int64_t num_classes() const override { return static_cast<int64_t>(files_.classes.size()); }
   std::string name() const override { return name_; }
 
+  /// With gpu_decode, the stage that decodes and transforms on the device.
+  /// Made on first use; UserError if this build has no nvJPEG.
+  std::shared_ptr<DeviceStage> device_stage() const override;
+
   const ImageFolderIndex& files() const { return files_; }
   /// Files found corrupt so far, in the order they were met.
   std::vector<std::string> corrupt_files() const;
 
  private:
-  // Decodes sample `index`, or the next one that decodes; sets *label.
-  torch::Tensor decode(int64_t index, int64_t rank, int64_t* label) const;
+  // Decodes sample `index`, or the next one that decodes; sets *label and
+  // *used (the index of the file it decoded).
+  torch::Tensor decode(int64_t index, int64_t rank, int64_t* label, int64_t* used = nullptr) const;
+  // gpu_decode: sample `index` as it travels to the device, its bytes if
+  // nvJPEG takes the file as it is, else decoded here (decode_on_cpu).
+  EncodedSample encode(int64_t index, const DrawKey& key, int64_t position) const;
+  EncodedSample decode_on_cpu(int64_t index, const DrawKey& key, int64_t position) const;
+  // The CPU path: decoded, transformed and stacked here.
+  Batch decoded_batch(const std::vector<int64_t>& indices, const DrawKey& key, int64_t first_position) const;
+  void check_index(int64_t index) const;
 
   ImageFolderIndex files_;
   ImageFolderOptions options_;
@@ -106,6 +122,8 @@ class ImageFolderDataset : public Dataset {
   mutable std::mutex mutex_;           // guards the two below
   mutable std::set<int64_t> corrupt_;  // indices known not to decode
   mutable std::vector<std::string> corrupt_order_;
+  mutable std::once_flag stage_once_;
+  mutable std::shared_ptr<DeviceStage> stage_;
 };
 
 /// Train and validation splits of an image folder, for ddptrain's flags.
@@ -122,6 +140,8 @@ struct ImageFolderSplitOptions {
   /// off: training images get the evaluation transform.
   TORCH_ARG(bool, augment) = true;
   TORCH_ARG(bool, strict) = false;
+  /// Decode and transform on the GPU (--image-decode gpu); see gpu_images.h.
+  TORCH_ARG(bool, gpu_decode) = false;
 };
 
 /// ImageFolderDataset splits, normalised with ImageNet's statistics.

@@ -82,6 +82,27 @@ int64_t eval_resize_side(const ImageTransformOptions& options);
 /// image folders pass it to the decoder as DecodeOptions::min_side.
 int64_t decode_min_side(const ImageTransformOptions& options);
 
+/// Where an image's output comes from: its `source` window is resized to
+/// resized_height x resized_width, of which the output is the size x size
+/// window at (offset_y, offset_x), mirrored left-right if `flip`.
+/// Training: the random-resized crop, resized to size x size, and the flip.
+/// Evaluation: the whole image, its shorter side resized, and the centre.
+struct TransformWindow {
+  CropBox source;
+  int64_t resized_height = 0, resized_width = 0, offset_y = 0, offset_x = 0;
+  bool flip = false;
+};
+
+/// The window of transform_image for a height x width image: the same
+/// draws, so a resampler elsewhere (the GPU path) makes the same crops.
+TransformWindow transform_window(int64_t height, int64_t width, const ImageTransformOptions& options,
+                                 const DrawKey& key, int64_t position);
+
+/// Crops, resizes and flips uint8 H x W x 3 as `window` says, and
+/// normalises: float32 3 x size x size.
+torch::Tensor apply_transform_window(const torch::Tensor& hwc, const TransformWindow& window,
+                                     const ImageTransformOptions& options);
+
 /// The whole per-image pipeline: uint8 H x W x 3 in, normalised float32
 /// 3 x size x size out. `key` and `position` fix the random draws; eval
 /// ignores them.

@@ -1,0 +1,46 @@
+// Encoded batches (gpu_images.h); the nvJPEG stage itself is gpu_jpeg.cpp.
+#include "ddp/data/gpu_images.h"
+
+#include <cstring>
+
+#include "ddp/error.h"
+
+namespace ddp::data {
+
+TensorDict encoded_batch(const std::vector<EncodedSample>& samples, const DrawKey& key, int64_t first_position) {
+  const auto n = static_cast<int64_t>(samples.size());
+  int64_t total = 0;
+  for (const auto& s : samples) total += static_cast<int64_t>(s.bytes.size());
+  auto bytes = torch::empty({total}, torch::kByte);
+  auto images = torch::empty({n, kEncodedColumns}, torch::kLong);
+  auto target = torch::empty({n}, torch::kLong);
+  uint8_t* b = bytes.data_ptr<uint8_t>();
+  int64_t* labels = target.data_ptr<int64_t>();
+  int64_t* r = images.data_ptr<int64_t>();
+  int64_t offset = 0;
+  for (int64_t i = 0; i < n; ++i, r += kEncodedColumns) {
+    const EncodedSample& s = samples[static_cast<size_t>(i)];
+    if (!s.bytes.empty()) std::memcpy(b + offset, s.bytes.data(), s.bytes.size());
+    const TransformWindow& w = s.window;
+    const int64_t row[kEncodedColumns] = {s.kind, offset, static_cast<int64_t>(s.bytes.size()), s.height, s.width,
+                                          s.index, first_position + i, w.source.top, w.source.left, w.source.height,
+                                          w.source.width, w.resized_height, w.resized_width, w.offset_y, w.offset_x,
+                                          w.flip ? 1 : 0, static_cast<int64_t>(key.seed), key.epoch, key.rank};
+    std::memcpy(r, row, sizeof row);
+    labels[i] = s.label;
+    offset += static_cast<int64_t>(s.bytes.size());
+  }
+  return TensorDict{{kEncodedBytes, bytes}, {kEncodedImages, images}, {"target", target}};
+}
+
+#ifndef DDP_WITH_NVJPEG
+bool gpu_jpeg_available() { return false; }
+
+std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions&, CpuDecode) {
+  throw UserError("--image-decode gpu needs a CUDA build of ddptrain with nvJPEG (libnvjpeg and nvjpeg.h from the "
+                  "CUDA toolkit), and this build has none.",
+                  "use --image-decode cpu, or rebuild on a machine with the CUDA toolkit's nvJPEG.");
+}
+#endif
+
+}  // namespace ddp::data

@@ -1,0 +1,242 @@
+// The GPU stage of image folders: nvJPEG batched decode, then one resample
+// kernel (gpu_images.h). Built only with CUDA LibTorch and nvJPEG's header
+// and library (CMake defines DDP_WITH_NVJPEG); elsewhere make_gpu_jpeg_stage
+// refuses with a hint (gpu_images.cpp).
+#ifdef DDP_WITH_NVJPEG
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <nvjpeg.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ddp/cuda/image_resample.h"
+#include "ddp/data/gpu_images.h"
+#include "ddp/error.h"
+
+namespace ddp::data {
+namespace {
+
+const char* nvjpeg_status_name(nvjpegStatus_t s) {
+  switch (s) {
+    case NVJPEG_STATUS_SUCCESS: return "success";
+    case NVJPEG_STATUS_NOT_INITIALIZED: return "not initialized";
+    case NVJPEG_STATUS_INVALID_PARAMETER: return "invalid parameter";
+    case NVJPEG_STATUS_BAD_JPEG: return "bad JPEG";
+    case NVJPEG_STATUS_JPEG_NOT_SUPPORTED: return "JPEG not supported";
+    case NVJPEG_STATUS_ALLOCATOR_FAILURE: return "allocator failure";
+    case NVJPEG_STATUS_EXECUTION_FAILED: return "execution failed";
+    case NVJPEG_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case NVJPEG_STATUS_INTERNAL_ERROR: return "internal error";
+    case NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED: return "implementation not supported";
+    default: return "error";
+  }
+}
+
+void check_nvjpeg(nvjpegStatus_t s, const char* what) {
+  TORCH_CHECK(s == NVJPEG_STATUS_SUCCESS, "nvJPEG ", what, " failed: ", nvjpeg_status_name(s), " (", static_cast<int>(s), ")");
+}
+
+// One decoder per device and process: the hardware engine's handle where
+// the GPU has one (A100, H100, H200), and the CUDA decoder, which takes
+// what the engine refuses and decodes single files. Both allocate through
+// nvJPEG's own allocators; their buffers are reused from batch to batch.
+struct Decoder {
+  nvjpegHandle_t batched = nullptr;  // hardware if available, else default
+  nvjpegJpegState_t batched_state = nullptr;
+  nvjpegHandle_t single = nullptr;
+  nvjpegJpegState_t single_state = nullptr;
+  bool hardware = false;
+  int initialized_batch = 0;
+
+  Decoder() {
+    hardware = nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &batched) == NVJPEG_STATUS_SUCCESS;
+    if (!hardware) check_nvjpeg(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &batched), "create");
+    check_nvjpeg(nvjpegJpegStateCreate(batched, &batched_state), "state create");
+    check_nvjpeg(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &single), "create");
+    check_nvjpeg(nvjpegJpegStateCreate(single, &single_state), "state create");
+  }
+  ~Decoder() {
+    if (single_state) nvjpegJpegStateDestroy(single_state);
+    if (single) nvjpegDestroy(single);
+    if (batched_state) nvjpegJpegStateDestroy(batched_state);
+    if (batched) nvjpegDestroy(batched);
+  }
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
+};
+
+Decoder& decoder_for(int device) {
+  static std::mutex mutex;
+  static std::map<int, std::unique_ptr<Decoder>> decoders;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& d = decoders[device];
+  if (!d) {
+    d = std::make_unique<Decoder>();
+    std::fprintf(stderr, "ddptrain: decoding JPEGs on GPU %d with nvJPEG (%s)\n", device,
+                 d->hardware ? "hardware engine" : "CUDA decoder");
+  }
+  return *d;
+}
+
+class GpuJpegStage : public DeviceStage {
+ public:
+  GpuJpegStage(const ImageTransformOptions& transform, CpuDecode cpu_decode)
+      : size_(transform.size()), cpu_decode_(std::move(cpu_decode)) {
+    TORCH_CHECK(transform.mean().size() == 3 && transform.std().size() == 3, "GPU JPEG stage: mean and std need 3 values");
+    for (int c = 0; c < 3; ++c) mean_[c] = transform.mean()[c], std_[c] = transform.std()[c];
+  }
+
+  void run(TensorDict& batch, torch::Device device) override {
+    if (!batch.contains(kEncodedImages)) return;
+    TORCH_CHECK(device.is_cuda(), "the GPU JPEG stage needs a CUDA device, got ", device.str());
+    const c10::cuda::CUDAGuard guard(device);
+    const auto stream = at::cuda::getCurrentCUDAStream(device.index());
+    Decoder& dec = decoder_for(device.index());
+    // The previous batch's files may still be read by the decoder's copies.
+    if (in_flight_.defined()) {
+      done_.synchronize();
+      in_flight_ = torch::Tensor();
+    }
+    torch::Tensor bytes = batch.at(kEncodedBytes);
+    torch::Tensor images = batch.at(kEncodedImages).contiguous();
+    torch::Tensor& target = batch.target();
+    const int64_t n = images.size(0);
+    TORCH_CHECK(images.dim() == 2 && images.size(1) == kEncodedColumns && bytes.scalar_type() == torch::kByte,
+                "GPU JPEG stage: malformed encoded batch");
+    auto* rows = images.data_ptr<int64_t>();
+    const uint8_t* host = bytes.data_ptr<uint8_t>();
+
+    // Decoded pixels, image after image, each at a 256-byte boundary.
+    std::vector<int64_t> where(static_cast<size_t>(n));
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* r = rows + i * kEncodedColumns;
+      where[static_cast<size_t>(i)] = total;
+      total += (r[kEcHeight] * r[kEcWidth] * 3 + 255) / 256 * 256;
+    }
+    auto u8 = torch::TensorOptions().dtype(torch::kByte).device(device);
+    torch::Tensor pixels = torch::empty({std::max<int64_t>(total, 1)}, u8);
+
+    std::vector<int64_t> jpegs, failed;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* r = rows + i * kEncodedColumns;
+      if (r[kEcKind] == kEncodedJpeg) {
+        jpegs.push_back(i);
+      } else {
+        pixels.narrow(0, where[static_cast<size_t>(i)], r[kEcByteLength])
+            .copy_(bytes.narrow(0, r[kEcByteOffset], r[kEcByteLength]), /*non_blocking=*/true);
+      }
+    }
+    auto destination = [&](int64_t i) {
+      const int64_t* r = rows + i * kEncodedColumns;
+      nvjpegImage_t out{};
+      out.channel[0] = pixels.data_ptr<uint8_t>() + where[static_cast<size_t>(i)];
+      out.pitch[0] = static_cast<size_t>(r[kEcWidth] * 3);
+      return out;
+    };
+    if (!jpegs.empty()) {
+      std::vector<const unsigned char*> data;
+      std::vector<size_t> lengths;
+      std::vector<nvjpegImage_t> outs;
+      for (int64_t i : jpegs) {
+        const int64_t* r = rows + i * kEncodedColumns;
+        data.push_back(host + r[kEcByteOffset]);
+        lengths.push_back(static_cast<size_t>(r[kEcByteLength]));
+        outs.push_back(destination(i));
+      }
+      const int count = static_cast<int>(jpegs.size());
+      nvjpegStatus_t s = NVJPEG_STATUS_SUCCESS;
+      if (dec.initialized_batch != count) {
+        s = nvjpegDecodeBatchedInitialize(dec.batched, dec.batched_state, count, 1, NVJPEG_OUTPUT_RGBI);
+        dec.initialized_batch = s == NVJPEG_STATUS_SUCCESS ? count : 0;
+      }
+      if (s == NVJPEG_STATUS_SUCCESS)
+        s = nvjpegDecodeBatched(dec.batched, dec.batched_state, data.data(), lengths.data(), outs.data(), stream.stream());
+      if (s != NVJPEG_STATUS_SUCCESS) {
+        // One file the batch call refuses fails the call: decode them one by
+        // one, and leave those the CUDA decoder refuses too to the CPU.
+        for (size_t k = 0; k < jpegs.size(); ++k) {
+          if (nvjpegDecode(dec.single, dec.single_state, data[k], lengths[k], NVJPEG_OUTPUT_RGBI, &outs[k],
+                           stream.stream()) != NVJPEG_STATUS_SUCCESS)
+            failed.push_back(jpegs[k]);
+        }
+      }
+    }
+    if (!failed.empty()) pixels = replace_on_cpu(failed, rows, target, pixels, where, device);
+
+    // The geometry table of the resample kernel.
+    auto geometry = torch::empty({n, cuda::kResampleColumns}, torch::kLong);
+    auto* g = geometry.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t* r = rows + i * kEncodedColumns;
+      int64_t* o = g + i * cuda::kResampleColumns;
+      o[cuda::kPixelOffset] = where[static_cast<size_t>(i)];
+      o[cuda::kImageWidth] = r[kEcWidth];
+      o[cuda::kTop] = r[kEcTop];
+      o[cuda::kLeft] = r[kEcLeft];
+      o[cuda::kWindowHeight] = r[kEcWindowHeight];
+      o[cuda::kWindowWidth] = r[kEcWindowWidth];
+      o[cuda::kVirtualHeight] = r[kEcResizedHeight];
+      o[cuda::kVirtualWidth] = r[kEcResizedWidth];
+      o[cuda::kOffsetY] = r[kEcOffsetY];
+      o[cuda::kOffsetX] = r[kEcOffsetX];
+      o[cuda::kFlip] = r[kEcFlip];
+    }
+    auto input = torch::empty({n, 3, size_, size_}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+    cuda::resample_normalize(pixels, geometry.to(device), input, mean_, std_);
+    done_.record(stream);
+    in_flight_ = bytes;
+    batch = TensorDict{{"input", input}, {"target", target}};
+  }
+
+ private:
+  // Decodes `failed` rows on the CPU (the CPU path's decode, which reports
+  // corrupt files and replaces them by the next that decodes), rewrites
+  // their rows and labels, and returns pixels with theirs appended.
+  torch::Tensor replace_on_cpu(const std::vector<int64_t>& failed, int64_t* rows, torch::Tensor& target,
+                               const torch::Tensor& pixels, std::vector<int64_t>& where, torch::Device device) {
+    std::vector<torch::Tensor> parts{pixels};
+    int64_t end = pixels.numel();
+    for (int64_t i : failed) {
+      int64_t* r = rows + i * kEncodedColumns;
+      const DrawKey key{static_cast<uint64_t>(r[kEcSeed]), r[kEcEpoch], r[kEcRank]};
+      EncodedSample s = cpu_decode_(r[kEcIndex], key, r[kEcPosition]);
+      auto hwc = torch::from_blob(s.bytes.data(), {static_cast<int64_t>(s.bytes.size())}, torch::kByte).clone();
+      const int64_t padded = (hwc.numel() + 255) / 256 * 256;
+      parts.push_back(torch::constant_pad_nd(hwc, {0, padded - hwc.numel()}).to(device));
+      where[static_cast<size_t>(i)] = end;
+      end += padded;
+      r[kEcHeight] = s.height, r[kEcWidth] = s.width, r[kEcIndex] = s.index;
+      r[kEcTop] = s.window.source.top, r[kEcLeft] = s.window.source.left;
+      r[kEcWindowHeight] = s.window.source.height, r[kEcWindowWidth] = s.window.source.width;
+      r[kEcResizedHeight] = s.window.resized_height, r[kEcResizedWidth] = s.window.resized_width;
+      r[kEcOffsetY] = s.window.offset_y, r[kEcOffsetX] = s.window.offset_x, r[kEcFlip] = s.window.flip;
+      target[i] = s.label;
+    }
+    return torch::cat(parts);
+  }
+
+  int64_t size_;
+  CpuDecode cpu_decode_;
+  std::array<double, 3> mean_{}, std_{};
+  at::cuda::CUDAEvent done_;
+  torch::Tensor in_flight_;
+};
+
+}  // namespace
+
+bool gpu_jpeg_available() { return torch::cuda::is_available(); }
+
+std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions& transform, CpuDecode cpu_decode) {
+  return std::make_shared<GpuJpegStage>(transform, std::move(cpu_decode));
+}
+
+}  // namespace ddp::data
+
+#endif  // DDP_WITH_NVJPEG

@@ -1,0 +1,212 @@
+// Image folders decoded on the GPU (gpu_images.h): the encoded batches the
+// loader threads make carry exactly the CPU path's files, crops and flips
+// (CPU), and the nvJPEG stage turns them into the CPU path's batch within
+// stated tolerances (_CUDA); --image-decode's errors and a real run.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "ddp/data/gpu_images.h"
+#include "ddp/data/image_codec.h"
+#include "ddp/data/image_folder.h"
+#include "ddp/error.h"
+#include "support/testing.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace ddp::data;
+
+torch::Tensor textured(int64_t h, int64_t w, int64_t seed) {
+  auto y = torch::arange(h, torch::kFloat).view({h, 1, 1});
+  auto x = torch::arange(w, torch::kFloat).view({1, w, 1});
+  auto c = torch::arange(3, torch::kFloat).view({1, 1, 3});
+  auto v = torch::sin(y * 0.11 + x * 0.07 * (c + 1) + static_cast<double>(seed)) * 90 + 128 + x * 0.2;
+  return v.clamp(0, 255).to(torch::kByte).contiguous();
+}
+
+void copy_file(const std::string& from, const std::string& to) {
+  fs::create_directories(fs::path(to).parent_path());
+  fs::copy_file(from, to, fs::copy_options::overwrite_existing);
+}
+
+// A folder with every kind of file the two paths must agree on: baseline
+// JPEGs of several sizes and subsamplings, grayscale, restart markers, and
+// the files nvJPEG does not get (PNG, progressive, CMYK, truncated).
+std::string mixed_folder() {
+  static const std::string root = [] {
+    const auto r = ddp::testing::temp_dir("gpu_images") + "/data";
+    const std::string d = DDP_TEST_DATA_DIR "/jpeg/";
+    for (int i = 0; i < 4; ++i) {
+      fs::create_directories(r + "/a");
+      write_jpeg(r + "/a/photo" + std::to_string(i) + ".jpg", textured(120 + 37 * i, 160 + 23 * i, i), 90);
+    }
+    fs::create_directories(r + "/b");
+    write_jpeg(r + "/b/gray.jpg", textured(90, 130, 7).select(2, 1).unsqueeze(2).contiguous(), 85);
+    write_png(r + "/b/picture.png", textured(100, 80, 9));
+    for (const char* f : {"baseline_420.jpg", "baseline_422.jpg", "baseline_444.jpg", "gray.jpg", "restart.jpg",
+                          "progressive.jpg", "cmyk_adobe.jpg", "truncated.jpg"})
+      copy_file(d + f, r + "/b/" + f);
+    return r;
+  }();
+  return root;
+}
+
+ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64) {
+  return ImageFolderDataset(scan_image_folder(mixed_folder()),
+                            ImageFolderOptions()
+                                .transform(ImageTransformOptions().size(size).train(train))
+                                .scaled_jpeg_decode(false)
+                                .gpu_decode(gpu),
+                            "mixed");
+}
+
+std::vector<int64_t> all_indices(const Dataset& d) {
+  std::vector<int64_t> v(static_cast<size_t>(d.size()));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int64_t>(i);
+  return v;
+}
+
+TransformWindow window_of(const int64_t* r) {
+  TransformWindow w;
+  w.source = CropBox{r[kEcTop], r[kEcLeft], r[kEcWindowHeight], r[kEcWindowWidth]};
+  w.resized_height = r[kEcResizedHeight];
+  w.resized_width = r[kEcResizedWidth];
+  w.offset_y = r[kEcOffsetY];
+  w.offset_x = r[kEcOffsetX];
+  w.flip = r[kEcFlip] != 0;
+  return w;
+}
+
+// Decodes an encoded batch on the CPU, row by row, with the CPU path's own
+// decoder and transform: what the GPU stage approximates.
+torch::Tensor decode_encoded_on_cpu(const TensorDict& b, const ImageTransformOptions& t) {
+  const auto& bytes = b.at(kEncodedBytes);
+  const auto& rows = b.at(kEncodedImages);
+  const int64_t n = rows.size(0);
+  auto out = torch::empty({n, 3, t.size(), t.size()});
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t* r = rows.data_ptr<int64_t>() + i * kEncodedColumns;
+    const uint8_t* p = bytes.data_ptr<uint8_t>() + r[kEcByteOffset];
+    torch::Tensor hwc =
+        r[kEcKind] == kEncodedJpeg
+            ? decode_image(p, static_cast<size_t>(r[kEcByteLength]), "row")
+            : torch::from_blob(const_cast<uint8_t*>(p), {r[kEcHeight], r[kEcWidth], 3}, torch::kByte).clone();
+    EXPECT_EQ(hwc.size(0), r[kEcHeight]);
+    EXPECT_EQ(hwc.size(1), r[kEcWidth]);
+    out[i].copy_(apply_transform_window(hwc, window_of(r), t));
+  }
+  return out;
+}
+
+TEST(GpuImages, EncodedBatchesCarryTheCpuPathsFilesCropsAndFlips) {
+  for (bool train : {true, false}) {
+    auto gpu = dataset(true, train), cpu = dataset(false, train);
+    const auto idx = all_indices(cpu);
+    const DrawKey key{7, 3, 1};
+    const auto encoded = gpu.get_keyed_batch(idx, key, 11);
+    const auto decoded = cpu.get_keyed_batch(idx, key, 11);
+    ASSERT_TRUE(encoded.contains(kEncodedImages) && !encoded.contains("input"));
+    EXPECT_TRUE(torch::equal(encoded.target(), decoded.target()));
+    // The same pixels, crops and flips: bit for bit.
+    const auto rebuilt = decode_encoded_on_cpu(encoded, ImageTransformOptions().size(64).train(train));
+    EXPECT_TRUE(torch::equal(rebuilt, decoded.input())) << "train=" << train;
+    // Which files travel as JPEG bytes, and which were decoded on the CPU.
+    const auto& files = gpu.files().paths;
+    const auto rows = encoded.at(kEncodedImages);
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const int64_t* r = rows.data_ptr<int64_t>() + i * kEncodedColumns;
+      const std::string name = fs::path(files[i]).filename().string();
+      const bool cpu_only = name == "picture.png" || name == "progressive.jpg" || name == "cmyk_adobe.jpg" ||
+                            name == "truncated.jpg";
+      EXPECT_EQ(r[kEcKind], cpu_only ? kEncodedRgb : kEncodedJpeg) << name;
+      EXPECT_EQ(r[kEcPosition], 11 + static_cast<int64_t>(i));
+      const auto n = static_cast<int64_t>(idx.size());
+      if (name == "truncated.jpg") EXPECT_EQ(r[kEcIndex], (static_cast<int64_t>(i) + 1) % n) << "the next file";
+      else EXPECT_EQ(r[kEcIndex], static_cast<int64_t>(i)) << name;
+    }
+    // The truncated file is reported by path, as on the CPU path.
+    ASSERT_EQ(gpu.corrupt_files().size(), 1u);
+    EXPECT_EQ(fs::path(gpu.corrupt_files()[0]).filename(), "truncated.jpg");
+  }
+}
+
+TEST(GpuImages, EncodedBatchesAreAFunctionOfTheKey) {
+  auto a = dataset(true, true), b = dataset(true, true);
+  const auto idx = all_indices(a);
+  const auto x = a.get_keyed_batch(idx, DrawKey{1, 0, 0}, 0), y = b.get_keyed_batch(idx, DrawKey{1, 0, 0}, 0);
+  EXPECT_TRUE(torch::equal(x.at(kEncodedImages), y.at(kEncodedImages)));
+  EXPECT_TRUE(torch::equal(x.at(kEncodedBytes), y.at(kEncodedBytes)));
+  const auto z = a.get_keyed_batch(idx, DrawKey{1, 1, 0}, 0);  // another epoch: other crops
+  EXPECT_FALSE(torch::equal(x.at(kEncodedImages), z.at(kEncodedImages)));
+  // get() still decodes on the CPU.
+  EXPECT_EQ(a.get(0).input().sizes(), torch::IntArrayRef({3, 64, 64}));
+}
+
+TEST(GpuImages, GpuDecodeWithoutNvjpegIsAnError) {
+  if (gpu_jpeg_available()) GTEST_SKIP() << "this build decodes JPEGs on the GPU";
+  const auto save = ddp::testing::temp_dir("gpu_decode_err");
+  const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(),
+                                            "--image-decode", "gpu", "--epochs", "1", "--save_path", save},
+                                           {}, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find("--image-decode gpu needs"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--image-decode cpu"), std::string::npos) << r.output;
+}
+
+// ---- on the GPU --------------------------------------------------------------
+
+// The stage's batch against the CPU path's. Files decoded on the CPU (PNG,
+// progressive, CMYK, the replacement of the truncated one) differ only by
+// the resampling arithmetic; JPEGs nvJPEG decodes differ by its IDCT and
+// chroma upsampling, a few grey levels (1 level = 1 / (255 std) ~ 0.017
+// after normalisation).
+TEST(GpuImages, StageMatchesTheCpuPath_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  ASSERT_TRUE(gpu_jpeg_available()) << "a CUDA build should decode JPEGs with nvJPEG";
+  for (bool train : {true, false}) {
+    auto gpu = dataset(true, train), cpu = dataset(false, train);
+    const auto idx = all_indices(cpu);
+    const DrawKey key{5, 2, 0};
+    auto batch = gpu.get_keyed_batch(idx, key, 0);
+    const auto rows = batch.at(kEncodedImages).clone();
+    const auto want = cpu.get_keyed_batch(idx, key, 0);
+    gpu.device_stage()->run(batch, torch::Device(torch::kCUDA, 0));
+    ASSERT_TRUE(batch.contains("input") && !batch.contains(kEncodedBytes));
+    const auto got = batch.input().cpu();
+    ASSERT_EQ(got.sizes(), want.input().sizes());
+    EXPECT_TRUE(torch::equal(batch.target().cpu(), want.target()));
+    const double level = 1.0 / (255.0 * 0.229);
+    const auto& files = gpu.files().paths;
+    for (int64_t i = 0; i < got.size(0); ++i) {
+      const auto diff = (got[i] - want.input()[i]).abs();
+      const double max_levels = diff.max().item<double>() / level, mean_levels = diff.mean().item<double>() / level;
+      const std::string name = fs::path(files[static_cast<size_t>(i)]).filename().string();
+      if (rows[i][kEcKind].item<int64_t>() == kEncodedRgb) {
+        EXPECT_LT(max_levels, 0.01) << name << " train=" << train;
+      } else {
+        EXPECT_LT(mean_levels, 1.0) << name << " train=" << train;
+        EXPECT_LT(max_levels, 16.0) << name << " train=" << train;
+      }
+      std::printf("%-20s train=%d max %.3f mean %.3f levels\n", name.c_str(), train ? 1 : 0, max_levels, mean_levels);
+    }
+  }
+}
+
+// ddptrain trains from a JPEG folder with --image-decode gpu, and says so.
+TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto save = ddp::testing::temp_dir("gpu_decode_run");
+  const auto r = ddp::testing::run_process(
+      {DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(), "--image-decode", "gpu",
+       "--image-size", "32", "--model", "cnn", "--epochs", "2", "--batch", "4", "--val-split", "0.25",
+       "--save_path", save, "--progress", "plain", "--workers", "2"},
+      {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("with nvJPEG"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("skipping corrupt image"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("test_acc"), std::string::npos) << r.output;
+}
+
+}  // namespace
