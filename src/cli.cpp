@@ -86,6 +86,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed", kMayChange},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed", kMayChange},
       {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply, with ReLU and residual add fused in (auto), the same kernels with separate ReLU/add ops (unfused), or LibTorch's (native)", &c.bn_kernel, {"auto", "unfused", "native"}, "speed", kMayChange},
+      {"--ce-kernel", "--task lm's cross-entropy on CUDA: ddptrain's fused kernels, one pass over the logits each way with the gradient written over them (auto), or LibTorch's, which copies the bf16 logits to fp32 first (native)", &c.ce_kernel, {"auto", "native"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},

@@ -64,6 +64,15 @@ TEST(Cli, UnknownFlagAndWrongTypeAreClearErrors) {
   EXPECT_NE(e.find("lbfgs"), std::string::npos) << e;
 }
 
+// --ce-kernel: --task lm's fused cross-entropy (auto, the default) or
+// LibTorch's (native), for A/B timing.
+TEST(Cli, CeKernelIsAutoOrNative) {
+  EXPECT_EQ(ddp::testing::parse_args({}).ce_kernel, "auto");
+  EXPECT_EQ(ddp::testing::parse_args({"--ce-kernel", "native"}).ce_kernel, "native");
+  auto e = error_of({"--ce-kernel", "fused"});
+  EXPECT_NE(e.find("fused"), std::string::npos) << e;
+}
+
 TEST(Cli, ImpossibleValuesNameTheFlagAndValue) {
   for (auto [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--batch", "0"}, {"--batch", "-4"}, {"--epochs", "0"}, {"--epochs", "-1"}, {"--lr", "0"}, {"--lr", "-0.1"}}) {

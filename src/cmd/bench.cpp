@@ -97,7 +97,9 @@ int run_gpt_bench(const Config& c, World& world) {
                                                                      (o.n_embd() / o.n_head()) * o.block_size());
   const double tokens_per_rank_s = static_cast<double>(c.batch * o.block_size()) * 1000.0 / ms;
   if (world.is_main()) {
-    nlohmann::json j = {{"contender", c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager"},
+    std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
+    if (c.ce_kernel == "native") contender += ", LibTorch CE";
+    nlohmann::json j = {{"contender", contender},
                         {"model", c.model},
                         {"params", task.gpt()->num_params()},
                         {"context", o.block_size()},
@@ -106,6 +108,7 @@ int run_gpt_bench(const Config& c, World& world) {
                         {"optimizer", c.optimizer},
                         {"amp", c.amp},
                         {"graphed", step.graphed()},
+                        {"ce_kernel", c.ce_kernel},
                         {"device", dev.str()},
                         {"ms_per_step", ms},
                         {"tokens_per_s", tokens_per_rank_s * world.size()},

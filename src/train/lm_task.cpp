@@ -8,6 +8,7 @@
 #include "ddp/data/tokens.h"
 #include "ddp/dist/world.h"
 #include "ddp/error.h"
+#include "ddp/train/fused_cross_entropy.h"
 
 namespace fs = std::filesystem;
 
@@ -109,15 +110,24 @@ void LmTask::configure_optimizer(const Config& c, OptimizerSetup& setup) {
   setup.optimizer.no_decay_1d(true);
 }
 
-torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum) {
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum,
+                              bool overwrite_logits) {
   namespace F = torch::nn::functional;
+  auto flat = logits.reshape({-1, logits.size(-1)});
+  auto flat_targets = targets.reshape({-1});
+  // On CUDA, one kernel each way instead of autocast's fp32 copy of the
+  // logits, log_softmax, nll_loss and their backwards (fused_cross_entropy.h).
+  if (fused_cross_entropy_enabled() && fused_cross_entropy_applies(flat, flat_targets))
+    return fused_cross_entropy(flat, flat_targets, sum, overwrite_logits);
   auto options = F::CrossEntropyFuncOptions();
   if (sum) options.reduction(torch::kSum);
-  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}), options);
+  return F::cross_entropy(flat, flat_targets, options);
 }
 
 StepOutput LmTask::training_step(const data::Batch& batch) {
-  return next_token_loss(gpt_->forward(batch.input()), batch.target());
+  // The logits are this step's own and feed nothing but the loss, so the
+  // loss's backward may write their gradient over them.
+  return next_token_loss(gpt_->forward(batch.input()), batch.target(), /*sum=*/false, /*overwrite_logits=*/true);
 }
 
 TensorMap LmTask::validation_step(const data::Batch& batch) {

@@ -64,7 +64,13 @@ class LmTask : public Task {
 };
 
 /// Next-token cross-entropy of B x T x V logits against B x T targets:
-/// the mean over all positions, or the sum with `sum`.
-torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum = false);
+/// the mean over all positions, or the sum with `sum`. CUDA logits go
+/// through ddptrain's fused kernels where the build has them
+/// (fused_cross_entropy.h; --ce-kernel native turns them off), others
+/// through LibTorch's cross_entropy. `overwrite_logits`: the caller reads
+/// the logits no more, so the fused backward may write the gradient over
+/// them (ignored on the LibTorch path).
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets, bool sum = false,
+                              bool overwrite_logits = false);
 
 }  // namespace ddp

@@ -1,0 +1,377 @@
+// Cross-entropy over [N, V] logits: one block per row, forward and backward.
+//
+// Forward: each thread keeps a running (max m, sum s of exp(x - m)) over its
+// share of the row and rescales s when the max grows (the "online softmax":
+// one pass instead of a max pass and a sum pass); the block then merges the
+// threads' pairs, and thread 0 writes lse = m + log(s) and the row's loss
+// lse - x[target]. A second, one-block kernel sums the N row losses in
+// double in a fixed order (no atomics, so the loss is deterministic) and
+// divides by the number of targets not ignored, read on the device: nothing
+// waits on the host, so a CUDA graph can capture it.
+//
+// Backward: dx[j] = (exp(x[j] - lse) - [j == target]) * g, g = the loss's
+// gradient / count (or / 1 for a sum), also read on the device (fp16 loss
+// scaling multiplies it). Each element is read and then written by the same
+// thread, so the gradient may go over the logits in place.
+//
+// Rows are read 16 bytes at a time. A row of V elements need not start on a
+// 16-byte boundary (V = 7 bf16 rows start every 14 bytes), so each row is
+// split into an unaligned head read element by element, the aligned 16-byte
+// vectors, and a tail.
+#include "ddp/cuda/cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+namespace ddp::cuda {
+namespace {
+
+constexpr int kMaxThreads = 512;  // per row: V = 50304 bf16 is 6288 vectors, ~12 per thread
+constexpr int kUnroll = 4;        // vectors in flight per thread
+
+template <typename T>
+constexpr int kPerVec = 16 / static_cast<int>(sizeof(T));  // elements in 16 bytes
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+// One 16-byte vector to and from fp32. (The element-wise conversions; the
+// kernels are bound by memory, not by these.)
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& v, float* f) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int k = 0; k < kPerVec<T>; ++k) f[k] = to_float(e[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack(const float* f) {
+  uint4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int k = 0; k < kPerVec<T>; ++k) e[k] = from_float<T>(f[k]);
+  return v;
+}
+
+// A row as [head elements][vecs 16-byte vectors][tail elements]. The head
+// runs up to the first 16-byte boundary; with vectorize false (the input
+// and output rows are aligned differently), the whole row is "head".
+struct RowSplit {
+  int64_t head, vecs;
+};
+
+template <typename T>
+__device__ __forceinline__ RowSplit split_row(const T* row, int64_t V, bool vectorize) {
+  if (!vectorize) return {V, 0};
+  const auto misalign = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(row) % 16);
+  int64_t head = misalign == 0 ? 0 : (16 - misalign) / static_cast<int64_t>(sizeof(T));
+  if (head > V) head = V;
+  return {head, (V - head) / kPerVec<T>};
+}
+
+// Running max and sum of exp(x - max).
+struct MaxSum {
+  float m = -INFINITY, s = 0.f;
+
+  // Adds n values whose max is vmax.
+  __device__ __forceinline__ void add(const float* x, int n, float vmax) {
+    if (vmax > m) {
+      s *= __expf(m - vmax);  // exp(-inf) = 0 on the first finite value
+      m = vmax;
+    }
+    if (m == -INFINITY) return;  // everything so far is -inf: exp(-inf - -inf) would be NaN
+    for (int k = 0; k < n; ++k) s += __expf(x[k] - m);
+  }
+
+  __device__ __forceinline__ void add(float x) { add(&x, 1, x); }
+
+  __device__ __forceinline__ void merge(float m2, float s2) {
+    const float mm = fmaxf(m, m2);
+    if (mm == -INFINITY) return;
+    s = s * __expf(m - mm) + s2 * __expf(m2 - mm);
+    m = mm;
+  }
+};
+
+// Merges every thread's (m, s) into thread 0's. blockDim.x is a multiple of
+// 32 and at most 1024.
+__device__ __forceinline__ MaxSum block_merge(MaxSum a) {
+  __shared__ float sm[32], ss[32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) a.merge(__shfl_xor_sync(0xffffffffu, a.m, o), __shfl_xor_sync(0xffffffffu, a.s, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    sm[warp] = a.m;
+    ss[warp] = a.s;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    MaxSum b;
+    if (lane < warps) {
+      b.m = sm[lane];
+      b.s = ss[lane];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      b.merge(__shfl_xor_sync(0xffffffffu, b.m, o), __shfl_xor_sync(0xffffffffu, b.s, o));
+    a = b;
+  }
+  return a;
+}
+
+template <typename T>
+__global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t V,
+                               int64_t ignore_index, bool vectorize, float* __restrict__ lse,
+                               float* __restrict__ row_loss) {
+  constexpr int kN = kPerVec<T>;
+  const int64_t i = blockIdx.x;
+  const T* row = logits + i * V;
+  const auto split = split_row(row, V, vectorize);
+  const int64_t step = blockDim.x;
+  MaxSum acc;
+  for (int64_t j = threadIdx.x; j < split.head; j += step) acc.add(to_float(row[j]));
+  const auto* vec = reinterpret_cast<const uint4*>(row + split.head);
+  int64_t v = threadIdx.x;
+  for (; v + (kUnroll - 1) * step < split.vecs; v += kUnroll * step) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) raw[u] = vec[v + u * step];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float f[kN];
+      unpack<T>(raw[u], f);
+      float vmax = f[0];
+#pragma unroll
+      for (int k = 1; k < kN; ++k) vmax = fmaxf(vmax, f[k]);
+      acc.add(f, kN, vmax);
+    }
+  }
+  for (; v < split.vecs; v += step) {
+    float f[kN];
+    unpack<T>(vec[v], f);
+    float vmax = f[0];
+#pragma unroll
+    for (int k = 1; k < kN; ++k) vmax = fmaxf(vmax, f[k]);
+    acc.add(f, kN, vmax);
+  }
+  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step) acc.add(to_float(row[j]));
+
+  acc = block_merge(acc);
+  if (threadIdx.x != 0) return;
+  const float l = acc.m + logf(acc.s);
+  const int64_t t = targets[i];
+  float loss = 0.f;
+  if (t != ignore_index) {
+    CUDA_KERNEL_ASSERT(t >= 0 && t < V);
+    loss = l - to_float(row[t]);
+  }
+  lse[i] = l;
+  row_loss[i] = loss;
+}
+
+// One block: loss = sum of the row losses (/ count unless sum), count = the
+// rows not ignored. In double, each thread over a fixed stride of rows, then
+// a fixed tree: the same bits on every run.
+__global__ void reduce_kernel(const float* __restrict__ row_loss, const int64_t* __restrict__ targets, int64_t N,
+                              int64_t ignore_index, bool sum, float* __restrict__ loss, float* __restrict__ count) {
+  __shared__ double sl[32], sc[32];
+  double l = 0, c = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) {
+    l += row_loss[i];
+    c += targets[i] != ignore_index ? 1.0 : 0.0;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    l += __shfl_xor_sync(0xffffffffu, l, o);
+    c += __shfl_xor_sync(0xffffffffu, c, o);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sl[warp] = l;
+    sc[warp] = c;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  const int warps = blockDim.x / 32;
+  l = lane < warps ? sl[lane] : 0.0;
+  c = lane < warps ? sc[lane] : 0.0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    l += __shfl_xor_sync(0xffffffffu, l, o);
+    c += __shfl_xor_sync(0xffffffffu, c, o);
+  }
+  if (lane == 0) {
+    *count = static_cast<float>(c);
+    *loss = static_cast<float>(sum ? l : l / c);  // 0/0 = NaN when every target is ignored, as PyTorch
+  }
+}
+
+// dlogits may be logits itself (in place): no __restrict__ on either.
+template <typename T>
+__global__ void backward_kernel(const T* logits, T* dlogits, const int64_t* __restrict__ targets,
+                                const float* __restrict__ lse, const float* __restrict__ grad,
+                                const float* __restrict__ count, bool sum, int64_t V, int64_t ignore_index,
+                                bool vectorize) {
+  constexpr int kN = kPerVec<T>;
+  const int64_t i = blockIdx.x;
+  const T* in = logits + i * V;
+  T* out = dlogits + i * V;
+  const auto split = split_row(in, V, vectorize);
+  const int64_t step = blockDim.x;
+  const int64_t t = targets[i];
+  const bool ignored = t == ignore_index;
+  // An ignored row's gradient is 0 (its logits need not be read).
+  const float g = ignored ? 0.f : (sum ? *grad : *grad / *count);
+  const float l = ignored ? 0.f : lse[i];
+  auto d = [&](float x, int64_t j) { return ignored ? 0.f : (__expf(x - l) - (j == t ? 1.f : 0.f)) * g; };
+
+  for (int64_t j = threadIdx.x; j < split.head; j += step) out[j] = from_float<T>(d(to_float(in[j]), j));
+  const auto* vin = reinterpret_cast<const uint4*>(in + split.head);
+  auto* vout = reinterpret_cast<uint4*>(out + split.head);
+  auto one = [&](const uint4& raw, int64_t v) {
+    float f[kN];
+    unpack<T>(raw, f);
+    const int64_t j0 = split.head + v * kN;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) f[k] = d(f[k], j0 + k);
+    vout[v] = pack<T>(f);
+  };
+  int64_t v = threadIdx.x;
+  if (!ignored) {
+    for (; v + (kUnroll - 1) * step < split.vecs; v += kUnroll * step) {
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) raw[u] = vin[v + u * step];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) one(raw[u], v + u * step);
+    }
+  }
+  for (; v < split.vecs; v += step) one(ignored ? uint4{0, 0, 0, 0} : vin[v], v);
+  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step)
+    out[j] = from_float<T>(d(to_float(in[j]), j));
+}
+
+int threads_for(int64_t V, int64_t elem_size) {
+  const int64_t vecs = (V * elem_size + 15) / 16;
+  return static_cast<int>(std::clamp<int64_t>((vecs + 31) / 32 * 32, 32, kMaxThreads));
+}
+
+template <typename T>
+const T* as(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+template <typename T>
+T* as_mut(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+std::uintptr_t misalignment(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16; }
+
+template <typename T>
+void launch_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index, const at::Tensor& lse,
+                    const at::Tensor& row_loss, cudaStream_t stream) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  forward_kernel<T><<<static_cast<unsigned>(N), threads_for(V, sizeof(T)), 0, stream>>>(
+      as<T>(logits), as<int64_t>(targets), V, ignore_index, true, as_mut<float>(lse), as_mut<float>(row_loss));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_backward(const at::Tensor& logits, const at::Tensor& dlogits, const at::Tensor& targets,
+                     const at::Tensor& lse, const at::Tensor& grad, const at::Tensor& count, bool sum,
+                     int64_t ignore_index, cudaStream_t stream) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  // The head/vector split is computed on the input row; the output row must
+  // sit at the same offset from a 16-byte boundary (always so in place).
+  const bool vectorize = misalignment(logits) == misalignment(dlogits);
+  backward_kernel<T><<<static_cast<unsigned>(N), threads_for(V, sizeof(T)), 0, stream>>>(
+      as<T>(logits), as_mut<T>(dlogits), as<int64_t>(targets), as<float>(lse), as<float>(grad), as<float>(count),
+      sum, V, ignore_index, vectorize);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool cross_entropy_supported(const at::Tensor& logits, const at::Tensor& targets) {
+  const auto dt = logits.defined() ? logits.scalar_type() : at::kFloat;
+  return logits.defined() && targets.defined() && logits.is_cuda() && logits.dim() == 2 &&
+         (dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat) && logits.is_contiguous() &&
+         logits.size(0) >= 1 && logits.size(0) <= std::numeric_limits<int32_t>::max() && logits.size(1) >= 1 &&
+         targets.device() == logits.device() && targets.scalar_type() == at::kLong && targets.dim() == 1 &&
+         targets.size(0) == logits.size(0);
+}
+
+std::vector<at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& targets_in, bool sum,
+                                              int64_t ignore_index) {
+  TORCH_CHECK(cross_entropy_supported(logits, targets_in), "cross_entropy_forward: unsupported logits ",
+              logits.sizes(), " ", logits.scalar_type(), " or targets ", targets_in.sizes(), " ",
+              targets_in.scalar_type());
+  c10::cuda::CUDAGuard guard(logits.device());
+  const auto targets = targets_in.contiguous();
+  const int64_t N = logits.size(0);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  auto lse = at::empty({N}, f32);
+  auto row_loss = at::empty({N}, f32);
+  auto loss = at::empty({}, f32);
+  auto count = at::empty({}, f32);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  switch (logits.scalar_type()) {
+    case at::kBFloat16: launch_forward<__nv_bfloat16>(logits, targets, ignore_index, lse, row_loss, stream); break;
+    case at::kHalf: launch_forward<__half>(logits, targets, ignore_index, lse, row_loss, stream); break;
+    default: launch_forward<float>(logits, targets, ignore_index, lse, row_loss, stream); break;
+  }
+  reduce_kernel<<<1, 1024, 0, stream>>>(as<float>(row_loss), as<int64_t>(targets), N, ignore_index, sum,
+                                        as_mut<float>(loss), as_mut<float>(count));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {loss, lse, count};
+}
+
+at::Tensor cross_entropy_backward(const at::Tensor& grad_in, const at::Tensor& logits, const at::Tensor& targets_in,
+                                  const at::Tensor& lse, const at::Tensor& count, bool sum, bool in_place,
+                                  int64_t ignore_index) {
+  TORCH_CHECK(cross_entropy_supported(logits, targets_in), "cross_entropy_backward: unsupported logits ",
+              logits.sizes(), " ", logits.scalar_type());
+  const int64_t N = logits.size(0);
+  TORCH_CHECK(grad_in.defined() && grad_in.numel() == 1 && grad_in.device() == logits.device(),
+              "cross_entropy_backward: the loss's gradient must be one element on ", logits.device());
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == N &&
+                  lse.device() == logits.device() && count.scalar_type() == at::kFloat && count.numel() == 1 &&
+                  count.device() == logits.device(),
+              "cross_entropy_backward: lse and count must be the forward's");
+  c10::cuda::CUDAGuard guard(logits.device());
+  const auto targets = targets_in.contiguous();
+  const auto grad = grad_in.to(at::kFloat).contiguous();
+  auto dlogits = in_place ? logits : at::empty({N, logits.size(1)}, logits.options());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  switch (logits.scalar_type()) {
+    case at::kBFloat16:
+      launch_backward<__nv_bfloat16>(logits, dlogits, targets, lse, grad, count, sum, ignore_index, stream);
+      break;
+    case at::kHalf: launch_backward<__half>(logits, dlogits, targets, lse, grad, count, sum, ignore_index, stream); break;
+    default: launch_backward<float>(logits, dlogits, targets, lse, grad, count, sum, ignore_index, stream); break;
+  }
+  return dlogits;
+}
+
+}  // namespace ddp::cuda
