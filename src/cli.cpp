@@ -84,7 +84,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed", kMayChange},
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed", kMayChange},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed", kMayChange},
-      {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply, with ReLU and residual add fused in (auto), the same kernels with separate ReLU/add ops (unfused), or LibTorch's (native)", &c.bn_kernel, {"auto", "unfused", "native"}, "speed", kMayChange},
+      {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply, with ReLU and residual add fused in (auto), the same kernels with separate ReLU/add ops (unfused), or LibTorch's (native); the ResNet stem's max pool runs ddptrain's channels-last kernel except with native", &c.bn_kernel, {"auto", "unfused", "native"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},

@@ -22,6 +22,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
+#include "ddp/models/max_pool.h"
 
 namespace fs = std::filesystem;
 
@@ -92,6 +93,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
   if (cuda) compat::set_cuda_math(c.tf32);
   use_nhwc_batchnorm_kernels(c.bn_kernel != "native");
   use_fused_batchnorm_relu(c.bn_kernel == "auto");
+  models::use_nhwc_max_pool_kernels(c.bn_kernel != "native");  // native: all ATen, for A/B timing
   return TrainStepOptions()
       .amp(c.amp)
       .cuda_graph(c.cuda_graph)
