@@ -150,7 +150,7 @@ TEST(MaxPoolNhwc, OtherInputsTakeATensPath_CUDA) {
   EXPECT_FALSE(nhwc_max_pool_applies(x.cpu(), 3, 2, 1));
   EXPECT_FALSE(nhwc_max_pool_applies(cl(torch::randn({2, 12, 9, 9}, gpu), torch::kBFloat16), 3, 2, 1));  // C % 8
   EXPECT_FALSE(nhwc_max_pool_applies(x, 3, 2, 2));                         // padding > kernel / 2
-  EXPECT_FALSE(nhwc_max_pool_applies(x, 17, 1, 0));                        // 289 window offsets
+  EXPECT_FALSE(nhwc_max_pool_applies(x, 17, 1, 8));                        // 289 window offsets
   ddp::models::use_nhwc_max_pool_kernels(false);
   EXPECT_FALSE(nhwc_max_pool_applies(x, 3, 2, 1));
   ddp::models::use_nhwc_max_pool_kernels(true);
