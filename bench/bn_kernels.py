@@ -71,7 +71,7 @@ ext = load(name="ddp_bn_nhwc", sources=[f"{ROOT}/src/cuda/batch_norm_nhwc.cu", f
 class NhwcBatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, rm, rv):
-        y, mean, invstd = ext.forward(x, w, b, rm, rv, 0.1, 1e-5)
+        y, mean, invstd, _ = ext.forward(x, w, b, rm, rv, 0.1, 1e-5)
         ctx.save_for_backward(x, w, mean, invstd)
         return y
 

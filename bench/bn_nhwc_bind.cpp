@@ -11,5 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"), py::arg("eps"),
         py::arg("residual") = at::Tensor(), py::arg("relu") = false);
   m.def("backward", &ddp::cuda::bn_nhwc_backward, py::arg("dy"), py::arg("x"), py::arg("weight"), py::arg("mean"),
-        py::arg("invstd"), py::arg("relu_output") = at::Tensor());
+        py::arg("invstd"), py::arg("relu_output") = at::Tensor(), py::arg("need_dz") = true);
+  m.def("relu_backward", &ddp::cuda::bn_nhwc_relu_backward, py::arg("dy"), py::arg("x"), py::arg("weight"),
+        py::arg("mean"), py::arg("invstd"), py::arg("scale_shift"));
 }

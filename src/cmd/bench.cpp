@@ -151,7 +151,7 @@ int run_bench(const Config& c, World& world) {
   profile_steps(run_step, c.bench_steps, c, world);
   if (world.is_main()) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
-    if (c.bn_kernel == "native") contender += ", LibTorch BN";
+    if (c.bn_kernel == "native") contender += ", LibTorch BN and max pool";
     if (c.bn_kernel == "unfused") contender += ", BN unfused";
     nlohmann::json j = {{"contender", contender},
                         {"model", c.model},

@@ -15,6 +15,9 @@
 // first sum pass reads y for the ReLU mask and writes the masked gradient
 // dz = dy * (y > 0) once; dz is the shortcut's gradient and the input of
 // the dx pass (seven passes against eight, and no separate ReLU kernel).
+// Without a residual nobody needs dz: the mask is then recomputed from x
+// and the forward's scale/shift (so the forward's y need not be kept for
+// the backward), in both passes, and dz is never written.
 #include "ddp/cuda/batch_norm_nhwc.h"
 
 #include <ATen/ATen.h>
@@ -66,6 +69,26 @@ __device__ __forceinline__ void mask8(const __nv_bfloat16* y, float* g, __nv_bfl
   for (int k = 0; k < kVec; ++k) g[k] = m[k] > 0.f ? g[k] : 0.f;
   store8(dz, g);
 }
+
+// The normalising affine map, as one explicit fma: the forward and the
+// ReLU mask recomputed in backward must round identically. (It is the fma
+// that nvcc contracted `v * s + t` to before this was spelled out.)
+__device__ __forceinline__ float affine(float v, float s, float t) { return __fmaf_rn(v, s, t); }
+
+// g = g where relu(x * s + t), rounded to bf16 as the forward stores it,
+// is > 0, else 0: the mask of the forward's y, without y.
+__device__ __forceinline__ void mask8_from_x(const float* v, const float* s, const float* t, float* g) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const float y = __bfloat162float(__float2bfloat16_rn(fmaxf(affine(v[k], s[k], t[k]), 0.f)));
+    g[k] = y > 0.f ? g[k] : 0.f;
+  }
+}
+
+// Where backward's ReLU mask comes from: none (plain batch norm), the
+// forward's output y (the residual case; the masked gradient dz is written
+// out), or x and the forward's scale/shift (no residual; nothing written).
+enum class Mask { kNone, kFromY, kFromX };
 
 // Chan et al.: (n, mean, m2) += (nb, meanb, m2b).
 __device__ __forceinline__ void merge(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
@@ -215,7 +238,7 @@ __global__ void normalize_kernel(const T* __restrict__ x, const T* __restrict__ 
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       // Rounded to bf16 before the add, as the unfused ops round bn's output.
-      v[k] = v[k] * s[k] + t[k];
+      v[k] = affine(v[k], s[k], t[k]);
       if constexpr (kResidual) v[k] = __bfloat162float(__float2bfloat16_rn(v[k])) + r[k];
       if constexpr (kRelu) v[k] = fmaxf(v[k], 0.f);
     }
@@ -224,17 +247,23 @@ __global__ void normalize_kernel(const T* __restrict__ x, const T* __restrict__ 
 }
 
 // Per block and channel: sum(dy) and sum(dy * (x - mean)). part: [2][gridDim.x][C].
-// kMask: dy is first masked by the ReLU output y (dy where y > 0, else 0),
-// and the masked gradient is written to dz.
-template <typename T, bool kMask>
+// kFromY: dy is first masked by the ReLU output y (dy where y > 0, else 0),
+// and the masked gradient is written to dz. kFromX: the same mask from x
+// and scale_shift ([2][C]: the forward's scale and shift), nothing written.
+template <typename T, Mask kMask>
 __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
-                                    const T* __restrict__ y, T* __restrict__ dz, int64_t M, int C,
+                                    const T* __restrict__ y, T* __restrict__ dz,
+                                    const float* __restrict__ scale_shift, int64_t M, int C,
                                     float* __restrict__ part) {
   extern __shared__ float sh[];
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int c0 = (blockIdx.y * TX + tx) * kVec;
-  float m[kVec], sdy[kVec], sdx[kVec];
+  float m[kVec], sdy[kVec], sdx[kVec], sc[kVec], sf[kVec];
   load8f(mean + c0, m);
+  if constexpr (kMask == Mask::kFromX) {
+    load8f(scale_shift + c0, sc);
+    load8f(scale_shift + C + c0, sf);
+  }
 #pragma unroll
   for (int k = 0; k < kVec; ++k) sdy[k] = sdx[k] = 0.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * TY;
@@ -246,9 +275,13 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
       load8(dy + (r + u * stride) * C + c0, g[u]);
       load8(x + (r + u * stride) * C + c0, v[u]);
     }
-    if constexpr (kMask) {
+    if constexpr (kMask == Mask::kFromY) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) mask8(y + (r + u * stride) * C + c0, g[u], dz + (r + u * stride) * C + c0);
+    }
+    if constexpr (kMask == Mask::kFromX) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) mask8_from_x(v[u], sc, sf, g[u]);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -262,7 +295,8 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
     float g[kVec], v[kVec];
     load8(dy + r * C + c0, g);
     load8(x + r * C + c0, v);
-    if constexpr (kMask) mask8(y + r * C + c0, g, dz + r * C + c0);
+    if constexpr (kMask == Mask::kFromY) mask8(y + r * C + c0, g, dz + r * C + c0);
+    if constexpr (kMask == Mask::kFromX) mask8_from_x(v, sc, sf, g);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       sdy[k] += g[k];
@@ -337,9 +371,14 @@ __global__ void grad_finalize_kernel(const float* __restrict__ part, int parts, 
   coef[2 * C + c] = -a * sdy / rows - b * mean[c];
 }
 
-template <typename T>
-__global__ void grad_input_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ coef,
-                                  T* __restrict__ dx, int64_t vecs, int cv) {
+// dx = a*g + b*x + d per channel, g = dy, or dy masked (kFromX; the kFromY
+// callers pass dz as dy). dy and dx may be the same buffer (dx written over
+// dz when the caller does not need dz), hence no __restrict__ on them: each
+// thread reads its own 8 elements of dy before it writes the same 8 of dx,
+// and no other thread touches them, so the in-place update is race-free.
+template <typename T, Mask kMask>
+__global__ void grad_input_kernel(const T* dy, const T* __restrict__ x, const float* __restrict__ coef,
+                                  const float* __restrict__ scale_shift, T* dx, int64_t vecs, int cv) {
   const int C = cv * kVec;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -350,6 +389,12 @@ __global__ void grad_input_kernel(const T* __restrict__ dy, const T* __restrict_
     load8f(coef + c0, a);
     load8f(coef + C + c0, b);
     load8f(coef + 2 * C + c0, d);
+    if constexpr (kMask == Mask::kFromX) {
+      float sc[kVec], sf[kVec];
+      load8f(scale_shift + c0, sc);
+      load8f(scale_shift + C + c0, sf);
+      mask8_from_x(v, sc, sf, g);
+    }
 #pragma unroll
     for (int k = 0; k < kVec; ++k) g[k] = a[k] * g[k] + b[k] * v[k] + d[k];
     store8(dx + i * kVec, g);
@@ -433,10 +478,11 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   else launch_normalize<T, false, false>(x, residual, stats, y, stream);
 }
 
-// dz: where the masked gradient goes (only with relu_output).
+// The mask comes from relu_output (then the masked gradient goes to dz,
+// which may be dx itself), from scale_shift, or there is none.
 template <typename T>
-void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                   const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& relu_output,
+void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
+                   const at::Tensor& invstd, const at::Tensor& relu_output, const at::Tensor& scale_shift,
                    const at::Tensor& dz, const at::Tensor& dx, const at::Tensor& dweight, const at::Tensor& dbias) {
   const int C = static_cast<int>(x.size(1));
   const int64_t M = x.numel() / C;
@@ -446,22 +492,30 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   auto coef = at::empty({3 * static_cast<int64_t>(C)}, dweight.options());
   const size_t shared = sizeof(float) * 2 * p.ty * p.tx * kVec;
   const dim3 grid(p.gx, p.gy), block(p.tx, p.ty);
-  const bool mask = relu_output.defined();
-  if (mask)
-    grad_partial_kernel<T, true><<<grid, block, shared, stream>>>(as<T>(dy), as<T>(x), as<float>(mean),
-                                                                  as<T>(relu_output), as_mut<T>(dz), M, C,
-                                                                  as_mut<float>(part));
+  const Mask mask = relu_output.defined() ? Mask::kFromY : scale_shift.defined() ? Mask::kFromX : Mask::kNone;
+  const float* ss = scale_shift.defined() ? as<float>(scale_shift) : nullptr;
+  if (mask == Mask::kFromY)
+    grad_partial_kernel<T, Mask::kFromY><<<grid, block, shared, stream>>>(
+        as<T>(dy), as<T>(x), as<float>(mean), as<T>(relu_output), as_mut<T>(dz), nullptr, M, C, as_mut<float>(part));
+  else if (mask == Mask::kFromX)
+    grad_partial_kernel<T, Mask::kFromX><<<grid, block, shared, stream>>>(
+        as<T>(dy), as<T>(x), as<float>(mean), nullptr, nullptr, ss, M, C, as_mut<float>(part));
   else
-    grad_partial_kernel<T, false><<<grid, block, shared, stream>>>(as<T>(dy), as<T>(x), as<float>(mean), nullptr,
-                                                                   nullptr, M, C, as_mut<float>(part));
+    grad_partial_kernel<T, Mask::kNone><<<grid, block, shared, stream>>>(
+        as<T>(dy), as<T>(x), as<float>(mean), nullptr, nullptr, nullptr, M, C, as_mut<float>(part));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   grad_finalize_kernel<<<(C + 31) / 32, dim3(32, kLanes), 0, stream>>>(
       as<float>(part), p.gx, C, static_cast<float>(M), as<float>(weight), as<float>(mean), as<float>(invstd),
       as_mut<float>(dweight), as_mut<float>(dbias), as_mut<float>(coef));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t vecs = x.numel() / kVec;
-  grad_input_kernel<T><<<elementwise_blocks(vecs), kThreads, 0, stream>>>(
-      as<T>(mask ? dz : dy), as<T>(x), as<float>(coef), as_mut<T>(dx), vecs, C / kVec);
+  const int blocks = elementwise_blocks(vecs);
+  if (mask == Mask::kFromX)
+    grad_input_kernel<T, Mask::kFromX><<<blocks, kThreads, 0, stream>>>(as<T>(dy), as<T>(x), as<float>(coef), ss,
+                                                                        as_mut<T>(dx), vecs, C / kVec);
+  else  // kFromY reads the masked gradient back from dz
+    grad_input_kernel<T, Mask::kNone><<<blocks, kThreads, 0, stream>>>(
+        as<T>(mask == Mask::kFromY ? dz : dy), as<T>(x), as<float>(coef), nullptr, as_mut<T>(dx), vecs, C / kVec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -494,25 +548,56 @@ std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& w
   auto y = at::empty_like(x);  // keeps channels-last
   auto stats = at::empty({4, C}, weight.options());
   forward_impl<__nv_bfloat16>(x, weight, bias, running_mean, running_var, momentum, eps, residual, relu, y, stats);
-  return {y, stats[0], stats[1]};
+  return {y, stats[0], stats[1], stats.narrow(0, 2, 2)};
 }
+
+namespace {
+
+void check_backward_input(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(bn_nhwc_supported(x), what, ": unsupported input ", x.sizes(), " ", x.scalar_type());
+}
+
+}  // namespace
 
 std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& weight,
                                          const at::Tensor& mean, const at::Tensor& invstd,
-                                         const at::Tensor& relu_output) {
-  TORCH_CHECK(bn_nhwc_supported(x), "bn_nhwc_backward: unsupported input ", x.sizes(), " ", x.scalar_type());
+                                         const at::Tensor& relu_output, bool need_dz) {
+  check_backward_input(x, "bn_nhwc_backward");
   auto dy = as_kernel_input(dy_in, x);
-  at::Tensor y, dz = dy;
+  c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor y, dz = dy, dx;
   if (relu_output.defined()) {
     y = as_kernel_input(relu_output, x);
     dz = at::empty_like(x);
+    // Without a caller for dz, dx goes over it (grad_input_kernel allows
+    // that): one activation-sized buffer less at backward's peak.
+    dx = need_dz ? at::empty_like(x) : dz;
+  } else {
+    dx = at::empty_like(x);
   }
+  auto dweight = at::empty_like(weight);
+  auto dbias = at::empty_like(weight);
+  backward_impl<__nv_bfloat16>(dy, x, weight, mean.contiguous(), invstd.contiguous(), y, at::Tensor(), dz, dx,
+                               dweight, dbias);
+  return {dx, dweight, dbias, need_dz ? dz : at::Tensor()};
+}
+
+std::vector<at::Tensor> bn_nhwc_relu_backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& mean, const at::Tensor& invstd,
+                                              const at::Tensor& scale_shift) {
+  check_backward_input(x, "bn_nhwc_relu_backward");
+  const int64_t C = x.size(1);
+  TORCH_CHECK(scale_shift.defined() && scale_shift.is_cuda() && scale_shift.scalar_type() == at::kFloat &&
+                  scale_shift.is_contiguous() && scale_shift.numel() == 2 * C,
+              "bn_nhwc_relu_backward: scale_shift must be the forward's contiguous fp32 [2, ", C, "]");
+  auto dy = as_kernel_input(dy_in, x);
   c10::cuda::CUDAGuard guard(x.device());
   auto dx = at::empty_like(x);
   auto dweight = at::empty_like(weight);
   auto dbias = at::empty_like(weight);
-  backward_impl<__nv_bfloat16>(dy, x, weight, mean.contiguous(), invstd.contiguous(), y, dz, dx, dweight, dbias);
-  return {dx, dweight, dbias, dz};
+  backward_impl<__nv_bfloat16>(dy, x, weight, mean.contiguous(), invstd.contiguous(), at::Tensor(), scale_shift,
+                               at::Tensor(), dx, dweight, dbias);
+  return {dx, dweight, dbias};
 }
 
 }  // namespace ddp::cuda

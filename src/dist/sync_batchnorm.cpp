@@ -130,42 +130,47 @@ std::atomic<bool> g_fused_relu{true};     // use_fused_batchnorm_relu()
 // Local (unsynced) training statistics through ddptrain's NHWC kernels,
 // optionally followed by a ReLU in the same pass. (Two Functions, with and
 // without the residual, because autograd takes no undefined tensor input.)
-variable_list nhwc_forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& weight,
-                           const torch::Tensor& bias, const torch::Tensor& residual, const torch::Tensor& running_mean,
-                           const torch::Tensor& running_var, double eps, double momentum, bool relu) {
-  auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, relu);
-  // The output is saved only for the ReLU's mask.
-  ctx->save_for_backward({x, weight, out[1], out[2], relu ? out[0] : torch::Tensor()});
-  return {out[0]};
-}
-
-// {dx, dweight, dbias, dresidual}
-std::vector<torch::Tensor> nhwc_backward(AutogradContext* ctx, const variable_list& grads) {
-  auto s = ctx->get_saved_variables();
-  return cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4]);
-}
-
+//
+// What backward keeps, and why (peak memory is at the start of backward,
+// when every saved activation is alive):
+//  - x, always (both gradient passes read it).
+//  - relu without residual: not y. The mask is recomputed from x and the
+//    forward's scale/shift (a [2, C] fp32 view), so y lives only as long as
+//    its consumers keep it; the stem's max pool, for one, keeps only uint8
+//    argmax offsets, and its 112x112x64 input is then freed after forward.
+//  - relu with residual: y, for the mask (recomputing it would need the
+//    residual kept instead; y is kept by the next block anyway).
 struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                                torch::Tensor running_mean, torch::Tensor running_var, double eps, double momentum,
                                bool relu) {
-    return nhwc_forward(ctx, x, weight, bias, {}, running_mean, running_var, eps, momentum, relu)[0];
+    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, {}, relu);
+    ctx->save_for_backward({x, weight, out[1], out[2], relu ? out[3] : torch::Tensor()});
+    return out[0];
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto g = nhwc_backward(ctx, grads);
+    auto s = ctx->get_saved_variables();
+    // No shortcut here, so no caller for dz: the ReLU path writes none.
+    auto g = s[4].defined() ? cuda::bn_nhwc_relu_backward(grads[0], s[0], s[1], s[2], s[3], s[4])
+                            : cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3]);
     return {g[0], g[1], g[2], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
-// relu(bn(x) + residual).
+// relu(bn(x) + residual). dz, the masked gradient, is the residual's.
 struct NhwcBatchNormAddReluFn : torch::autograd::Function<NhwcBatchNormAddReluFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                                torch::Tensor residual, torch::Tensor running_mean, torch::Tensor running_var,
                                double eps, double momentum) {
-    return nhwc_forward(ctx, x, weight, bias, residual, running_mean, running_var, eps, momentum, true)[0];
+    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, true);
+    ctx->save_for_backward({x, weight, out[1], out[2], out[0]});
+    return out[0];
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto g = nhwc_backward(ctx, grads);
+    auto s = ctx->get_saved_variables();
+    // The shortcut needs dz only when its input requires a gradient.
+    const bool need_dz = ctx->needs_input_grad(3);
+    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4], need_dz);
     return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };

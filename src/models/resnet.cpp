@@ -5,6 +5,8 @@
 // same order as PyTorch, not just under the same names.
 #include "ddp/models/resnet.h"
 
+#include "ddp/models/max_pool.h"
+
 #include <array>
 #include <string>
 
@@ -124,7 +126,9 @@ torch::Tensor ResNetImpl::forward_features(torch::Tensor x) {
               options.in_channels(), " x H x W input, got ", x.sizes());
   x = bn1->forward_relu(conv1(x));
   if (options.stem() == ResNetStem::kImageNet) {
-    x = torch::max_pool2d(x, /*kernel_size=*/3, /*stride=*/2, /*padding=*/1);
+    // ddptrain's channels-last kernels on CUDA (uint8 argmax, no saved
+    // input), ATen's otherwise; the same outputs and gradients.
+    x = max_pool2d(x, /*kernel=*/3, /*stride=*/2, /*padding=*/1);
   }
   x = layer1->forward(x);
   x = layer2->forward(x);

@@ -164,6 +164,47 @@ TEST(BatchNormNhwc, FusedReluAndResidualEqualTheSeparateOps_CUDA) {
   }
 }
 
+#ifdef DDP_WITH_CUDA_KERNELS
+// The memory-saving backward variants give the same bits as the plain one:
+// dx written over dz (need_dz = false), and the ReLU mask recomputed from x
+// and the forward's scale/shift instead of read from y.
+TEST(BatchNormNhwc, BackwardWithoutDzOrYGivesTheSameBits_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(6);
+  auto cl = [&](torch::Tensor t) { return t.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
+  for (const auto& shape : kShapes) {
+    for (const bool with_residual : {false, true}) {
+      SCOPED_TRACE(c10::str(shape, with_residual ? " with residual" : " relu only"));
+      const int64_t c = shape[1];
+      // Half of the outputs near the ReLU's kink: the mask is what is tested.
+      auto x = cl(torch::randn(shape, gpu) * 3 + 2);
+      auto res = with_residual ? cl(torch::randn(shape, gpu)) : torch::Tensor();
+      auto dy = cl(torch::randn(shape, gpu));
+      auto w = torch::rand({c}, gpu) + 0.5, b = torch::randn({c}, gpu) * 1e-3;
+      auto rm = torch::zeros({c}, gpu), rv = torch::ones({c}, gpu);
+      auto out = ddp::cuda::bn_nhwc_forward(x, w, b, rm, rv, 0.1, 1e-5, res, true);
+      ASSERT_EQ(out.size(), 4u);
+      auto y = out[0];
+      auto keep = ddp::cuda::bn_nhwc_backward(dy, x, w, out[1], out[2], y, /*need_dz=*/true);
+      auto over = ddp::cuda::bn_nhwc_backward(dy, x, w, out[1], out[2], y, /*need_dz=*/false);
+      EXPECT_FALSE(over[3].defined());
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(keep[i], over[i])) << "output " << i;
+      EXPECT_TRUE(same_bits(keep[3], dy.masked_fill(y <= 0, 0)));
+      if (!with_residual) {
+        auto from_x = ddp::cuda::bn_nhwc_relu_backward(dy, x, w, out[1], out[2], out[3]);
+        for (int i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(keep[i], from_x[i])) << "output " << i;
+        // The scale/shift it got are the forward's: y = relu(x * scale + shift).
+        auto ss = out[3];
+        auto yref = torch::relu(x.to(torch::kFloat) * ss[0].view({1, c, 1, 1}) + ss[1].view({1, c, 1, 1}));
+        EXPECT_LE((yref.to(torch::kBFloat16).to(torch::kFloat) - y.to(torch::kFloat)).abs().max().item<double>(),
+                  1e-2 * yref.abs().max().item<double>());
+      }
+    }
+  }
+}
+#endif
+
 // Inputs the kernels do not take run through LibTorch's batch norm.
 TEST(BatchNormNhwc, OtherInputsTakeLibTorchsPath_CUDA) {
   DDP_SKIP_UNLESS_CUDA();

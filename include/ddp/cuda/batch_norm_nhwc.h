@@ -23,7 +23,8 @@ namespace ddp::cuda {
 /// tensor with a multiple of 8 channels and 16-byte-aligned data.
 bool bn_nhwc_supported(const at::Tensor& x);
 
-/// Forward over the batch: returns {y, mean, invstd} (the last two fp32 [C]),
+/// Forward over the batch: returns {y, mean, invstd, scale_shift} (fp32
+/// [C], [C] and [2, C]: y = x * scale + shift before any residual or ReLU),
 /// and updates the running statistics (fp32, unbiased variance) in place.
 /// With `residual` (a tensor like x), y = bn(x) + residual; with `relu`,
 /// y = max(that, 0): the residual networks' tails in one pass, rounded as
@@ -37,8 +38,20 @@ std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& w
 /// mean/invstd. With `relu_output` (the forward's y when it applied the
 /// ReLU), dy is first masked where y <= 0. dz is the gradient after the
 /// mask, which is also the residual's gradient (dy itself without a mask).
+/// need_dz = false (with relu_output) says the caller has no use for dz:
+/// dx is then written over it (one activation-sized buffer less) and the
+/// returned dz is undefined. Results are the same bits either way.
 std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                          const at::Tensor& mean, const at::Tensor& invstd,
-                                         const at::Tensor& relu_output = {});
+                                         const at::Tensor& relu_output = {}, bool need_dz = true);
+
+/// Backward of relu(bn(x)) with no residual, from the forward's x and
+/// scale_shift instead of its output: the ReLU mask is recomputed (bit for
+/// bit the forward's y > 0), so the forward need not keep y alive, and no
+/// dz is written. Returns {dx, dweight, dbias}, the same bits as
+/// bn_nhwc_backward(dy, x, weight, mean, invstd, y).
+std::vector<at::Tensor> bn_nhwc_relu_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                              const at::Tensor& mean, const at::Tensor& invstd,
+                                              const at::Tensor& scale_shift);
 
 }  // namespace ddp::cuda
