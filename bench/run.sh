@@ -10,7 +10,12 @@
 # MNIST ResNet-18 (small stem) wall time from launch to 93% test accuracy;
 # and (e) GPT-2 124M, context 1024, bf16, AdamW on random tokens: the
 # nanoGPT-style PyTorch script bench/gpt_torch.py eager and torch.compile,
-# ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS).
+# ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS);
+# and (f) ResNet-50 trained from a folder of ImageNet-like JPEGs
+# (bench/make_jpeg_folder.py, F_FILES of them), from files to weights:
+# PyTorch's DataLoader (PIL) and decode_jpeg on the GPU (bench/e2e_torch.py,
+# torch.compile reduce-overhead), ddptrain --image-decode cpu and gpu, each
+# beside its own step on a resident batch.
 #
 #   bash bench/run.sh            # OUT=dir for the logs (default /tmp/bench)
 #   PHASES="build step" bash bench/run.sh
@@ -118,6 +123,37 @@ if has gpt; then
     log "config e: ddptrain cuda-graph=$graph"
     $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
       --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+  done
+fi
+if has f; then
+  F_DIR=${F_DIR:-/tmp/ddp_f_jpegs}; F_FILES=${F_FILES:-20000}
+  [[ -d $F_DIR ]] || { log "config f: making $F_FILES JPEGs in $F_DIR"
+    python3 bench/make_jpeg_folder.py "$F_DIR" --files "$F_FILES" --classes 100 | tee -a "$OUT/f.data.txt"; }
+  log "config f: pytorch (resident batch, DataLoader, decode_jpeg on the GPU), torch.compile ${F_COMPILE:-reduce-overhead}"
+  timeout ${COMPILE_TIMEOUT:-420} torchrun --standalone --nproc-per-node 1 bench/e2e_torch.py "$F_DIR" \
+    --compile "${F_COMPILE:-reduce-overhead}" --steps "${F_STEPS:-60}" --workers "${F_WORKERS:-$(nproc)}" \
+    2>"$OUT/f.py.err" | grep '^{' | tee -a "$R"
+  log "config f: ddptrain step on a resident batch"
+  $B bench --model resnet50 --image-size 224 --batch 256 --optimizer adam --lr 1e-4 --amp bf16 --bench-steps 40 \
+    --channels-last on --cuda-graph 2>"$OUT/f.resident.err" | grep '^{' \
+    | sed 's/^{/{"config": "f", "data": "resident batch", /' | tee -a "$R"
+  for dec in gpu cpu; do
+    log "config f: ddptrain --image-decode $dec"
+    t0=$(date +%s.%N)
+    $B --dataset imagefolder --data_root "$F_DIR" --val-split 0.02 --model resnet50 --image-size 224 --batch 256 \
+      --amp bf16 --channels-last on --cuda-graph --optimizer adam --lr 1e-4 --epochs 3 --workers "${F_WORKERS:-$(nproc)}" \
+      --image-decode $dec --progress none --save_path "$OUT/f.$dec" > "$OUT/f.$dec.log" 2>&1
+    rc=$?; t1=$(date +%s.%N)
+    python3 - "$OUT/f.$dec.log" "$dec" "$rc" "$t0" "$t1" <<'PY' | tee -a "$R"
+import json, re, sys
+log, dec, rc, t0, t1 = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+ep = re.findall(r"^epoch (\d+)/\d+ .*?([\d.]+) s\s+(\d+) samples/s\s+data wait (\d+)%", open(log).read(), re.M)
+last = ep[-1] if ep else ("0", "0", "0", "0")
+print(json.dumps({"config": "f", "contender": f"ddptrain --image-decode {dec}, cuda-graph", "rc": rc,
+                  "epochs": len(ep), "images_per_s": float(last[2]), "data_wait": float(last[3]) / 100,
+                  "per_epoch_images_per_s": [float(e[2]) for e in ep], "wall_s": t1 - t0}))
+PY
+    rm -f "$OUT/f.$dec"/*.pt
   done
 fi
 if has profile; then
