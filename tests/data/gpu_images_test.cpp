@@ -159,9 +159,25 @@ TEST(GpuImages, GpuDecodeWithoutNvjpegIsAnError) {
 
 // The stage's batch against the CPU path's. Files decoded on the CPU (PNG,
 // progressive, CMYK, the replacement of the truncated one) differ only by
-// the resampling arithmetic; JPEGs nvJPEG decodes differ by its IDCT and
-// chroma upsampling, a few grey levels (1 level = 1 / (255 std) ~ 0.017
-// after normalisation).
+// the resampling arithmetic: under 0.01 grey level (1 level = 1 / (255 std)
+// ~ 0.017 after normalisation; measured < 0.001 on an H200). JPEGs nvJPEG
+// decodes: without chroma subsampling (4:4:4, grey) the pixels equal
+// libjpeg-turbo's (measured 0); with 4:2:0 or 4:2:2 they differ by the
+// chroma upsampling (libjpeg-turbo's default "fancy" triangle filter, which
+// PIL uses too, against nvJPEG's replication), most at sharp colour edges.
+// Measured 2026-12-03: the photo-like files, mean 0.5-1.7 and max 3-19
+// levels; the test set's synthetic files with hard colour edges, mean
+// 2.8-4.6 and max 23-41 levels. The bounds leave ~40% headroom.
+struct Bound {
+  double mean, max;
+};
+Bound gpu_bound(const std::string& name, bool decoded_on_cpu) {
+  if (decoded_on_cpu) return {0.01, 0.01};
+  if (name == "baseline_444.jpg" || name == "gray.jpg") return {0.5, 1.0};
+  if (name.rfind("photo", 0) == 0) return {2.5, 27.0};
+  return {6.5, 58.0};  // baseline_420, baseline_422, restart: synthetic hard edges
+}
+
 TEST(GpuImages, StageMatchesTheCpuPath_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   ASSERT_TRUE(gpu_jpeg_available()) << "a CUDA build should decode JPEGs with nvJPEG";
@@ -183,12 +199,9 @@ TEST(GpuImages, StageMatchesTheCpuPath_CUDA) {
       const auto diff = (got[i] - want.input()[i]).abs();
       const double max_levels = diff.max().item<double>() / level, mean_levels = diff.mean().item<double>() / level;
       const std::string name = fs::path(files[static_cast<size_t>(i)]).filename().string();
-      if (rows[i][kEcKind].item<int64_t>() == kEncodedRgb) {
-        EXPECT_LT(max_levels, 0.01) << name << " train=" << train;
-      } else {
-        EXPECT_LT(mean_levels, 1.0) << name << " train=" << train;
-        EXPECT_LT(max_levels, 16.0) << name << " train=" << train;
-      }
+      const Bound bound = gpu_bound(name, rows[i][kEcKind].item<int64_t>() == kEncodedRgb);
+      EXPECT_LT(mean_levels, bound.mean) << name << " train=" << train;
+      EXPECT_LT(max_levels, bound.max) << name << " train=" << train;
       std::printf("%-20s train=%d max %.3f mean %.3f levels\n", name.c_str(), train ? 1 : 0, max_levels, mean_levels);
     }
   }

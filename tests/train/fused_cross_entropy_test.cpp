@@ -67,8 +67,11 @@ double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) 
   return worst;
 }
 
-// The first step sees the same bf16 logits either way, so the same loss to
-// fp32 rounding. Later steps follow gradients that differ where the two
+// The first step sees the same bf16 logits either way. The fused kernel
+// computes the loss in fp32 from them (1e-5 of float64, cross_entropy_test);
+// LibTorch's cross-entropy under autocast differed from it by 6.7e-5
+// relative on an H200 (2026-12-03), within bf16's 2^-9 rounding of
+// log-probabilities, so the first losses agree to 1e-3. Later steps follow gradients that differ where the two
 // paths round the fp32 gradient to bf16 differently (at most one bf16 unit,
 // on few elements), so the trajectories agree to bf16 tolerance.
 TEST(FusedCrossEntropy, GptTrainsAsWithLibTorchsLossBf16_CUDA) {
@@ -77,7 +80,7 @@ TEST(FusedCrossEntropy, GptTrainsAsWithLibTorchsLossBf16_CUDA) {
   auto fused = gpt_losses(true, false, 12);
   auto native = gpt_losses(false, false, 12);
   EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
-  EXPECT_NEAR(fused[0], native[0], 1e-5 * native[0]);
+  EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 1e-2) << ::testing::PrintToString(fused) << " vs "
                                                << ::testing::PrintToString(native);
 }
