@@ -32,7 +32,13 @@ std::optional<Batch> DeviceFeeder::fetch() {
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!batch) return batch;
   auto move = [&](Batch& b) {
-    if (stage_) stage_->run(b, device_);
+    if (stage_) {
+      // Host time the device stage takes (e.g. nvJPEG's calls) holds up the
+      // training loop as waiting for the loader does: it counts as waiting.
+      const auto s0 = std::chrono::steady_clock::now();
+      stage_->run(b, device_);
+      wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
+    }
     for (auto& [name, t] : b) t = t.to(device_, /*non_blocking=*/true);
     if (prepare_ && b.contains("input")) b.input() = prepare_(b.input());
   };

@@ -206,3 +206,23 @@ TEST(Loader, PinMemoryIsHarmlessWithoutCuda) {
 }
 
 }  // namespace
+
+// Each worker runs one intra-op thread, as PyTorch's DataLoader workers do;
+// the training thread keeps its own count. (Before the fix the workers
+// copied the training thread's count: workers x cores OpenMP threads.)
+class ThreadCountDataset : public ddp::data::Dataset {
+ public:
+  int64_t size() const override { return 8; }
+  Example get(int64_t i) const override {
+    return {torch::full({1}, static_cast<float>(at::get_num_threads())), torch::tensor(i)};
+  }
+};
+
+TEST(Loader, WorkersRunOneIntraOpThreadAndLeaveTheCallersCount) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  Loader loader(std::make_shared<ThreadCountDataset>(), {0, 1, 2, 3, 4, 5, 6, 7}, LoaderOptions(4).workers(2));
+  for (const auto& b : drain(loader)) EXPECT_TRUE(torch::all(b.input() == 1).item<bool>()) << b.input();
+  EXPECT_EQ(at::get_num_threads(), 2);
+  at::set_num_threads(before);
+}

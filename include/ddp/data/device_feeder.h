@@ -31,7 +31,8 @@ class DeviceFeeder {
   /// The next batch, on the device, ready to use on the current stream.
   std::optional<Batch> next();
 
-  /// Seconds next() spent waiting for the loader so far.
+  /// Seconds next() spent waiting for the loader so far, and running the
+  /// device stage's host side.
   double wait_seconds() const { return wait_seconds_; }
 
  private:
