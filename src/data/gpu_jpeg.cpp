@@ -170,8 +170,12 @@ class GpuJpegStage : public DeviceStage {
     }
     if (!failed.empty()) pixels = replace_on_cpu(failed, rows, target, pixels, where, device);
 
-    // The geometry table of the resample kernel.
-    auto geometry = torch::empty({n, cuda::kResampleColumns}, torch::kLong);
+    // The geometry table of the resample kernel, in pinned memory: a copy
+    // from pageable memory would wait for the decode on this stream, and
+    // hold up the training thread (the caching host allocator keeps the
+    // block until the asynchronous copy is done).
+    auto geometry = torch::empty({n, cuda::kResampleColumns},
+                                 torch::TensorOptions().dtype(torch::kLong).pinned_memory(true));
     auto* g = geometry.data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t* r = rows + i * kEncodedColumns;
@@ -189,7 +193,7 @@ class GpuJpegStage : public DeviceStage {
       o[cuda::kFlip] = r[kEcFlip];
     }
     auto input = torch::empty({n, 3, size_, size_}, torch::TensorOptions().dtype(torch::kFloat).device(device));
-    cuda::resample_normalize(pixels, geometry.to(device), input, mean_, std_);
+    cuda::resample_normalize(pixels, geometry.to(device, /*non_blocking=*/true), input, mean_, std_);
     done_.record(stream);
     in_flight_ = bytes;
     batch = TensorDict{{"input", input}, {"target", target}};
