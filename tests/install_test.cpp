@@ -1,6 +1,7 @@
 // The installed package: `cmake --install` into a fresh prefix, then the
 // template, copied out of the source tree, is configured and built against
 // that prefix alone (find_package(ddptrain) + ddp::ddp) and trains.
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 
@@ -16,15 +17,37 @@ using ddp::testing::read_file;
 using ddp::testing::run_process;
 
 // Text files under `dir` (CMake files, headers, build files) that mention `needle`.
+// True if `text` names the directory `dir` itself or a path below it: an
+// occurrence not followed by more of a file name. (A plain substring search
+// took the compiler's temporary files, /tmp/ccXXXXXX.s in CMake's logs, for
+// mentions of a tree checked out at /tmp/cc.)
+bool mentions_dir(const std::string& text, const std::string& dir) {
+  for (size_t p = text.find(dir); p != std::string::npos; p = text.find(dir, p + 1)) {
+    const size_t end = p + dir.size();
+    if (end == text.size()) return true;
+    const char c = text[end];
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.')) return true;
+  }
+  return false;
+}
+
 std::vector<std::string> files_mentioning(const std::string& dir, const std::string& needle) {
   std::vector<std::string> out;
   for (const auto& e : fs::recursive_directory_iterator(dir)) {
     if (!e.is_regular_file()) continue;
     const std::string text = read_file(e.path().string());
     if (text.find('\0') != std::string::npos) continue;  // libraries, binaries, object files
-    if (text.find(needle) != std::string::npos) out.push_back(e.path().string());
+    if (mentions_dir(text, needle)) out.push_back(e.path().string());
   }
   return out;
+}
+
+TEST(Install, MentionsDirMatchesWholePathsOnly) {
+  EXPECT_TRUE(mentions_dir("-I/tmp/cc/include -O2", "/tmp/cc"));
+  EXPECT_TRUE(mentions_dir("source: /tmp/cc", "/tmp/cc"));
+  EXPECT_TRUE(mentions_dir("\"/tmp/cc\"", "/tmp/cc"));
+  EXPECT_FALSE(mentions_dir("as -o /tmp/ccq3Xz1.o /tmp/ccq3Xz1.s", "/tmp/cc"));
+  EXPECT_FALSE(mentions_dir("/tmp/cc.d /tmp/cc-old /tmp/cc_x", "/tmp/cc"));
 }
 
 std::string joined(const std::vector<std::string>& v) {
