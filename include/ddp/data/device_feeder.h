@@ -21,7 +21,9 @@ class DeviceFeeder {
  public:
   using Prepare = std::function<torch::Tensor(const torch::Tensor&)>;
   /// `stage`, if any, finishes each batch on the device first (e.g. decodes
-  /// its JPEGs there; see DeviceStage), on the same side stream.
+  /// its JPEGs there; see DeviceStage), on the same side stream; the loader
+  /// and the stage then run on a thread of the feeder's own, up to two
+  /// batches ahead, so the stage's host work overlaps the step's launch.
   DeviceFeeder(Loader& loader, torch::Device device, Prepare prepare = nullptr,
                std::shared_ptr<DeviceStage> stage = nullptr);
   ~DeviceFeeder();
@@ -31,12 +33,15 @@ class DeviceFeeder {
   /// The next batch, on the device, ready to use on the current stream.
   std::optional<Batch> next();
 
-  /// Seconds next() spent waiting for the loader so far, and running the
-  /// device stage's host side.
+  /// Seconds next() spent waiting for the loader so far (with a stage: for
+  /// the stage thread, which waits for the loader).
   double wait_seconds() const { return wait_seconds_; }
 
  private:
   std::optional<Batch> fetch();
+  void finish(Batch& batch);  // stage, copies to the device, prepare
+  void stage_loop();
+  std::optional<Batch> next_staged();
 
   Loader& loader_;
   torch::Device device_;
@@ -47,6 +52,8 @@ class DeviceFeeder {
   double wait_seconds_ = 0;
   struct Cuda;  // side stream and event (CUDA builds)
   std::unique_ptr<Cuda> cuda_;
+  struct Staged;  // the stage thread and its queue
+  std::unique_ptr<Staged> staged_;
 };
 
 }  // namespace ddp::data
