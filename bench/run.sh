@@ -127,8 +127,9 @@ if has gpt; then
 fi
 if has f; then
   F_DIR=${F_DIR:-/tmp/ddp_f_jpegs}; F_FILES=${F_FILES:-20000}
-  [[ -d $F_DIR ]] || { log "config f: making $F_FILES JPEGs in $F_DIR"
-    python3 bench/make_jpeg_folder.py "$F_DIR" --files "$F_FILES" --classes 100 | tee -a "$OUT/f.data.txt"; }
+  [[ -f $F_DIR.done ]] || { log "config f: making $F_FILES JPEGs in $F_DIR"; rm -rf "$F_DIR"
+    python3 bench/make_jpeg_folder.py "$F_DIR" --files "$F_FILES" --classes 100 | tee -a "$OUT/f.data.txt" \
+      && touch "$F_DIR.done"; }  # the marker: a folder left half-made by an interrupted run is made again
   log "config f: pytorch (resident batch, DataLoader, decode_jpeg on the GPU), torch.compile ${F_COMPILE:-reduce-overhead}"
   timeout ${COMPILE_TIMEOUT:-420} torchrun --standalone --nproc-per-node 1 bench/e2e_torch.py "$F_DIR" \
     --compile "${F_COMPILE:-reduce-overhead}" --steps "${F_STEPS:-60}" --workers "${F_WORKERS:-$(nproc)}" \
