@@ -19,6 +19,7 @@
 // and the forward's scale/shift (so the forward's y need not be kept for
 // the backward), in both passes, and dz is never written.
 #include "ddp/cuda/batch_norm_nhwc.h"
+#include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -427,21 +428,9 @@ int elementwise_blocks(int64_t vecs) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, sms * 16)));
 }
 
-bool aligned(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 void check_param(const at::Tensor& t, int64_t C, const char* what) {
   TORCH_CHECK(t.defined() && t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == C,
               "bn_nhwc: ", what, " must be a contiguous fp32 CUDA tensor of ", C, " elements");
-}
-
-template <typename T>
-const T* as(const at::Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-
-template <typename T>
-T* as_mut(const at::Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 template <typename T, bool kResidual, bool kRelu>

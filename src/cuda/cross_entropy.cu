@@ -19,6 +19,7 @@
 // split into an unaligned head read element by element, the aligned 16-byte
 // vectors, and a tail.
 #include "ddp/cuda/cross_entropy.h"
+#include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -274,16 +275,6 @@ __global__ void backward_kernel(const T* logits, T* dlogits, const int64_t* __re
 int threads_for(int64_t V, int64_t elem_size) {
   const int64_t vecs = (V * elem_size + 15) / 16;
   return static_cast<int>(std::clamp<int64_t>((vecs + 31) / 32 * 32, 32, kMaxThreads));
-}
-
-template <typename T>
-const T* as(const at::Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-
-template <typename T>
-T* as_mut(const at::Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 std::uintptr_t misalignment(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16; }

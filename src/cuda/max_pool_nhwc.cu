@@ -8,6 +8,7 @@
 // contiguous 512-byte runs. The argmax array has y's layout, one byte per
 // element, so a thread's offsets are one 8-byte (bf16) or 4-byte load.
 #include "ddp/cuda/max_pool_nhwc.h"
+#include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -177,18 +178,7 @@ int grid_for(int64_t total) {
 
 int64_t vec_elems(at::ScalarType t) { return t == at::kBFloat16 ? 8 : 4; }
 
-bool aligned(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
-
 int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p) { return (in + 2 * p - k) / s + 1; }
-
-template <typename T>
-const T* as(const at::Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-template <typename T>
-T* as_mut(const at::Tensor& t) {
-  return reinterpret_cast<T*>(t.data_ptr());
-}
 
 template <typename T>
 void launch_forward(const at::Tensor& x, const at::Tensor& y, const at::Tensor& argmax, int k, int s, int p) {

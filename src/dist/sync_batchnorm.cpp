@@ -1,13 +1,6 @@
 // BatchNorm with optional global-batch statistics and its exact backward.
 
-// GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
-// libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
-// below and from libstdc++'s copy helpers (GCC bug 107852); before the
-// includes, so that it covers the header code they inline.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
+#include "gcc13_autograd_warnings.h"  // first: see there
 
 #include "ddp/dist/sync_batchnorm.h"
 

@@ -1,10 +1,5 @@
-// GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
-// libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
-// (GCC bug 107852); see src/dist/sync_batchnorm.cpp.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
+// The channels-last max pool as an autograd function (max_pool.h).
+#include "gcc13_autograd_warnings.h"  // first: see there
 
 #include "ddp/models/max_pool.h"
 

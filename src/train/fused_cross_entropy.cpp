@@ -1,12 +1,6 @@
 // The fused cross-entropy as an autograd function (fused_cross_entropy.h).
 
-// GCC 13 reports false -Warray-bounds / -Wstringop-overflow inside
-// libstdc++'s vector<bool>, as inlined from torch::autograd::Function::apply
-// (GCC bug 107852; see src/dist/sync_batchnorm.cpp); before the includes.
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 13
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
+#include "gcc13_autograd_warnings.h"  // first: see there
 
 #include "ddp/train/fused_cross_entropy.h"
 
