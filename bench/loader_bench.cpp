@@ -19,6 +19,14 @@
 //
 //   loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] [--batch B]
 //                [--max-workers W] [--intra-op-threads T]
+//
+// With --gpu-folder DIR (a CUDA build with nvJPEG and a GPU), it measures
+// instead the GPU decode path on an existing folder, with no model: the
+// loader alone (files read and JPEG headers parsed, batches of bytes), then
+// the loader with the device stage (nvJPEG batched decode, then the
+// resample kernel) through a DeviceFeeder, with 1 and 2 batches in flight
+// in nvJPEG, and with a share of the JPEGs decoded on the loader threads. Each pass reads the folder once; the first warms the cache.
+//   loader_bench --gpu-folder DIR [--batch B] [--max-workers W] [--jpeg-size S]
 #include <unistd.h>
 
 #include <chrono>
@@ -34,6 +42,8 @@
 
 #include "ddp/app.h"
 #include "ddp/data/counter_rng.h"
+#include "ddp/data/device_feeder.h"
+#include "ddp/data/gpu_images.h"
 #include "ddp/data/idx.h"
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_folder.h"
@@ -50,6 +60,7 @@ struct Args {
   int64_t large_jpegs = 200, large_width = 2000, large_height = 1500;
   int64_t max_workers = std::max(1u, std::thread::hardware_concurrency());
   int intra_op_threads = 1;
+  std::string gpu_folder;
 };
 
 Args parse(int argc, char** argv) {
@@ -82,10 +93,12 @@ Args parse(int argc, char** argv) {
     else if (k == "--fmnist-size") a.fmnist_size = std::stoll(value());
     else if (k == "--max-workers") a.max_workers = std::stoll(value());
     else if (k == "--intra-op-threads") a.intra_op_threads = std::stoi(value());
+    else if (k == "--gpu-folder") a.gpu_folder = value();
     else {
       std::fprintf(stderr,
                    "usage: loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] "
-                   "[--batch B] [--jpeg-size S] [--fmnist-size S] [--max-workers W] [--intra-op-threads T]\n");
+                   "[--batch B] [--jpeg-size S] [--fmnist-size S] [--max-workers W] [--intra-op-threads T]\n"
+                   "       loader_bench --gpu-folder DIR [--batch B] [--max-workers W] [--jpeg-size S]\n");
       std::exit(k == "-h" || k == "--help" ? 0 : 2);
     }
   }
@@ -187,12 +200,80 @@ void bench(const std::string& name, const std::string& root, int64_t size, const
   }
 }
 
+// The GPU decode path on `root`: images/s out of the loader alone, and out
+// of the loader plus the device stage, each over one pass of the folder in
+// a fixed shuffled order, batch a.batch, a.max_workers loader threads.
+int gpu_bench(const Args& a) {
+  if (!gpu_jpeg_available()) {
+    std::fprintf(stderr, "loader_bench: --gpu-folder needs a CUDA build with nvJPEG and a GPU\n");
+    return 2;
+  }
+  const torch::Device device(torch::kCUDA, 0);
+  std::printf("\nGPU decode path: %s, batch %lld, %lld loader threads, %lld px crops; images/s over one pass\n\n",
+              a.gpu_folder.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.max_workers),
+              static_cast<long long>(a.jpeg_size));
+  std::printf("| what | in flight | CPU share | images | s | images/s | first batch ms |\n|---|---|---|---|---|---|---|\n");
+  const auto files = scan_image_folder(a.gpu_folder);
+  struct Pass {
+    bool stage;
+    int64_t in_flight;
+    double cpu_share;
+  };
+  // The first pass warms the page cache and is not reported.
+  const std::vector<Pass> passes{{false, 2, 0}, {false, 2, 0}, {true, 1, 0}, {true, 2, 0}, {true, 2, 0.25}, {true, 2, 0.4}};
+  for (size_t pass = 0; pass < passes.size(); ++pass) {
+    const bool stage = passes[pass].stage;
+    const int64_t in_flight = passes[pass].in_flight;
+    auto data = std::make_shared<ImageFolderDataset>(
+        files,
+        ImageFolderOptions()
+            .transform(ImageTransformOptions().size(a.jpeg_size))
+            .gpu_decode(true)
+            .gpu_decode_in_flight(in_flight)
+            .gpu_decode_cpu_share(passes[pass].cpu_share),
+        "gpu bench");
+    std::vector<int64_t> order(static_cast<size_t>(data->size()));
+    KeyedRandom rng(7 + pass);
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+    const auto t0 = std::chrono::steady_clock::now();
+    double first_ms = 0;
+    int64_t seen = 0;
+    Loader loader(data, order,
+                  LoaderOptions(a.batch).workers(a.max_workers).prefetch(2 * a.max_workers).pin_memory(true).seed(1));
+    auto note_first = [&] {
+      if (seen == 0) first_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    };
+    if (stage) {
+      DeviceFeeder feeder(loader, device, nullptr, data->device_stage());
+      while (auto b = feeder.next()) {
+        note_first();
+        seen += b->batch_size();
+      }
+      torch::cuda::synchronize();
+    } else {
+      while (auto b = loader.next()) {
+        note_first();
+        seen += b->batch_size();
+      }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (pass == 0) continue;  // the page cache's pass
+    std::printf("| %s | %s | %.2f | %lld | %.2f | %.0f | %.1f |\n", stage ? "loader + nvJPEG stage" : "loader only (bytes)",
+                stage ? std::to_string(in_flight).c_str() : "-", passes[pass].cpu_share, static_cast<long long>(seen), s,
+                static_cast<double>(seen) / s, first_ms);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   ddp::keep_freed_memory_in_heap();  // as ddptrain: a freed 36 MB image stays mapped for the next one
   const Args a = parse(argc, argv);
   torch::set_num_threads(a.intra_op_threads);
+  if (!a.gpu_folder.empty()) return gpu_bench(a);
   fs::create_directories(a.dir);
   const std::string fmnist = make_fmnist_folder(a);
   const std::string jpeg = make_jpeg_folder(a.dir + "/jpeg", a.jpegs);

@@ -56,6 +56,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
       {"--image-decode", "imagefolder: decode JPEGs and crop on the loader's CPU threads (cpu) or on the GPU with nvJPEG (gpu); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
+      {"--cpu-decode-share", "with GPU decoding: the share (0-1) of each batch's JPEGs that the loader's CPU threads decode beside nvJPEG, for a GPU whose decoder alone cannot keep up with the step", &c.cpu_decode_share, {}, "data", kMayChange},
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 
@@ -127,6 +128,9 @@ void validate(const Config& c) {
              "use 1024-65535, or omit it to pick a free one.");
   check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
              "e.g. --val-split 0.1 holds out 10% of each class.");
+  check_user(c.cpu_decode_share >= 0 && c.cpu_decode_share <= 1,
+             "--cpu-decode-share must be in [0, 1], got " + std::to_string(c.cpu_decode_share) + ".",
+             "e.g. --cpu-decode-share 0.25 decodes a quarter of each batch on the CPU, the rest with nvJPEG.");
   check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");

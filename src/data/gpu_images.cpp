@@ -36,7 +36,7 @@ TensorDict encoded_batch(const std::vector<EncodedSample>& samples, const DrawKe
 #ifndef DDP_WITH_NVJPEG
 bool gpu_jpeg_available() { return false; }
 
-std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions&, CpuDecode) {
+std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions&, int64_t, CpuDecode) {
   throw UserError("--image-decode gpu needs a CUDA build of ddptrain with nvJPEG (libnvjpeg and nvjpeg.h from the "
                   "CUDA toolkit), and this build has none.",
                   "use --image-decode cpu, or rebuild on a machine with the CUDA toolkit's nvJPEG.");

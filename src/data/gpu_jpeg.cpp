@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -46,29 +47,58 @@ void check_nvjpeg(nvjpegStatus_t s, const char* what) {
 // the GPU has one (A100, H100, H200), and the CUDA decoder, which takes
 // what the engine refuses and decodes single files. Both allocate through
 // nvJPEG's own allocators; their buffers are reused from batch to batch.
+//
+// Batched decodes go through slots, used in turn: each has its own nvJPEG
+// state, and the event and file bytes of the batch it last decoded. A slot
+// is reused only once that batch is done (a host wait on its event), so
+// with two slots the host parses batch k+1 while the engine decodes batch
+// k. The slots live here, not in a stage, because every stage on a device
+// (training, evaluation) shares them, possibly from different streams.
 struct Decoder {
+  struct Slot {
+    nvjpegJpegState_t state = nullptr;
+    int initialized_batch = 0;
+    at::cuda::CUDAEvent done;
+    torch::Tensor bytes;  // the host bytes the decode may still read
+  };
   nvjpegHandle_t batched = nullptr;  // hardware if available, else default
-  nvjpegJpegState_t batched_state = nullptr;
   nvjpegHandle_t single = nullptr;
   nvjpegJpegState_t single_state = nullptr;
   bool hardware = false;
-  int initialized_batch = 0;
+  std::vector<std::unique_ptr<Slot>> slots;
+  size_t next_slot = 0;
+  std::mutex mutex;  // one stage at a time
 
   Decoder() {
     hardware = nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &batched) == NVJPEG_STATUS_SUCCESS;
     if (!hardware) check_nvjpeg(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &batched), "create");
-    check_nvjpeg(nvjpegJpegStateCreate(batched, &batched_state), "state create");
     check_nvjpeg(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &single), "create");
     check_nvjpeg(nvjpegJpegStateCreate(single, &single_state), "state create");
   }
   ~Decoder() {
     if (single_state) nvjpegJpegStateDestroy(single_state);
     if (single) nvjpegDestroy(single);
-    if (batched_state) nvjpegJpegStateDestroy(batched_state);
+    for (auto& slot : slots)
+      if (slot->state) nvjpegJpegStateDestroy(slot->state);
     if (batched) nvjpegDestroy(batched);
   }
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
+
+  // The next slot of `in_flight`, free: its previous batch is decoded.
+  Slot& take_slot(size_t in_flight) {
+    while (slots.size() < in_flight) {
+      slots.push_back(std::make_unique<Slot>());
+      check_nvjpeg(nvjpegJpegStateCreate(batched, &slots.back()->state), "state create");
+    }
+    Slot& slot = *slots[next_slot % in_flight];
+    next_slot = (next_slot + 1) % in_flight;
+    if (slot.bytes.defined()) {
+      slot.done.synchronize();
+      slot.bytes = torch::Tensor();
+    }
+    return slot;
+  }
 };
 
 Decoder& decoder_for(int device) {
@@ -86,8 +116,9 @@ Decoder& decoder_for(int device) {
 
 class GpuJpegStage : public DeviceStage {
  public:
-  GpuJpegStage(const ImageTransformOptions& transform, CpuDecode cpu_decode)
-      : size_(transform.size()), cpu_decode_(std::move(cpu_decode)) {
+  GpuJpegStage(const ImageTransformOptions& transform, int64_t in_flight, CpuDecode cpu_decode)
+      : size_(transform.size()), in_flight_(static_cast<size_t>(in_flight)), cpu_decode_(std::move(cpu_decode)) {
+    TORCH_CHECK(in_flight >= 1, "GPU JPEG stage: in_flight must be at least 1, got ", in_flight);
     TORCH_CHECK(transform.mean().size() == 3 && transform.std().size() == 3, "GPU JPEG stage: mean and std need 3 values");
     for (int c = 0; c < 3; ++c) mean_[c] = transform.mean()[c], std_[c] = transform.std()[c];
   }
@@ -98,11 +129,8 @@ class GpuJpegStage : public DeviceStage {
     const c10::cuda::CUDAGuard guard(device);
     const auto stream = at::cuda::getCurrentCUDAStream(device.index());
     Decoder& dec = decoder_for(device.index());
-    // The previous batch's files may still be read by the decoder's copies.
-    if (in_flight_.defined()) {
-      done_.synchronize();
-      in_flight_ = torch::Tensor();
-    }
+    const std::lock_guard<std::mutex> lock(dec.mutex);
+    Decoder::Slot& slot = dec.take_slot(in_flight_);
     torch::Tensor bytes = batch.at(kEncodedBytes);
     torch::Tensor images = batch.at(kEncodedImages).contiguous();
     torch::Tensor& target = batch.target();
@@ -152,12 +180,12 @@ class GpuJpegStage : public DeviceStage {
       }
       const int count = static_cast<int>(jpegs.size());
       nvjpegStatus_t s = NVJPEG_STATUS_SUCCESS;
-      if (dec.initialized_batch != count) {
-        s = nvjpegDecodeBatchedInitialize(dec.batched, dec.batched_state, count, 1, NVJPEG_OUTPUT_RGBI);
-        dec.initialized_batch = s == NVJPEG_STATUS_SUCCESS ? count : 0;
+      if (slot.initialized_batch != count) {
+        s = nvjpegDecodeBatchedInitialize(dec.batched, slot.state, count, 1, NVJPEG_OUTPUT_RGBI);
+        slot.initialized_batch = s == NVJPEG_STATUS_SUCCESS ? count : 0;
       }
       if (s == NVJPEG_STATUS_SUCCESS)
-        s = nvjpegDecodeBatched(dec.batched, dec.batched_state, data.data(), lengths.data(), outs.data(), stream.stream());
+        s = nvjpegDecodeBatched(dec.batched, slot.state, data.data(), lengths.data(), outs.data(), stream.stream());
       if (s != NVJPEG_STATUS_SUCCESS) {
         // One file the batch call refuses fails the call: decode them one by
         // one, and leave those the CUDA decoder refuses too to the CPU.
@@ -194,8 +222,8 @@ class GpuJpegStage : public DeviceStage {
     }
     auto input = torch::empty({n, 3, size_, size_}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     cuda::resample_normalize(pixels, geometry.to(device, /*non_blocking=*/true), input, mean_, std_);
-    done_.record(stream);
-    in_flight_ = bytes;
+    slot.done.record(stream);
+    slot.bytes = bytes;
     batch = TensorDict{{"input", input}, {"target", target}};
   }
 
@@ -227,18 +255,18 @@ class GpuJpegStage : public DeviceStage {
   }
 
   int64_t size_;
+  size_t in_flight_;
   CpuDecode cpu_decode_;
   std::array<double, 3> mean_{}, std_{};
-  at::cuda::CUDAEvent done_;
-  torch::Tensor in_flight_;
 };
 
 }  // namespace
 
 bool gpu_jpeg_available() { return torch::cuda::is_available(); }
 
-std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions& transform, CpuDecode cpu_decode) {
-  return std::make_shared<GpuJpegStage>(transform, std::move(cpu_decode));
+std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions& transform, int64_t in_flight,
+                                                 CpuDecode cpu_decode) {
+  return std::make_shared<GpuJpegStage>(transform, in_flight, std::move(cpu_decode));
 }
 
 }  // namespace ddp::data

@@ -136,6 +136,8 @@ std::pair<ImageFolderIndex, ImageFolderIndex> split_image_folder(const ImageFold
 ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOptions options, std::string name)
     : files_(std::move(files)), options_(std::move(options)), name_(std::move(name)) {
   TORCH_CHECK(files_.paths.size() == files_.labels.size(), "ImageFolderDataset: one label per path");
+  TORCH_CHECK(options_.gpu_decode_cpu_share() >= 0 && options_.gpu_decode_cpu_share() <= 1,
+              "ImageFolderDataset: gpu_decode_cpu_share must be in [0, 1], got ", options_.gpu_decode_cpu_share());
   check_user(options_.transform().size() >= 1,
              "image size " + std::to_string(options_.transform().size()) + " is not positive.",
              "pass e.g. --image-size 224.");
@@ -147,7 +149,7 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOption
 std::shared_ptr<DeviceStage> ImageFolderDataset::device_stage() const {
   if (!options_.gpu_decode()) return nullptr;
   std::call_once(stage_once_, [this] {
-    stage_ = make_gpu_jpeg_stage(options_.transform(), [this](int64_t index, const DrawKey& key, int64_t position) {
+    stage_ = make_gpu_jpeg_stage(options_.transform(), options_.gpu_decode_in_flight(), [this](int64_t index, const DrawKey& key, int64_t position) {
       return decode_on_cpu(index, key, position);
     });
   });
@@ -208,6 +210,12 @@ EncodedSample ImageFolderDataset::decode_on_cpu(int64_t index, const DrawKey& ke
 }
 
 EncodedSample ImageFolderDataset::encode(int64_t index, const DrawKey& key, int64_t position) const {
+  // gpu_decode_cpu_share: position p goes to the CPU when the running count
+  // floor(share x (p + 1)) steps up there, which spreads the share evenly
+  // over every batch.
+  const double share = options_.gpu_decode_cpu_share();
+  if (share > 0 && std::floor(share * static_cast<double>(position + 1)) > std::floor(share * static_cast<double>(position)))
+    return decode_on_cpu(index, key, position);
   bool known_corrupt = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -307,12 +315,14 @@ Splits load_image_folder(const ImageFolderSplitOptions& options) {
   splits.train = std::make_shared<ImageFolderDataset>(
       std::move(train),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict())
-          .gpu_decode(options.gpu_decode()),
+          .gpu_decode(options.gpu_decode())
+          .gpu_decode_cpu_share(options.cpu_decode_share()),
       "imagefolder " + options.root() + " (train)");
   splits.test = std::make_shared<ImageFolderDataset>(
       std::move(val),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict())
-          .gpu_decode(options.gpu_decode()),
+          .gpu_decode(options.gpu_decode())
+          .gpu_decode_cpu_share(options.cpu_decode_share()),
       val_name);
   return splits;
 }

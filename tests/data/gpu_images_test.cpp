@@ -4,6 +4,7 @@
 // stated tolerances (_CUDA); --image-decode's errors and a real run.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -53,12 +54,13 @@ std::string mixed_folder() {
   return root;
 }
 
-ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64) {
+ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64, double cpu_share = 0) {
   return ImageFolderDataset(scan_image_folder(mixed_folder()),
                             ImageFolderOptions()
                                 .transform(ImageTransformOptions().size(size).train(train))
                                 .scaled_jpeg_decode(false)
-                                .gpu_decode(gpu),
+                                .gpu_decode(gpu)
+                                .gpu_decode_cpu_share(cpu_share),
                             "mixed");
 }
 
@@ -130,6 +132,40 @@ TEST(GpuImages, EncodedBatchesCarryTheCpuPathsFilesCropsAndFlips) {
     ASSERT_EQ(gpu.corrupt_files().size(), 1u);
     EXPECT_EQ(fs::path(gpu.corrupt_files()[0]).filename(), "truncated.jpg");
   }
+}
+
+// --cpu-decode-share: that share of every batch's plain JPEGs is decoded by
+// the loader threads instead of nvJPEG, chosen by epoch position; the
+// crops, flips and pixels are still the CPU path's.
+TEST(GpuImages, CpuShareDecodesItsShareOfEachBatchOnTheLoaderThreads) {
+  for (double share : {0.5, 0.25, 1.0}) {
+    auto gpu = dataset(true, true, 64, share), cpu = dataset(false, true);
+    const auto idx = all_indices(cpu);
+    const DrawKey key{3, 1, 0};
+    const int64_t first = 6;
+    const auto encoded = gpu.get_keyed_batch(idx, key, first);
+    const auto decoded = cpu.get_keyed_batch(idx, key, first);
+    EXPECT_TRUE(torch::equal(decode_encoded_on_cpu(encoded, ImageTransformOptions().size(64).train(true)),
+                             decoded.input()))
+        << share;
+    EXPECT_TRUE(torch::equal(encoded.target(), decoded.target()));
+    const auto rows = encoded.at(kEncodedImages);
+    int64_t on_cpu = 0, chosen = 0;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const int64_t* r = rows.data_ptr<int64_t>() + i * kEncodedColumns;
+      const std::string name = fs::path(gpu.files().paths[i]).filename().string();
+      if (name == "picture.png" || name == "progressive.jpg" || name == "cmyk_adobe.jpg" || name == "truncated.jpg")
+        continue;  // decoded on the CPU whatever the share
+      const int64_t p = first + static_cast<int64_t>(i);
+      const bool picked = std::floor(share * static_cast<double>(p + 1)) > std::floor(share * static_cast<double>(p));
+      EXPECT_EQ(r[kEcKind], picked ? kEncodedRgb : kEncodedJpeg) << name << " share " << share;
+      on_cpu += r[kEcKind] == kEncodedRgb;
+      chosen += picked;
+    }
+    EXPECT_GT(on_cpu, 0);
+    EXPECT_EQ(on_cpu, chosen);
+  }
+  EXPECT_THROW(dataset(true, true, 64, 1.5), c10::Error);
 }
 
 TEST(GpuImages, EncodedBatchesAreAFunctionOfTheKey) {
@@ -207,6 +243,33 @@ TEST(GpuImages, StageMatchesTheCpuPath_CUDA) {
   }
 }
 
+// Two batches in nvJPEG at once (the default) give the batches one at a
+// time gives, bit for bit, over batches issued back to back: a slot is
+// reused only when its batch is done.
+TEST(GpuImages, TwoBatchesInFlightGiveTheBatchesOfOne_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto make = [](int64_t in_flight) {
+    return ImageFolderDataset(scan_image_folder(mixed_folder()),
+                              ImageFolderOptions()
+                                  .transform(ImageTransformOptions().size(48).train(true))
+                                  .gpu_decode(true)
+                                  .gpu_decode_in_flight(in_flight),
+                              "mixed");
+  };
+  auto one = make(1), two = make(2);
+  const auto idx = all_indices(one);
+  const torch::Device device(torch::kCUDA, 0);
+  std::vector<torch::Tensor> a, b;
+  for (auto [data, out] : {std::pair{&one, &a}, std::pair{&two, &b}})
+    for (int64_t k = 0; k < 5; ++k) {
+      auto x = data->get_keyed_batch(idx, DrawKey{11, k, 0}, 0);
+      data->device_stage()->run(x, device);
+      out->push_back(x.input());
+    }
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(torch::equal(a[k].cpu(), b[k].cpu())) << "batch " << k;
+  EXPECT_FALSE(torch::equal(a[0].cpu(), a[1].cpu()));  // other epochs, other crops
+}
+
 // ddptrain trains from a JPEG folder with --image-decode gpu, and says so.
 TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
@@ -214,7 +277,7 @@ TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   const auto r = ddp::testing::run_process(
       {DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(), "--image-decode", "gpu",
        "--image-size", "32", "--model", "cnn", "--epochs", "2", "--batch", "4", "--val-split", "0.25",
-       "--save_path", save, "--progress", "plain", "--workers", "2"},
+       "--save_path", save, "--progress", "plain", "--workers", "2", "--cpu-decode-share", "0.25"},
       {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("with nvJPEG"), std::string::npos) << r.output;

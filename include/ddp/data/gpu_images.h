@@ -82,7 +82,10 @@ bool gpu_jpeg_available();
 /// The device stage of an image folder with GPU decoding: turns
 /// {encoded_bytes, encoded_images, target} into {input, target}, input
 /// float32 N x 3 x S x S on the device as the CPU path makes it.
-/// UserError if !gpu_jpeg_available().
-std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions& transform, CpuDecode cpu_decode);
+/// `in_flight` batches may be decoding at once (1 or more; see
+/// ImageFolderOptions::gpu_decode_in_flight). UserError if
+/// !gpu_jpeg_available().
+std::shared_ptr<DeviceStage> make_gpu_jpeg_stage(const ImageTransformOptions& transform, int64_t in_flight,
+                                                 CpuDecode cpu_decode);
 
 }  // namespace ddp::data
