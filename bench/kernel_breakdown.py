@@ -10,7 +10,11 @@ matmul, attention, layer norm, softmax / cross-entropy. With --wall-ms (the
 step's measured wall time), "idle" is wall time minus kernel time: the
 host gaps. Prints one JSON line; --top K adds the K costliest kernels, and
 --by-op K the K ATen ops whose kernels cost most (eager steps only: a CUDA
-graph's replayed kernels have no launching op)."""
+graph's replayed kernels have no launching op). --by-stream adds, per CUDA
+stream, its kernel time and its busy time (the union of its kernels'
+intervals), and the GPU's busy time over all streams: for a training run
+(`ddptrain ... --profile-trace`), whether the data stage's kernels on the
+feeder's stream slow the step's, or the step waits for them."""
 import argparse
 import json
 from collections import defaultdict
@@ -55,10 +59,12 @@ def main():
     p.add_argument("--top", type=int, default=0)
     p.add_argument("--by-op", type=int, default=0)
     p.add_argument("--shapes", action="store_true", help="--by-op: one row per op and input shapes")
+    p.add_argument("--by-stream", action="store_true")
     a = p.parse_args()
     events = json.load(open(a.trace))
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     groups, names, ops = defaultdict(float), defaultdict(float), defaultdict(float)
+    intervals = defaultdict(list)  # stream -> [(start, end)] in microseconds
     # The op that launched a kernel shares its "External id" (correlation).
     def op_name(e):  # with its input shapes and types, when the trace has them
         args = e.get("args", {})
@@ -73,6 +79,7 @@ def main():
             groups[kind_of(e.get("name", ""), a.gpt)] += ms
             names[e.get("name", "")[:120]] += ms
             ops[op_of.get(e.get("args", {}).get("External id"), "(no op: graph replay, or none)")] += ms
+            intervals[e.get("args", {}).get("stream", "?")].append((e.get("ts", 0), e.get("ts", 0) + e.get("dur", 0)))
     kernel_ms = sum(groups.values())
     if a.wall_ms:
         groups["idle between kernels (host gaps)"] = max(0.0, a.wall_ms - kernel_ms)
@@ -84,6 +91,22 @@ def main():
         out["top"] = [[k, round(v, 3)] for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:a.top]]
     if a.by_op:
         out["by_op"] = [[k, round(v, 3)] for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:a.by_op]]
+    if a.by_stream:
+        def busy(spans):  # the union of the intervals' lengths
+            total, end = 0.0, None
+            for s, t in sorted(spans):
+                if end is None or s > end:
+                    total, end = total + (t - s), t
+                elif t > end:
+                    total, end = total + (t - end), t
+            return total
+        everything = [iv for spans in intervals.values() for iv in spans]
+        first, last = min(s for s, _ in everything), max(t for _, t in everything)
+        out["streams"] = {str(k): {"kernel_ms": round(sum(t - s for s, t in v) / 1000 / a.steps, 2),
+                                   "busy_ms": round(busy(v) / 1000 / a.steps, 2), "kernels": len(v)}
+                          for k, v in sorted(intervals.items(), key=lambda kv: -len(kv[1]))}
+        out["gpu_busy_ms"] = round(busy(everything) / 1000 / a.steps, 2)
+        out["first_to_last_kernel_ms"] = round((last - first) / 1000 / a.steps, 2)
     print(json.dumps(out))
 
 

@@ -218,8 +218,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
                                        .augment(c.augment == "standard")
                                        .strict(c.strict_data)
-                                       .gpu_decode(gpu_decode)
-                                       .cpu_decode_share(c.cpu_decode_share));
+                                       .gpu_decode(gpu_decode));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
   // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";

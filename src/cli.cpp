@@ -56,7 +56,6 @@ std::vector<Flag> flag_table(Config& c) {
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
       {"--image-decode", "imagefolder: decode JPEGs and crop on the loader's CPU threads (cpu) or on the GPU with nvJPEG (gpu); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
-      {"--cpu-decode-share", "with GPU decoding: the share (0-1) of each batch's JPEGs that the loader's CPU threads decode beside nvJPEG, for a GPU whose decoder alone cannot keep up with the step", &c.cpu_decode_share, {}, "data", kMayChange},
       {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 
@@ -91,7 +90,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
-      {"--profile-trace", "ddptrain bench: after timing, profile --bench-steps more steps (Kineto, CUDA builds) and write a Chrome trace to this file", &c.profile_trace, {}, "bench", kMayChange},
+      {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
 
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
@@ -105,6 +104,12 @@ std::vector<Flag> flag_table(Config& c) {
   for (auto& f : c.task_flags)
     table.push_back({f.names, f.help, std::visit([](auto& v) -> FlagTarget { return &v; }, f.value), f.choices, "task"});
   return table;
+}
+
+void check_profile_trace_flag(const Config& c) {
+  check_user(c.profile_trace.empty() || compat::kHasGpuProfiler,
+             "--profile-trace " + c.profile_trace + ": this build has no Kineto GPU profiler.",
+             "build against a CUDA LibTorch 2.2 or later (the GPU machine's PyTorch), or drop --profile-trace.");
 }
 
 namespace {
@@ -128,9 +133,6 @@ void validate(const Config& c) {
              "use 1024-65535, or omit it to pick a free one.");
   check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
              "e.g. --val-split 0.1 holds out 10% of each class.");
-  check_user(c.cpu_decode_share >= 0 && c.cpu_decode_share <= 1,
-             "--cpu-decode-share must be in [0, 1], got " + std::to_string(c.cpu_decode_share) + ".",
-             "e.g. --cpu-decode-share 0.25 decodes a quarter of each batch on the CPU, the rest with nvJPEG.");
   check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");

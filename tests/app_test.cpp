@@ -1,6 +1,10 @@
 // The program around the trainer (src/app.cpp): what the launcher refuses
 // before starting ranks, and how a worker's error reaches the user.
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
@@ -40,16 +44,41 @@ TEST(App, TwoRanksPrintOneErrorLine) {
 }
 
 // --profile-trace needs Kineto's GPU profiling (a CUDA LibTorch 2.2+): a
-// build without it refuses the flag before timing anything.
+// build without it refuses the flag before timing or training anything.
 TEST(App, ProfileTraceWithoutAGpuProfilerIsAnError) {
   if (ddp::compat::kHasGpuProfiler) GTEST_SKIP() << "this build has the Kineto GPU profiler";
-  const auto trace = ddp::testing::temp_dir("profile") + "/trace.json";
-  const auto r = run_process({DDPTRAIN_EXE, "bench", "--model", "cnn", "--bench-steps", "2", "--profile-trace", trace},
-                             {}, 120);
-  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
-  EXPECT_EQ(count(r.output, "--profile-trace " + trace + ": this build has no Kineto GPU profiler"), 1u) << r.output;
-  EXPECT_NE(r.output.find("drop --profile-trace"), std::string::npos) << r.output;
-  EXPECT_FALSE(std::filesystem::exists(trace));
+  const auto dir = ddp::testing::temp_dir("profile");
+  const auto trace = dir + "/trace.json";
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {DDPTRAIN_EXE, "bench", "--model", "cnn", "--bench-steps", "2", "--profile-trace", trace},
+           {DDPTRAIN_EXE, "--dataset", "synthetic", "--epochs", "1", "--save_path", dir + "/run", "--profile-trace",
+            trace}}) {
+    const auto r = run_process(args, {}, 120);
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+    EXPECT_EQ(count(r.output, "--profile-trace " + trace + ": this build has no Kineto GPU profiler"), 1u) << r.output;
+    EXPECT_NE(r.output.find("drop --profile-trace"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("epoch 1/1"), std::string::npos) << "nothing trains first: " << r.output;
+    EXPECT_FALSE(std::filesystem::exists(trace));
+  }
+}
+
+// A training run with --profile-trace writes the kernels of its last
+// epoch's training steps (bench/kernel_breakdown.py reads the file).
+TEST(App, TrainingProfileTraceHoldsTheLastEpochsKernels_CUDA) {
+  if (!torch::cuda::is_available() || !ddp::compat::kHasGpuProfiler) GTEST_SKIP() << "needs a GPU and Kineto";
+  const auto dir = ddp::testing::temp_dir("profile_run");
+  const auto trace = dir + "/trace.json";
+  const auto r = run_process({DDPTRAIN_EXE, "--dataset", "synthetic", "--model", "cnn", "--epochs", "2",
+                              "--train-samples", "512", "--batch", "64", "--save_path", dir + "/run",
+                              "--progress", "plain", "--profile-trace", trace},
+                             {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "profile: epoch 2's training steps in " + trace), 1u) << r.output;
+  std::ifstream in(trace);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("aten::convolution"), std::string::npos) << "no forward pass in " << trace;
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  EXPECT_NE(text.find("\"cat\": \"kernel\""), std::string::npos) << "no kernel events in " << trace;
 }
 
 }  // namespace

@@ -423,7 +423,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
     if (f.key() == "node-rank") value = "0";  // any other is outside --nnodes
     if (f.key() == "stop-at") value = "test_acc=0.5";
     if (f.key() == "stop-at-acc") value = "0.5";
-    if (f.key() == "val-split" || f.key() == "cpu-decode-share") value = "0.25";
+    if (f.key() == "val-split") value = "0.25";
     if (f.key() == "label-smoothing") value = "0.25";
     if (f.key() == "nnodes" || f.key() == "node-rank" || value == std::string(saved[f.key()].dump())) continue;
     bool refused = false;

@@ -49,7 +49,6 @@ struct Config {
   int image_size = 0;               // imagefolder crops (0: 224); ddptrain bench inputs (0: 64)
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)
-  double cpu_decode_share = 0;        // with GPU decoding: the share of JPEGs the loader threads decode
   std::string augment = "standard";
   int workers = 1;
   // The task, model and optimisation.
@@ -168,5 +167,9 @@ nlohmann::json config_to_json(const Config& config);
 /// (written to each run directory as config.toml).
 std::string config_to_toml(const Config& config);
 void print_config(const Config& config, std::ostream& out);
+
+/// UserError if --profile-trace is given to a build without Kineto's GPU
+/// profiler (compat::kHasGpuProfiler), before anything runs.
+void check_profile_trace_flag(const Config& config);
 
 }  // namespace ddp

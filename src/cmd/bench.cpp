@@ -126,9 +126,7 @@ int run_gpt_bench(const Config& c, World& world) {
 }  // namespace
 
 int run_bench(const Config& c, World& world) {
-  check_user(c.profile_trace.empty() || compat::kHasGpuProfiler,
-             "--profile-trace " + c.profile_trace + ": this build has no Kineto GPU profiler.",
-             "build against a CUDA LibTorch 2.2 or later (the GPU machine's PyTorch), or drop --profile-trace.");
+  check_profile_trace_flag(c);
   if (models::is_gpt(c.model)) return run_gpt_bench(c, world);
   const auto dev = world.device();
   const int64_t size = c.image_size > 0 ? c.image_size : 64;

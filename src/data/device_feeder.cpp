@@ -20,10 +20,16 @@ constexpr size_t kStagedAhead = 2;
 }  // namespace
 
 #ifdef DDP_WITH_CUDA
+// The side stream has high priority: while the step's kernels queue on the
+// main stream, the GPU schedules the next batch's (small) kernels first, so
+// the batch is ready when the step needs it. (This matters most for the
+// GPU image stage, whose nvJPEG and resample kernels would otherwise wait
+// for SMs behind the step's; its effect on config (f) is yet to be
+// measured: bench/RESULTS.md, session 8.)
 struct DeviceFeeder::Cuda {
   c10::cuda::CUDAStream stream;
   at::cuda::CUDAEvent copied;
-  explicit Cuda(c10::DeviceIndex index) : stream(c10::cuda::getStreamFromPool(false, index)) {}
+  explicit Cuda(c10::DeviceIndex index) : stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, index)) {}
 };
 #else
 struct DeviceFeeder::Cuda {};

@@ -101,9 +101,12 @@ struct Decoder {
   }
 };
 
+// The decoders live as long as the process and are never destroyed: at exit
+// the CUDA context and LibTorch's host allocator may already be gone, and
+// freeing a slot's event or pinned bytes then aborts the process.
 Decoder& decoder_for(int device) {
   static std::mutex mutex;
-  static std::map<int, std::unique_ptr<Decoder>> decoders;
+  static auto& decoders = *new std::map<int, std::unique_ptr<Decoder>>;
   std::lock_guard<std::mutex> lock(mutex);
   auto& d = decoders[device];
   if (!d) {

@@ -136,8 +136,8 @@ std::pair<ImageFolderIndex, ImageFolderIndex> split_image_folder(const ImageFold
 ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOptions options, std::string name)
     : files_(std::move(files)), options_(std::move(options)), name_(std::move(name)) {
   TORCH_CHECK(files_.paths.size() == files_.labels.size(), "ImageFolderDataset: one label per path");
-  TORCH_CHECK(options_.gpu_decode_cpu_share() >= 0 && options_.gpu_decode_cpu_share() <= 1,
-              "ImageFolderDataset: gpu_decode_cpu_share must be in [0, 1], got ", options_.gpu_decode_cpu_share());
+  TORCH_CHECK(options_.gpu_decode_in_flight() >= 1, "ImageFolderDataset: gpu_decode_in_flight must be at least 1, got ",
+              options_.gpu_decode_in_flight());
   check_user(options_.transform().size() >= 1,
              "image size " + std::to_string(options_.transform().size()) + " is not positive.",
              "pass e.g. --image-size 224.");
@@ -210,12 +210,6 @@ EncodedSample ImageFolderDataset::decode_on_cpu(int64_t index, const DrawKey& ke
 }
 
 EncodedSample ImageFolderDataset::encode(int64_t index, const DrawKey& key, int64_t position) const {
-  // gpu_decode_cpu_share: position p goes to the CPU when the running count
-  // floor(share x (p + 1)) steps up there, which spreads the share evenly
-  // over every batch.
-  const double share = options_.gpu_decode_cpu_share();
-  if (share > 0 && std::floor(share * static_cast<double>(position + 1)) > std::floor(share * static_cast<double>(position)))
-    return decode_on_cpu(index, key, position);
   bool known_corrupt = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -315,14 +309,12 @@ Splits load_image_folder(const ImageFolderSplitOptions& options) {
   splits.train = std::make_shared<ImageFolderDataset>(
       std::move(train),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict())
-          .gpu_decode(options.gpu_decode())
-          .gpu_decode_cpu_share(options.cpu_decode_share()),
+          .gpu_decode(options.gpu_decode()),
       "imagefolder " + options.root() + " (train)");
   splits.test = std::make_shared<ImageFolderDataset>(
       std::move(val),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict())
-          .gpu_decode(options.gpu_decode())
-          .gpu_decode_cpu_share(options.cpu_decode_share()),
+          .gpu_decode(options.gpu_decode()),
       val_name);
   return splits;
 }

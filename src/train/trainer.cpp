@@ -123,6 +123,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
   check_flags_apply(config_, task_);
+  check_profile_trace_flag(config_);
   auto& model = *model_;
   model.to(world_.device());
   // 2. Initial weights: every rank reads onto its own device (never all
@@ -267,8 +268,15 @@ EpochMetrics Trainer::fit() {
     auto t0 = Clock::now();
     int64_t samples = 0;
     Metrics logs;
-    // ---- train one epoch ----
-    const double train_loss = train_epoch(epoch, samples, logs);
+    // ---- train one epoch (--profile-trace: the last one under Kineto, on rank 0) ----
+    double train_loss = 0;
+    if (!config_.profile_trace.empty() && epoch == config_.epochs && world_.is_main()) {
+      compat::profile_chrome_trace([&] { train_loss = train_epoch(epoch, samples, logs); }, config_.profile_trace);
+      std::printf("profile: epoch %lld's training steps in %s\n", static_cast<long long>(epoch),
+                  config_.profile_trace.c_str());
+    } else {
+      train_loss = train_epoch(epoch, samples, logs);
+    }
     const double train_seconds = seconds_since(t0);
     // ---- validate ----
     Metrics metrics = evaluate();

@@ -29,8 +29,6 @@ TEST(DataFlags, ParseAndDefaults) {
   EXPECT_DOUBLE_EQ(c.val_split, 0.2);
   EXPECT_EQ(c.image_size, 64);
   EXPECT_EQ(c.val_root, "/v");
-  EXPECT_DOUBLE_EQ(d.cpu_decode_share, 0);
-  EXPECT_DOUBLE_EQ(parse({"--cpu-decode-share", "0.25"}).cpu_decode_share, 0.25);
   EXPECT_EQ(parse({"--dataset", "cifar10"}).dataset, "cifar10");
   // The printed config and config.json carry the new keys.
   std::ostringstream out;
@@ -44,8 +42,7 @@ TEST(DataFlags, ParseAndDefaults) {
 TEST(DataFlags, BadValuesNameTheFlag) {
   for (auto [args, flag] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--val-split", "1.5"}, "--val-split"}, {{"--val-split=-0.1"}, "--val-split"},
-           {{"--image-size", "-3"}, "--image-size"}, {{"--dataset", "imagenet"}, "--dataset"},
-           {{"--cpu-decode-share", "1.5"}, "--cpu-decode-share"}, {{"--cpu-decode-share=-0.5"}, "--cpu-decode-share"}}) {
+           {{"--image-size", "-3"}, "--image-size"}, {{"--dataset", "imagenet"}, "--dataset"}}) {
     try {
       parse(args);
       ADD_FAILURE() << flag << " accepted";

@@ -9,6 +9,11 @@
 
 #include "ddp/data/device_feeder.h"
 #include "ddp/error.h"
+#include "support/testing.h"
+
+#ifdef DDP_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace {
 
@@ -93,5 +98,34 @@ TEST(DeviceFeeder, StoppingEarlyJoinsTheStageThread) {
   }  // the destructor returns: no hang
   EXPECT_LE(stage->calls.load(), 4) << "the thread stays at most two batches ahead";
 }
+
+#ifdef DDP_WITH_CUDA
+// Notes the priority of the stream the stage runs on.
+class PriorityStage : public DeviceStage {
+ public:
+  void run(TensorDict&, torch::Device device) override {
+    priority = c10::cuda::getCurrentCUDAStream(device.index()).priority();
+  }
+  std::atomic<int> priority{0};
+};
+
+// The stage and the copies run on a high-priority stream: the step's big
+// kernels, queued on the main stream, must not hold back the small kernels
+// that make the next batch (nvJPEG's, the resample), or the step waits.
+TEST(DeviceFeeder, StageRunsOnAHighPriorityStream_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  const int high = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, 0).priority();
+  const int normal = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0).priority();
+  ASSERT_LT(high, normal) << "this GPU has no stream priorities";
+  Loader loader(numbers(8), first(8), LoaderOptions(4).workers(1).pin_memory(true));
+  auto stage = std::make_shared<PriorityStage>();
+  DeviceFeeder feeder(loader, gpu, nullptr, stage);
+  int batches = 0;
+  while (auto b = feeder.next()) ++batches;
+  EXPECT_EQ(batches, 2);
+  EXPECT_EQ(stage->priority.load(), high);
+}
+#endif
 
 }  // namespace

@@ -4,7 +4,6 @@
 // stated tolerances (_CUDA); --image-decode's errors and a real run.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -54,13 +53,12 @@ std::string mixed_folder() {
   return root;
 }
 
-ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64, double cpu_share = 0) {
+ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64) {
   return ImageFolderDataset(scan_image_folder(mixed_folder()),
                             ImageFolderOptions()
                                 .transform(ImageTransformOptions().size(size).train(train))
                                 .scaled_jpeg_decode(false)
-                                .gpu_decode(gpu)
-                                .gpu_decode_cpu_share(cpu_share),
+                                .gpu_decode(gpu),
                             "mixed");
 }
 
@@ -132,40 +130,6 @@ TEST(GpuImages, EncodedBatchesCarryTheCpuPathsFilesCropsAndFlips) {
     ASSERT_EQ(gpu.corrupt_files().size(), 1u);
     EXPECT_EQ(fs::path(gpu.corrupt_files()[0]).filename(), "truncated.jpg");
   }
-}
-
-// --cpu-decode-share: that share of every batch's plain JPEGs is decoded by
-// the loader threads instead of nvJPEG, chosen by epoch position; the
-// crops, flips and pixels are still the CPU path's.
-TEST(GpuImages, CpuShareDecodesItsShareOfEachBatchOnTheLoaderThreads) {
-  for (double share : {0.5, 0.25, 1.0}) {
-    auto gpu = dataset(true, true, 64, share), cpu = dataset(false, true);
-    const auto idx = all_indices(cpu);
-    const DrawKey key{3, 1, 0};
-    const int64_t first = 6;
-    const auto encoded = gpu.get_keyed_batch(idx, key, first);
-    const auto decoded = cpu.get_keyed_batch(idx, key, first);
-    EXPECT_TRUE(torch::equal(decode_encoded_on_cpu(encoded, ImageTransformOptions().size(64).train(true)),
-                             decoded.input()))
-        << share;
-    EXPECT_TRUE(torch::equal(encoded.target(), decoded.target()));
-    const auto rows = encoded.at(kEncodedImages);
-    int64_t on_cpu = 0, chosen = 0;
-    for (size_t i = 0; i < idx.size(); ++i) {
-      const int64_t* r = rows.data_ptr<int64_t>() + i * kEncodedColumns;
-      const std::string name = fs::path(gpu.files().paths[i]).filename().string();
-      if (name == "picture.png" || name == "progressive.jpg" || name == "cmyk_adobe.jpg" || name == "truncated.jpg")
-        continue;  // decoded on the CPU whatever the share
-      const int64_t p = first + static_cast<int64_t>(i);
-      const bool picked = std::floor(share * static_cast<double>(p + 1)) > std::floor(share * static_cast<double>(p));
-      EXPECT_EQ(r[kEcKind], picked ? kEncodedRgb : kEncodedJpeg) << name << " share " << share;
-      on_cpu += r[kEcKind] == kEncodedRgb;
-      chosen += picked;
-    }
-    EXPECT_GT(on_cpu, 0);
-    EXPECT_EQ(on_cpu, chosen);
-  }
-  EXPECT_THROW(dataset(true, true, 64, 1.5), c10::Error);
 }
 
 TEST(GpuImages, EncodedBatchesAreAFunctionOfTheKey) {
@@ -277,7 +241,7 @@ TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   const auto r = ddp::testing::run_process(
       {DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(), "--image-decode", "gpu",
        "--image-size", "32", "--model", "cnn", "--epochs", "2", "--batch", "4", "--val-split", "0.25",
-       "--save_path", save, "--progress", "plain", "--workers", "2", "--cpu-decode-share", "0.25"},
+       "--save_path", save, "--progress", "plain", "--workers", "2"},
       {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("with nvJPEG"), std::string::npos) << r.output;

@@ -81,12 +81,6 @@ struct ImageFolderOptions {
   /// parses batch k+1 while the decode engine still works on batch k, so
   /// the engine does not wait for the host between batches; 1 serialises.
   TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
-  /// With gpu_decode: the share of each batch's plain JPEGs that the loader
-  /// threads decode themselves (as pixels, like the files nvJPEG does not
-  /// take), so that the CPU's cores and the GPU's decoder share the work.
-  /// Which samples is fixed by their position in the epoch, so batches stay
-  /// a function of (seed, epoch, rank).
-  TORCH_ARG(double, gpu_decode_cpu_share) = 0;
 };
 
 class ImageFolderDataset : public Dataset {
@@ -152,8 +146,6 @@ struct ImageFolderSplitOptions {
   TORCH_ARG(bool, strict) = false;
   /// Decode and transform on the GPU (--image-decode gpu); see gpu_images.h.
   TORCH_ARG(bool, gpu_decode) = false;
-  /// With gpu_decode: ImageFolderOptions::gpu_decode_cpu_share (--cpu-decode-share).
-  TORCH_ARG(double, cpu_decode_share) = 0;
 };
 
 /// ImageFolderDataset splits, normalised with ImageNet's statistics.
