@@ -160,10 +160,14 @@ void DeviceFeeder::stage_loop() {
   }
 }
 
+void DeviceFeeder::start() {
+  if (staged_ && !staged_->ended && !staged_->thread.joinable()) staged_->thread = std::thread([this] { stage_loop(); });
+}
+
 std::optional<Batch> DeviceFeeder::next_staged() {
   Staged& s = *staged_;
   if (s.ended) return std::nullopt;
-  if (!s.thread.joinable()) s.thread = std::thread([this] { stage_loop(); });
+  start();
   Staged::Item item;
   {
     const auto t0 = std::chrono::steady_clock::now();

@@ -168,6 +168,15 @@ Trainer::Trainer(Config config, World& world, Task& task)
   open_run_dir(resume_from);
 }
 
+struct Trainer::EpochFeed {
+  data::Loader loader;
+  data::DeviceFeeder feeder;  // declared after the loader it reads: destroyed first
+  EpochFeed(data::DatasetPtr data, std::vector<int64_t> indices, data::LoaderOptions options, torch::Device device,
+            data::DeviceFeeder::Prepare prepare, std::shared_ptr<data::DeviceStage> stage)
+      : loader(std::move(data), std::move(indices), std::move(options)),
+        feeder(loader, device, std::move(prepare), std::move(stage)) {}
+};
+
 Trainer::~Trainer() = default;
 
 std::string Trainer::find_resume_checkpoint() const {
@@ -278,6 +287,13 @@ EpochMetrics Trainer::fit() {
       train_loss = train_epoch(epoch, samples, logs);
     }
     const double train_seconds = seconds_since(t0);
+    // ---- the next epoch's first batches load (with GPU decoding, are
+    // decoded) while this one validates and saves ----
+    if (epoch < config_.epochs && !stop_after_epoch_) {
+      next_feed_ = make_feed(epoch + 1, 0);
+      next_feed_epoch_ = epoch + 1;
+      next_feed_->feeder.start();
+    }
     // ---- validate ----
     Metrics metrics = evaluate();
     for (const auto& [name, v] : logs) metrics[name] = v;
@@ -329,6 +345,7 @@ EpochMetrics Trainer::fit() {
                       ". Resume: " + command("--resume " + run_dir_));
     }
   }
+  next_feed_.reset();  // after a --stop-at stop
   world_.barrier("end of training");
   print_summary(last, seconds_since(started));
   return last;
@@ -359,9 +376,9 @@ void Trainer::hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, doub
   std::fflush(stdout);
 }
 
-double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs) {
-  auto& model = *model_;
-  model.train();
+// Epoch `epoch`'s batches from `start_batch` on, as a function of (seed,
+// epoch, rank): the sampler's order and the loader's keyed draws.
+std::unique_ptr<Trainer::EpochFeed> Trainer::make_feed(int64_t epoch, int64_t start_batch) {
   DistributedSampler sampler({data_.train->size(), world_.size(), world_.rank(), true,
                               static_cast<uint64_t>(config_.seed), false});
   sampler.set_epoch(epoch - 1);  // the order changes every epoch
@@ -372,11 +389,24 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
                             .seed(static_cast<uint64_t>(config_.seed))
                             .epoch(epoch - 1)
                             .rank(world_.rank())
-                            .start_batch(state_.batch_in_epoch);
+                            .start_batch(start_batch);
   if (config_.augment == "standard" && !data_.train_augmented)
     loader_options.transform(data::make_augment(data::AugmentOptions()));
-  data::Loader loader(data_.train, sampler.indices(), loader_options);
+  return std::make_unique<EpochFeed>(data_.train, sampler.indices(), loader_options, world_.device(),
+                                     [this](const torch::Tensor& t) { return step_->prepare(t); },
+                                     data_.train->device_stage());
+}
 
+double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs) {
+  auto& model = *model_;
+  model.train();
+  // The next epoch's batches started loading during the last validation.
+  std::unique_ptr<EpochFeed> feed = next_feed_ && next_feed_epoch_ == epoch && state_.batch_in_epoch == 0
+                                        ? std::move(next_feed_)
+                                        : make_feed(epoch, state_.batch_in_epoch);
+  next_feed_.reset();
+  data::Loader& loader = feed->loader;
+  data::DeviceFeeder& feeder = feed->feeder;
   const int64_t micro_batches = loader.num_batches();
   const int64_t display_every = is_bar_ ? std::max(1, config_.log_every / 10) : config_.log_every;
   Progress progress(world_.is_main() ? resolve_progress_mode(is_bar_ ? "bar" : config_.progress) : ProgressMode::kNone,
@@ -400,8 +430,6 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   double lr = schedule_->at(state_.step);
   const int accum = config_.accum_steps;
 
-  data::DeviceFeeder feeder(loader, dev, [this](const torch::Tensor& t) { return step_->prepare(t); },
-                            data_.train->device_stage());
   while (auto batch = feeder.next()) {
     // Gradient accumulation: each optimizer step averages the micro-batches
     // of its group; the epoch's last group may be smaller, and is averaged

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <set>
 #include <thread>
 
@@ -97,6 +98,24 @@ TEST(DeviceFeeder, StoppingEarlyJoinsTheStageThread) {
     ASSERT_TRUE(feeder.next().has_value());
   }  // the destructor returns: no hang
   EXPECT_LE(stage->calls.load(), 4) << "the thread stays at most two batches ahead";
+}
+
+// start() runs the stage before the first next(): the trainer starts the
+// next epoch's feeder before it validates, so its first batches are ready.
+TEST(DeviceFeeder, StartRunsTheStageBeforeTheFirstNext) {
+  Loader loader(numbers(12), first(12), LoaderOptions(4).workers(1));
+  auto stage = std::make_shared<TagStage>();
+  DeviceFeeder feeder(loader, torch::kCPU, nullptr, stage);
+  feeder.start();
+  feeder.start();  // a second call changes nothing
+  for (int i = 0; i < 500 && stage->calls.load() < 2; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_EQ(stage->calls.load(), 2) << "two batches ahead, before anything asked for one";
+  int64_t expect = 0;
+  while (auto b = feeder.next())
+    for (int64_t j = 0; j < b->batch_size(); ++j, ++expect)
+      EXPECT_EQ(b->target()[j].item<int64_t>(), expect);
+  EXPECT_EQ(expect, 12);
+  EXPECT_EQ(stage->calls.load(), 3);
 }
 
 #ifdef DDP_WITH_CUDA

@@ -30,6 +30,12 @@ class DeviceFeeder {
   DeviceFeeder(const DeviceFeeder&) = delete;
   DeviceFeeder& operator=(const DeviceFeeder&) = delete;
 
+  /// Starts finishing batches now instead of at the first next(): with a
+  /// stage, its thread starts (the trainer starts the next epoch's feeder
+  /// before validating). Without a stage it does nothing: the loader's
+  /// workers already run ahead.
+  void start();
+
   /// The next batch, on the device, ready to use on the current stream.
   std::optional<Batch> next();
 

@@ -48,6 +48,10 @@ class Trainer {
   static std::function<void(const World&, int64_t step)>& after_step_hook();
 
  private:
+  // One training epoch's batches: its loader, and the feeder that moves
+  // them (and with a device stage, finishes them) onto the device.
+  struct EpochFeed;
+  std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
   Metrics evaluate();
   void save(int64_t epoch, double monitored);
@@ -82,6 +86,8 @@ class Trainer {
   bool stop_after_epoch_ = false;
   bool hinted_slow_ = false;
   std::vector<std::string> log_names_;  // training_step()'s logs, fixed at the first step
+  std::unique_ptr<EpochFeed> next_feed_;  // the next epoch's, already loading during validation
+  int64_t next_feed_epoch_ = 0;
 };
 
 }  // namespace ddp
