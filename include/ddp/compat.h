@@ -25,6 +25,7 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #endif
+#include <optional>
 #include <ATen/autocast_mode.h>
 
 #include <arpa/inet.h>
@@ -85,6 +86,19 @@ inline void shutdown_backend(const c10::intrusive_ptr<Backend>& pg) {
   if (auto* nccl = dynamic_cast<::c10d::ProcessGroupNCCL*>(pg.get())) nccl->shutdown();
 #else
   (void)pg;
+#endif
+}
+
+/// The dtype autocast casts to on `device` now, or nullopt while autocast is
+/// off there.
+inline std::optional<c10::ScalarType> autocast_dtype(c10::DeviceType device) {
+#if DDP_TORCH_AT_LEAST(2, 4)
+  if (!at::autocast::is_autocast_enabled(device)) return std::nullopt;
+  return at::autocast::get_autocast_dtype(device);
+#else
+  const bool cuda = device == c10::DeviceType::CUDA;
+  if (!(cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled())) return std::nullopt;
+  return cuda ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
 #endif
 }
 

@@ -7,6 +7,7 @@
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/models/fused_layer_norm.h"
 
 namespace ddp::models {
 
@@ -174,8 +175,22 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   auto pos = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
   auto x = transformer->wte(idx) + transformer->wpe(pos);
   if (options.dropout() > 0) x = transformer->drop(x);
-  for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);
-  return lm_head(transformer->ln_f(x));
+  if (!models::fused_layer_norm_applies(x, torch::Tensor(), transformer->ln_f->weight, transformer->ln_f->bias)) {
+    for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);
+    return lm_head(transformer->ln_f(x));
+  }
+  // --ln-kernel auto: each residual add is fused into the LayerNorm that
+  // follows it, so a block's branch output stays pending until the next
+  // LayerNorm adds it (the same sums, in the same order, as GptBlock).
+  torch::Tensor pending, h;
+  for (const auto& item : *transformer->h) {
+    auto& block = *item->as<GptBlock>();
+    std::tie(x, h) = add_layer_norm(x, pending, block.ln_1->weight, block.ln_1->bias);
+    std::tie(x, h) = add_layer_norm(x, block.attn(h), block.ln_2->weight, block.ln_2->bias);
+    pending = block.mlp(h);
+  }
+  std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias);
+  return lm_head(h);
 }
 
 int64_t GptImpl::num_params(bool non_embedding) const {

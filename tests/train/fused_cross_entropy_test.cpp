@@ -5,14 +5,12 @@
 #include "ddp/train/fused_cross_entropy.h"
 
 #include "ddp/data/dataset.h"
-#include "ddp/dist/world.h"
 #include "ddp/train/lm_task.h"
-#include "ddp/train/train_step.h"
+#include "support/small_gpt.h"
 #include "support/testing.h"
 
 namespace {
 
-using ddp::testing::one_rank_world;
 
 // A CPU build has no kernels; CPU logits never take them.
 TEST(FusedCrossEntropy, CpuLogitsTakeLibTorchsPath) {
@@ -26,46 +24,18 @@ TEST(FusedCrossEntropy, CpuLogitsTakeLibTorchsPath) {
 }
 
 // Losses of `steps` bf16 AdamW steps of a small GPT (vocabulary 1001: rows
-// that start off a 16-byte boundary) on two fixed batches whose targets are
-// a function of the inputs, so the loss falls.
+// that start off a 16-byte boundary; one target ignored), with the fused
+// cross-entropy or LibTorch's.
 std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
   ddp::use_fused_cross_entropy(fused);
-  const torch::Device gpu(torch::kCUDA, 0);
-  auto world = one_rank_world(true);
-  const int64_t vocab = 1001, context = 32;
-  torch::manual_seed(11);
-  ddp::LmTask task;
-  auto model = task.make_gpt(
-      ddp::models::GptOptions().n_layer(2).n_head(4).n_embd(64).block_size(context).vocab_size(vocab), "tokens");
-  model->to(gpu);
-  model->train();
-  auto options = ddp::TrainStepOptions().amp("bf16").cuda_graph(graph).optimizer(
-      ddp::FlatOptimizerOptions().name("adamw").lr(3e-3));
-  ddp::TrainStep step(task, *model, *world, options);
-  auto gen = torch::make_generator<at::CPUGeneratorImpl>(13);
-  std::vector<ddp::data::Batch> batches;
-  for (int i = 0; i < 2; ++i) {
-    auto x = torch::randint(0, vocab, {8, context}, gen, torch::kLong);
-    auto y = (x * 7 + 3).remainder(vocab);
-    y.index_put_({0, 0}, -100);  // one ignored target
-    batches.push_back(ddp::data::Batch{{"input", x.to(gpu)}, {"target", y.to(gpu)}});
-  }
-  std::vector<torch::Tensor> on_device;
-  for (int i = 0; i < steps; ++i) on_device.push_back(step.run(batches[i % 2], true, 3e-3).loss);
-  std::vector<double> losses;
-  for (auto& l : on_device) losses.push_back(l.item<double>());
-  if (graph) {
-    EXPECT_TRUE(step.graphed()) << step.graph_fallback();
-  }
+  auto losses = ddp::testing::small_gpt_bf16_losses(
+      ddp::models::GptOptions().n_layer(2).n_head(4).n_embd(64).block_size(32).vocab_size(1001), graph, steps,
+      /*ignore_one=*/true);
   ddp::use_fused_cross_entropy(true);
   return losses;
 }
 
-double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-6, std::abs(b[i])));
-  return worst;
-}
+using ddp::testing::max_rel_diff;
 
 // The first step sees the same bf16 logits either way. The fused kernel
 // computes the loss in fp32 from them (1e-5 of float64, cross_entropy_test);

@@ -1,0 +1,34 @@
+// The GPT's residual add + LayerNorm, through ddptrain's fused CUDA kernels
+// (cuda/layer_norm.h) where they apply, else LibTorch's ops.
+//
+// They apply on CUDA under bf16 autocast, to an fp32 residual stream, when
+// --ln-kernel auto turned them on (use_fused_layer_norm). Then the
+// normalised output comes back in bf16, the dtype the next matmul casts it
+// to anyway. Not yet validated on a GPU (bench/RESULTS.md, session 8): off
+// by default.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <utility>
+
+namespace ddp::models {
+
+/// --ln-kernel: auto turns the kernels on (process-wide), native off.
+void use_fused_layer_norm(bool on);
+bool fused_layer_norm_enabled();
+/// True when this build has the kernels (a CUDA build).
+bool have_fused_layer_norm();
+
+/// {x + branch, LayerNorm(x + branch)} over the last dimension (eps as
+/// torch.layer_norm's); with `branch` undefined, {x, LayerNorm(x)}. With the
+/// kernels the LayerNorm comes back in bf16, else as LibTorch gives it.
+std::pair<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& branch,
+                                                       const torch::Tensor& weight, const torch::Tensor& bias,
+                                                       double eps = 1e-5);
+
+/// Whether add_layer_norm(x, branch, ...) takes the kernels now.
+bool fused_layer_norm_applies(const torch::Tensor& x, const torch::Tensor& branch, const torch::Tensor& weight,
+                              const torch::Tensor& bias);
+
+}  // namespace ddp::models

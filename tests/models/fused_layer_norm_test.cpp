@@ -1,0 +1,137 @@
+// The GPT's residual add + LayerNorm (src/models/fused_layer_norm.cpp,
+// src/cuda/layer_norm.cu): CPU tensors and runs without bf16 autocast keep
+// LibTorch's ops; on a GPU the kernels give LibTorch's sum exactly, its
+// LayerNorm within bf16 rounding, its gradients within fp32 rounding, and a
+// GPT trained with them follows LibTorch's trajectory.
+#include "ddp/models/fused_layer_norm.h"
+
+#include "ddp/compat.h"
+#include "ddp/models/gpt.h"
+#include "ddp/train/lm_task.h"
+#include "support/small_gpt.h"
+#include "support/testing.h"
+
+namespace ddp::models {
+namespace {
+
+// Turns the kernels on for a scope (they are off by default: --ln-kernel native).
+struct FusedOn {
+  FusedOn() { use_fused_layer_norm(true); }
+  ~FusedOn() { use_fused_layer_norm(false); }
+};
+
+TEST(FusedLayerNorm, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
+  EXPECT_FALSE(fused_layer_norm_enabled());
+  FusedOn on;
+  torch::manual_seed(3);
+  auto x = torch::randn({2, 3, 8}), branch = torch::randn({2, 3, 8}).to(torch::kBFloat16);
+  auto w = torch::randn({8}), b = torch::randn({8});
+  EXPECT_FALSE(fused_layer_norm_applies(x, branch, w, b));
+  auto [sum, out] = add_layer_norm(x, branch, w, b);
+  const auto want = x + branch;
+  EXPECT_TRUE(torch::equal(sum, want));
+  EXPECT_TRUE(torch::equal(out, torch::layer_norm(want, {8}, w, b, 1e-5)));
+  auto [same, normed] = add_layer_norm(x, torch::Tensor(), w, torch::Tensor());
+  EXPECT_TRUE(torch::equal(same, x));
+  EXPECT_TRUE(torch::equal(normed, torch::layer_norm(x, {8}, w, torch::Tensor(), 1e-5)));
+}
+
+// The kernels against LibTorch in fp32, forward and backward, for GPT-2's
+// width and odd ones, with and without a branch and a bias.
+TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto f32 = torch::TensorOptions().device(gpu);
+  FusedOn on;
+  for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {3, 7, 100}, {5, 33}, {2, 1}})
+    for (bool with_branch : {true, false})
+      for (bool with_bias : {true, false}) {
+        SCOPED_TRACE(::testing::PrintToString(shape) + " branch=" + std::to_string(with_branch) +
+                     " bias=" + std::to_string(with_bias));
+        torch::manual_seed(7);
+        const int64_t c = shape.back();
+        auto x = (torch::randn(shape, f32) * 3 + 1).requires_grad_();
+        auto branch = with_branch ? torch::randn(shape, f32).to(torch::kBFloat16).requires_grad_() : torch::Tensor();
+        auto w = (torch::rand({c}, f32) + 0.5).requires_grad_();
+        auto b = with_bias ? torch::randn({c}, f32).requires_grad_() : torch::Tensor();
+        // Output gradients that bf16 holds exactly, so both sides see the same.
+        const auto g_out = torch::randn(shape, f32).to(torch::kBFloat16).to(torch::kFloat);
+        const auto g_sum = torch::randn(shape, f32);
+
+        torch::Tensor sum, out;
+        {
+          compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+          ASSERT_TRUE(fused_layer_norm_applies(x, branch, w, b));
+          std::tie(sum, out) = add_layer_norm(x, branch, w, b);
+        }
+        ASSERT_EQ(out.scalar_type(), torch::kBFloat16);
+        ((out.to(torch::kFloat) * g_out).sum() + (with_branch ? (sum * g_sum).sum() : torch::zeros({}, f32))).backward();
+
+        auto rx = x.detach().clone().requires_grad_();
+        auto rbranch = with_branch ? branch.detach().clone().requires_grad_() : torch::Tensor();
+        auto rw = w.detach().clone().requires_grad_();
+        auto rb = with_bias ? b.detach().clone().requires_grad_() : torch::Tensor();
+        auto rsum = with_branch ? rx + rbranch : rx;
+        auto rout = torch::layer_norm(rsum, {c}, rw, rb, 1e-5);
+        ((rout * g_out).sum() + (with_branch ? (rsum * g_sum).sum() : torch::zeros({}, f32))).backward();
+
+        EXPECT_TRUE(torch::equal(sum, rsum.detach())) << "x + branch in fp32, exactly";
+        // bf16 keeps 8 significant bits: within one unit of the last place.
+        const auto bound = rout.detach().abs() * (1.0 / 128) + 1e-6;
+        EXPECT_TRUE((out.to(torch::kFloat) - rout.detach()).abs().le(bound).all().item<bool>())
+            << (out.to(torch::kFloat) - rout.detach()).abs().max().item<double>();
+        auto close = [](const torch::Tensor& got, const torch::Tensor& want, double rel) {
+          const double scale = want.abs().max().item<double>() + 1e-12;
+          return (got.to(torch::kFloat) - want).abs().max().item<double>() / scale <= rel;
+        };
+        EXPECT_TRUE(close(x.grad(), rx.grad(), 1e-4));
+        if (with_branch) {
+          EXPECT_EQ(branch.grad().scalar_type(), torch::kBFloat16);
+          EXPECT_TRUE(close(branch.grad(), rbranch.grad(), 1.0 / 128));
+        }
+        EXPECT_TRUE(close(w.grad(), rw.grad(), 1e-4));
+        if (with_bias) {
+          EXPECT_TRUE(close(b.grad(), rb.grad(), 1e-4));
+        }
+      }
+}
+
+// Losses of `steps` bf16 AdamW steps of a small GPT, with the kernels or
+// LibTorch's ops.
+std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
+  use_fused_layer_norm(fused);
+  auto losses = ddp::testing::small_gpt_bf16_losses(
+      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
+  use_fused_layer_norm(false);
+  return losses;
+}
+
+using ddp::testing::max_rel_diff;
+
+// The same model and batches: the first loss differs only by where the
+// LayerNorm's output is rounded to bf16 (the same place: the kernel writes
+// bf16, LibTorch's matmul casts to it), so it agrees to bf16 tolerance, and
+// the trajectories follow each other while the loss falls.
+TEST(FusedLayerNorm, GptTrainsAsWithLibTorchsOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  auto fused = gpt_losses(true, false, 12);
+  auto native = gpt_losses(false, false, 12);
+  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
+  EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
+  EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
+                                               << ::testing::PrintToString(native);
+}
+
+TEST(FusedLayerNorm, GptGraphedEqualsEager_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  auto eager = gpt_losses(true, false, 8);
+  auto graphed = gpt_losses(true, true, 8);
+  EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs "
+                                                << ::testing::PrintToString(eager);
+}
+
+}  // namespace
+}  // namespace ddp::models
