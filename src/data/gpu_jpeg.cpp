@@ -75,13 +75,7 @@ struct Decoder {
     check_nvjpeg(nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, 0, &single), "create");
     check_nvjpeg(nvjpegJpegStateCreate(single, &single_state), "state create");
   }
-  ~Decoder() {
-    if (single_state) nvjpegJpegStateDestroy(single_state);
-    if (single) nvjpegDestroy(single);
-    for (auto& slot : slots)
-      if (slot->state) nvjpegJpegStateDestroy(slot->state);
-    if (batched) nvjpegDestroy(batched);
-  }
+  // No destructor: decoder_for() never destroys a decoder (see there).
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
 

@@ -136,8 +136,6 @@ std::pair<ImageFolderIndex, ImageFolderIndex> split_image_folder(const ImageFold
 ImageFolderDataset::ImageFolderDataset(ImageFolderIndex files, ImageFolderOptions options, std::string name)
     : files_(std::move(files)), options_(std::move(options)), name_(std::move(name)) {
   TORCH_CHECK(files_.paths.size() == files_.labels.size(), "ImageFolderDataset: one label per path");
-  TORCH_CHECK(options_.gpu_decode_in_flight() >= 1, "ImageFolderDataset: gpu_decode_in_flight must be at least 1, got ",
-              options_.gpu_decode_in_flight());
   check_user(options_.transform().size() >= 1,
              "image size " + std::to_string(options_.transform().size()) + " is not positive.",
              "pass e.g. --image-size 224.");
