@@ -21,32 +21,41 @@ std::atomic<bool> g_fused_ln{false};
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// An autograd function's tensor inputs must all be defined (LibTorch 2.x
+// refuses an undefined one: FusedLayerNorm.MatchesLibTorchForwardAndBackward_CUDA),
+// so a missing bias enters as zeros with with_bias false: the kernels then
+// ignore it, and it gets no gradient.
+torch::Tensor bias_or_zeros(const torch::Tensor& bias, const torch::Tensor& weight) {
+  return bias.defined() ? bias : torch::zeros_like(weight);
+}
+
 // {x + branch, LayerNorm(x + branch) in bf16}.
 struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
   static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor branch, torch::Tensor weight,
-                               torch::Tensor bias, double eps) {
-    auto r = cuda::add_layer_norm_forward(x, branch, weight, bias, eps);  // {sum, out, mean, rstd}
+                               torch::Tensor bias, double eps, bool with_bias) {
+    // {sum, out, mean, rstd}
+    auto r = cuda::add_layer_norm_forward(x, branch, weight, with_bias ? bias : torch::Tensor(), eps);
     ctx->save_for_backward({r[0], r[2], r[3], weight});
-    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["bias"] = with_bias;
     return {r[0], r[1]};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
     const bool with_bias = ctx->saved_data["bias"].toBool();
     if (!grads[1].defined()) return {grads[0], grads[0].defined() ? grads[0].to(torch::kBFloat16) : torch::Tensor(),
-                                     torch::Tensor(), torch::Tensor(), torch::Tensor()};
+                                     torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     auto g = cuda::add_layer_norm_backward(grads[1], grads[0], s[0], s[1], s[2], s[3], /*with_branch=*/true, with_bias);
-    return {g[0], g[1], g[2], g[3], torch::Tensor()};
+    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };
 
 // LayerNorm(x) in bf16, for the first block (no branch to add yet).
 struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
-                               double eps) {
-    auto r = cuda::add_layer_norm_forward(x, torch::Tensor(), weight, bias, eps);
+                               double eps, bool with_bias) {
+    auto r = cuda::add_layer_norm_forward(x, torch::Tensor(), weight, with_bias ? bias : torch::Tensor(), eps);
     ctx->save_for_backward({x, r[2], r[3], weight});
-    ctx->saved_data["bias"] = bias.defined();
+    ctx->saved_data["bias"] = with_bias;
     return r[1];
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -54,7 +63,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     const bool with_bias = ctx->saved_data["bias"].toBool();
     auto g = cuda::add_layer_norm_backward(grads[0], torch::Tensor(), s[0], s[1], s[2], s[3], /*with_branch=*/false,
                                            with_bias);
-    return {g[0], g[2], g[3], torch::Tensor()};
+    return {g[0], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };
 #endif
@@ -89,8 +98,8 @@ std::pair<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, c
                                                        double eps) {
 #ifdef DDP_WITH_CUDA_KERNELS
   if (fused_layer_norm_applies(x, branch, weight, bias)) {
-    if (!branch.defined()) return {x, LayerNormFn::apply(x, weight, bias, eps)};
-    auto r = AddLayerNormFn::apply(x, branch, weight, bias, eps);
+    if (!branch.defined()) return {x, LayerNormFn::apply(x, weight, bias_or_zeros(bias, weight), eps, bias.defined())};
+    auto r = AddLayerNormFn::apply(x, branch, weight, bias_or_zeros(bias, weight), eps, bias.defined());
     return {r[0], r[1]};
   }
 #endif
