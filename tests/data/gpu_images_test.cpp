@@ -13,6 +13,12 @@
 #include "ddp/error.h"
 #include "support/testing.h"
 
+#ifdef DDP_WITH_CUDA
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -247,6 +253,45 @@ TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   EXPECT_NE(r.output.find("with nvJPEG"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("skipping corrupt image"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("test_acc"), std::string::npos) << r.output;
+}
+
+// nvJPEG's hardware engine does not wait for the work already queued on the
+// stream it is given: it writes its output at once (torchcodec#1634,
+// vision#9606). Memory that the caching allocator hands out as soon as it is
+// freed on that stream may still be read by queued kernels, and the decode
+// overwrote it: on the H200 a --cuda-graph run of ResNet-50 from JPEGs
+// validated to test_loss nan (session 9). Here a sum of a tensor as large
+// as the batch's pixels waits behind ~0.1 s of GPU work; the tensor is
+// freed and the stage decodes at once on the same stream: the sum must
+// still see the tensor's own bytes.
+TEST(GpuImages, DecodeNeverWritesMemoryThatQueuedWorkStillReads_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifdef DDP_WITH_CUDA
+  const auto root = ddp::testing::temp_dir("gpu_decode_queued") + "/data";
+  for (int i = 0; i < 16; ++i) {  // ImageNet-like: 500 x 375, baseline 4:2:0, quality 90
+    fs::create_directories(root + "/c" + std::to_string(i % 2));
+    write_jpeg(root + "/c" + std::to_string(i % 2) + "/" + std::to_string(i) + ".jpg", textured(375, 500, i), 90);
+  }
+  ImageFolderDataset data(scan_image_folder(root),
+                          ImageFolderOptions().transform(ImageTransformOptions().size(224).train(true)).gpu_decode(true),
+                          "queued");
+  const torch::Device device(torch::kCUDA, 0);
+  const c10::cuda::CUDAStreamGuard on_side(c10::cuda::getStreamFromPool(false, 0));
+  for (int64_t trial = 0; trial < 4; ++trial) {
+    auto batch = data.get_keyed_batch(all_indices(data), DrawKey{3, trial, 0}, 0);
+    const auto rows = batch.at(kEncodedImages);
+    int64_t total = 0;  // the bytes the stage's decoded pixels take
+    for (int64_t i = 0; i < rows.size(0); ++i)
+      total += (rows[i][kEcHeight].item<int64_t>() * rows[i][kEcWidth].item<int64_t>() * 3 + 255) / 256 * 256;
+    auto victim = torch::full({total}, 3, torch::TensorOptions().dtype(torch::kByte).device(device));
+    at::cuda::sleep(int64_t{200} * 1000 * 1000);  // ~0.1 s at the H200's clock
+    const auto sum = victim.sum(torch::kLong);
+    victim.reset();
+    data.device_stage()->run(batch, device);
+    EXPECT_EQ(sum.item<int64_t>(), 3 * total) << "trial " << trial;
+    EXPECT_TRUE(torch::isfinite(batch.input()).all().item<bool>());
+  }
+#endif
 }
 
 }  // namespace

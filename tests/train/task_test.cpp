@@ -220,6 +220,34 @@ TEST(Task, CustomMetricOverTwoUnevenRanksEqualsOneRank) {
   EXPECT_EQ(one, two);
 }
 
+// A NaN validation metric while the training loss stays finite is said
+// once a job, on rank 0, with its source: the model's buffer that holds
+// infinite values, or the task's own arithmetic when the model is finite.
+TEST(Task, NonFiniteValidationMetricIsSaidOnceWithItsSource) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const char* mode : {"buffer", "metric"}) {
+    SCOPED_TRACE(mode);
+    const auto dir = ddp::testing::temp_dir(std::string("not_finite_") + mode);
+    auto r = run_process({DDP_TESTWORKER, "--launch", "2", "not_finite", dir, mode, "--epochs", "2",
+                          "--train-samples", "512", "--test-samples", "256", "--batch", "32"});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string warning = "warning: epoch 1's validation gave ";
+    const auto at = r.output.find(warning);
+    ASSERT_NE(at, std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("validation gave", at + 1), std::string::npos) << "said more than once:\n" << r.output;
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    if (std::string(mode) == "buffer") {
+      EXPECT_TRUE(line.find("test_loss inf") != std::string::npos || line.find("test_loss nan") != std::string::npos)
+          << line;
+      EXPECT_NE(line.find("buffer 'scale'"), std::string::npos) << line;
+    } else {
+      EXPECT_NE(line.find("test_huge_share nan"), std::string::npos) << line;
+      EXPECT_EQ(line.find("test_loss"), std::string::npos) << line;  // the loss itself is finite
+      EXPECT_NE(line.find("parameters and buffers are all finite"), std::string::npos) << line;
+    }
+  }
+}
+
 }  // namespace
 
 namespace {

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -279,6 +280,61 @@ void task_metric(World& world, const std::string& out, int argc, char** argv) {
   std::fclose(f);
 }
 
+// A validation metric that turns NaN while training goes on finite: the
+// built-in regression with, as MODE says, a metric of its own that divides
+// by a zero count ("metric"), or a scale buffer that is used only in eval
+// mode and made infinite after the second step, as a broken running
+// statistic would be ("buffer"). (ARGS: MODE, then more flags.)
+struct ScaledNetImpl : Net {
+  std::shared_ptr<Net> inner;
+  torch::Tensor scale;
+  explicit ScaledNetImpl(std::shared_ptr<Net> net) : inner(register_module("inner", std::move(net))) {
+    scale = register_buffer("scale", torch::ones({1}));
+  }
+  torch::Tensor forward(torch::Tensor x) override { return is_training() ? inner->forward(x) : inner->forward(x) * scale; }
+};
+
+class NotFiniteTask : public RegressionTask {
+ public:
+  explicit NotFiniteTask(std::string mode) : mode_(std::move(mode)) {}
+  std::shared_ptr<Net> make_net(const Config& config, const data::Splits& data) override {
+    auto net = RegressionTask::make_net(config, data);
+    if (mode_ != "buffer") return net;
+    scaled_ = std::make_shared<ScaledNetImpl>(net);
+    return scaled_;
+  }
+  TensorMap validation_step(const data::Batch& batch) override {
+    auto sums = RegressionTask::validation_step(batch);
+    sums["huge"] = (batch.target().abs() > 1e30).sum().to(torch::kDouble);  // always 0
+    return sums;
+  }
+  Metrics validation_metrics(const Totals& totals) override {
+    auto m = RegressionTask::validation_metrics(totals);
+    if (mode_ == "metric") m["test_huge_share"] = totals.at("huge").item<double>() / totals.at("huge").item<double>();
+    return m;
+  }
+  void on_step_end(const StepEnd& step) override {
+    if (scaled_ && step.step == 2) scaled_->scale.fill_(std::numeric_limits<double>::infinity());
+  }
+
+ private:
+  std::string mode_;
+  std::shared_ptr<ScaledNetImpl> scaled_;
+};
+
+void not_finite(World& world, const std::string& out, int argc, char** argv) {
+  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric or buffer)");
+  NotFiniteTask task(argv[0]);
+  Config defaults;
+  task.add_flags(defaults);
+  const std::string runs = out + "/runs";
+  std::vector<const char*> args = {"not_finite", "--save_path", runs.c_str(), "--progress", "plain"};
+  for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
+  Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
+  Trainer trainer(c, world, task);
+  trainer.fit();
+}
+
 // Eval mode with track_running_stats=false normalises each batch by its own
 // statistics and must not communicate: rank 0 runs 1 batch, rank 1 runs 3.
 void syncbn_eval(World& world, const std::string& out) {
@@ -441,6 +497,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {
     task_metric(world, out, argc, argv);
+  } else if (scenario == "not_finite") {
+    not_finite(world, out, argc, argv);
   } else if (scenario == "throw") {
     if (world.rank() == 1) throw std::runtime_error("injected failure on rank 1");
     auto t = torch::ones({1});
