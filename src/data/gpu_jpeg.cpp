@@ -49,17 +49,29 @@ void check_nvjpeg(nvjpegStatus_t s, const char* what) {
 // nvJPEG's own allocators; their buffers are reused from batch to batch.
 //
 // Batched decodes go through slots, used in turn: each has its own nvJPEG
-// state, and the event and file bytes of the batch it last decoded. A slot
-// is reused only once that batch is done (a host wait on its event), so
-// with two slots the host parses batch k+1 while the engine decodes batch
-// k. The slots live here, not in a stage, because every stage on a device
-// (training, evaluation) shares them, possibly from different streams.
+// state, its own buffer for the decoded pixels, and the event and file
+// bytes of the batch it last decoded. A slot is reused only once that batch
+// is done (a host wait on its event), so with two slots the host parses
+// batch k+1 while the engine decodes batch k. The slots live here, not in a
+// stage, because every stage on a device (training, evaluation) shares
+// them, possibly from different streams.
+//
+// Why the pixels have a buffer of the slot's own: nvJPEG's hardware engine
+// writes its output without waiting for the work already queued on the
+// stream it is given (torchcodec#1634, vision#9606). A block from the
+// caching allocator is handed out as soon as it is freed on the stream,
+// while queued kernels may still read it, and the engine overwrote it: a
+// --cuda-graph run of ResNet-50 from JPEGs validated to test_loss nan on
+// the H200 (bench/RESULTS.md, session 9). A slot's buffer is free once
+// take_slot has waited for its last batch; a new one (the first, or a
+// larger one) is used only after the stream has drained.
 struct Decoder {
   struct Slot {
     nvjpegJpegState_t state = nullptr;
     int initialized_batch = 0;
     at::cuda::CUDAEvent done;
-    torch::Tensor bytes;  // the host bytes the decode may still read
+    torch::Tensor bytes;   // the host bytes the decode may still read
+    torch::Tensor pixels;  // uint8 on the device, reused from batch to batch
   };
   nvjpegHandle_t batched = nullptr;  // hardware if available, else default
   nvjpegHandle_t single = nullptr;
@@ -92,6 +104,19 @@ struct Decoder {
       slot.bytes = torch::Tensor();
     }
     return slot;
+  }
+
+  // `slot`'s pixel buffer, at least `bytes` long, safe for the engine to
+  // write now (see above). It grows with 25% headroom, so a run with images
+  // of varying sizes drains the stream a few times, not at every batch.
+  static torch::Tensor pixels_of(Slot& slot, int64_t bytes, torch::Device device, const c10::cuda::CUDAStream& stream) {
+    bytes = std::max<int64_t>(bytes, 1);
+    if (!slot.pixels.defined() || slot.pixels.numel() < bytes) {
+      slot.pixels = torch::Tensor();  // its last batch is done: take_slot waited
+      slot.pixels = torch::empty({bytes + bytes / 4}, torch::TensorOptions().dtype(torch::kByte).device(device));
+      stream.synchronize();  // whatever queued work used this memory before is done
+    }
+    return slot.pixels.narrow(0, 0, bytes);
   }
 };
 
@@ -145,8 +170,7 @@ class GpuJpegStage : public DeviceStage {
       where[static_cast<size_t>(i)] = total;
       total += (r[kEcHeight] * r[kEcWidth] * 3 + 255) / 256 * 256;
     }
-    auto u8 = torch::TensorOptions().dtype(torch::kByte).device(device);
-    torch::Tensor pixels = torch::empty({std::max<int64_t>(total, 1)}, u8);
+    torch::Tensor pixels = Decoder::pixels_of(slot, total, device, stream);
 
     std::vector<int64_t> jpegs, failed;
     for (int64_t i = 0; i < n; ++i) {
