@@ -301,6 +301,7 @@ EpochMetrics Trainer::fit() {
     for (const auto& [name, v] : logs) metrics[name] = v;
     EpochEnd end{epoch, state_.step, metrics};
     task_.on_epoch_end(end);
+    warn_if_not_finite(epoch, metrics);
     // ---- log ----
     last = EpochMetrics();
     last.epoch = epoch;
@@ -496,6 +497,45 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   const double count = std::max(1.0, total[1].item<double>());
   for (size_t i = 0; i < log_names_.size(); ++i) logs[log_names_[i]] = total[3 + static_cast<int64_t>(i)].item<double>() / count;
   return total[0].item<double>() / count;
+}
+
+// A validation metric that is NaN or infinite while the training loss is
+// finite (training stops on a non-finite loss) is said once, with where it
+// comes from: a parameter or buffer of the model that holds non-finite
+// values (batch norm's running statistics, most often), or the task's own
+// arithmetic. best.pt never follows a NaN monitor (Monitor::better).
+void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
+  if (warned_not_finite_) return;
+  std::string bad;
+  for (const auto& [name, v] : metrics)
+    if (!std::isfinite(v)) bad += (bad.empty() ? "" : ", ") + format_metric(name, v);
+  if (bad.empty()) return;
+  warned_not_finite_ = true;
+  std::string where;
+  for (const auto& p : model_->named_parameters())
+    if (!torch::isfinite(p.value()).all().item<bool>()) {
+      where = "parameter '" + p.key() + "'";
+      break;
+    }
+  if (where.empty())
+    for (const auto& b : model_->named_buffers())
+      if (b.value().is_floating_point() && !torch::isfinite(b.value()).all().item<bool>()) {
+        where = "buffer '" + b.key() + "'";
+        break;
+      }
+  if (!world_.is_main()) return;
+  if (!where.empty())
+    std::fprintf(stderr,
+                 "ddptrain: warning: epoch %lld's validation gave %s: the model's %s holds NaN or infinite values "
+                 "(evaluated as rank 0 holds it). Hint: batch norm's running statistics go bad on a batch of bad "
+                 "inputs or at too high a learning rate; check the data and --lr.\n",
+                 static_cast<long long>(epoch), bad.c_str(), where.c_str());
+  else
+    std::fprintf(stderr,
+                 "ddptrain: warning: epoch %lld's validation gave %s, but the model's parameters and buffers are "
+                 "all finite. Hint: the task's validation_step() or validation_metrics() made it (a division by a "
+                 "zero count, the log of 0?).\n",
+                 static_cast<long long>(epoch), bad.c_str());
 }
 
 Metrics Trainer::evaluate() {
