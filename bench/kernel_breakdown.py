@@ -14,8 +14,13 @@ graph's replayed kernels have no launching op). --by-stream adds, per CUDA
 stream, its kernel time and its busy time (the union of its kernels'
 intervals), and the GPU's busy time over all streams: for a training run
 (`ddptrain ... --profile-trace`), whether the data stage's kernels on the
-feeder's stream slow the step's, or the step waits for them."""
+feeder's stream slow the step's, or the step waits for them. --gaps K adds
+the GPU's idle time (no kernel or copy on any stream) per step, split by
+the stream and kernel that end each idle interval, the K largest: what the
+GPU was waiting for (work that is not a kernel, such as nvJPEG's hardware
+engine, shows as the idle time before the kernel that consumes it)."""
 import argparse
+import gzip
 import json
 from collections import defaultdict
 
@@ -60,11 +65,13 @@ def main():
     p.add_argument("--by-op", type=int, default=0)
     p.add_argument("--shapes", action="store_true", help="--by-op: one row per op and input shapes")
     p.add_argument("--by-stream", action="store_true")
+    p.add_argument("--gaps", type=int, default=0)
     a = p.parse_args()
-    events = json.load(open(a.trace))
+    events = json.load(gzip.open(a.trace, "rt") if a.trace.endswith(".gz") else open(a.trace))
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     groups, names, ops = defaultdict(float), defaultdict(float), defaultdict(float)
     intervals = defaultdict(list)  # stream -> [(start, end)] in microseconds
+    spans = []  # (start, end, stream, name) of every kernel and copy
     # The op that launched a kernel shares its "External id" (correlation).
     def op_name(e):  # with its input shapes and types, when the trace has them
         args = e.get("args", {})
@@ -80,6 +87,8 @@ def main():
             names[e.get("name", "")[:120]] += ms
             ops[op_of.get(e.get("args", {}).get("External id"), "(no op: graph replay, or none)")] += ms
             intervals[e.get("args", {}).get("stream", "?")].append((e.get("ts", 0), e.get("ts", 0) + e.get("dur", 0)))
+            spans.append((e.get("ts", 0), e.get("ts", 0) + e.get("dur", 0), e.get("args", {}).get("stream", "?"),
+                          e.get("name", "")[:80]))
     kernel_ms = sum(groups.values())
     if a.wall_ms:
         groups["idle between kernels (host gaps)"] = max(0.0, a.wall_ms - kernel_ms)
@@ -107,6 +116,15 @@ def main():
                           for k, v in sorted(intervals.items(), key=lambda kv: -len(kv[1]))}
         out["gpu_busy_ms"] = round(busy(everything) / 1000 / a.steps, 2)
         out["first_to_last_kernel_ms"] = round((last - first) / 1000 / a.steps, 2)
+    if a.gaps and spans:
+        spans.sort()
+        idle, end = defaultdict(float), spans[0][1]
+        for start, stop, stream, name in spans[1:]:
+            if start > end:  # the GPU was idle from `end` to `start`
+                idle[f"stream {stream}: {name}"] += (start - end) / 1000 / a.steps
+            end = max(end, stop)
+        out["gpu_idle_ms"] = round(sum(idle.values()), 2)
+        out["idle_before"] = [[k, round(v, 3)] for k, v in sorted(idle.items(), key=lambda kv: -kv[1])[:a.gaps]]
     print(json.dumps(out))
 
 
