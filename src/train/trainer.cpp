@@ -45,6 +45,7 @@ std::string timestamp() {
 
 // "91.23%" for accuracies, "0.312" otherwise.
 std::string format_value(const std::string& name, double v) {
+  if (std::isnan(v)) return "nan";  // printf may give "-nan"
   char buf[48];
   if (is_fraction_metric(name))
     std::snprintf(buf, sizeof(buf), "%.2f%%", 100 * v);
