@@ -272,6 +272,51 @@ TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
   EXPECT_EQ(metrics(restarted).size(), 2u);
 }
 
+// A restart resumes this job's own checkpoints, never another run's under
+// the same --save_path (both use ./checkpoint by default): run A saves epoch
+// 1; job B fails in its first epoch, before it has saved anything, and
+// restarts. B starts again in its own run directory; A's files are as A
+// left them.
+TEST(Resume, RestartNeverResumesAnotherRunsCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("restart_other");
+  const std::vector<std::string> one_epoch{"--size", "2", "--epochs", "1", "--train-samples", "640", "--test-samples", "128"};
+  auto a = run_process(run_args(dir, one_epoch));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string a_config = find_file(dir, "config.json"), a_dir = fs::path(a_config).parent_path().string();
+  const std::string a_config_text = ddp::testing::read_file(a_config);
+  auto args = one_epoch;
+  args.insert(args.end(), {"--lr", "0.05", "--max-restarts", "1"});
+  // 640 samples / 2 ranks / batch 64 = 5 steps an epoch: fail at step 2.
+  auto b = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "1:2"}});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
+  EXPECT_EQ(b.output.find("resume: " + a_dir), std::string::npos) << b.output;
+  EXPECT_EQ(ddp::testing::read_file(a_config), a_config_text) << "the restart rewrote run A's config";
+  std::vector<std::string> runs;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_directory()) runs.push_back(e.path().string());
+  ASSERT_EQ(runs.size(), 2u) << "B's two attempts should share one run directory";
+  const std::string b_dir = runs[0] == a_dir ? runs[1] : runs[0];
+  EXPECT_TRUE(fs::exists(b_dir + "/epoch_1.pt"));
+  EXPECT_EQ(metrics(b_dir).size(), 1u);
+  EXPECT_EQ(metrics(a_dir).size(), 1u);
+}
+
+// --max-restarts restarts a single process too (restarts live in the
+// launcher, which a one-process run once skipped: the flag did nothing).
+TEST(Resume, MaxRestartsRestartsASingleProcess) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("restart_single");
+  auto r = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "512", "--test-samples", "128",
+                                      "--max-restarts", "1"}),
+                       {{"DDPTRAIN_FAIL_AT_STEP", "0:2"}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("injected failure"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("restart 1 of 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("epoch 1/1"), std::string::npos) << r.output;
+}
+
 // On one GPU: a run stopped after epoch 1 and resumed continues in its own
 // run directory (the CUDA wheel's libtorch.so once crashed this path through
 // its broken std::filesystem::remove_all) with every epoch in metrics.jsonl.
@@ -523,6 +568,11 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"MissingResume", {"--dataset", "synthetic", "--resume", "/nonexistent/epoch_3.pt"}, "--resume /nonexistent/epoch_3.pt does not exist."},
         BadCase{"CorruptPretrain", {"--dataset", "synthetic", "--pretrain", "/etc/hostname"}, "--pretrain /etc/hostname is neither a ddptrain checkpoint nor a PyTorch"},
         BadCase{"MismatchedPretrain", {"--dataset", "synthetic", "--pretrain", std::string(DDP_TEST_DATA_DIR) + "/tiny_state_dict.pt"}, "does not fit the model"},
+        BadCase{"MnistWithoutDataRoot", {"--dataset", "mnist"}, "--dataset mnist needs --data_root"},
+        BadCase{"SubsetOfImageFolder", {"--dataset", "imagefolder", "--data_root", "/nonexistent/images"},
+                "--train-samples and --test-samples do not apply to --dataset imagefolder"},
+        BadCase{"ValSplitWithoutImageFolder", {"--dataset", "synthetic", "--val-split", "0.2"},
+                "--val-split, --strict-data and --image-decode gpu apply to --dataset imagefolder only"},
         BadCase{"ZeroBatch", {"--batch", "0"}, "--batch must be positive, got 0."},
         BadCase{"NegativeEpochs", {"--epochs", "-2"}, "--epochs must be positive, got -2."},
         BadCase{"ZeroLr", {"--lr", "0"}, "--lr must be positive, got 0."}),

@@ -220,6 +220,24 @@ TEST(Task, CustomMetricOverTwoUnevenRanksEqualsOneRank) {
   EXPECT_EQ(one, two);
 }
 
+// best.pt follows the monitor at every validation, as Lightning's
+// ModelCheckpoint does, not only at the epochs that save a checkpoint:
+// test_loss 1.0, 0.5, 2.0 over three epochs with --save_epoch 10 makes
+// epoch 2 the best (it was epoch 3, the only one compared).
+TEST(Task, BestFollowsEveryValidationNotOnlySaveEpochs) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("best_between_saves");
+  auto r = run_process({DDP_TESTWORKER, "--launch", "1", "not_finite", dir, "scripted", "--epochs", "3",
+                        "--save_epoch", "10", "--train-samples", "256", "--test-samples", "64", "--batch", "32"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto run = run_dir_of(dir + "/runs");
+  ASSERT_TRUE(fs::exists(run + "/best.pt")) << r.output;
+  EXPECT_EQ(ddp::read_checkpoint_meta(run + "/best.pt").state.epoch, 2);
+  EXPECT_FALSE(fs::exists(run + "/epoch_2.pt"));  // still only the save epochs' checkpoints
+  EXPECT_TRUE(fs::exists(run + "/epoch_3.pt"));
+  EXPECT_NE(r.output.find("final 2, best 0.5"), std::string::npos) << r.output;
+}
+
 // A NaN validation metric while the training loss stays finite is said
 // once a job, on rank 0, with its source: the model's buffer that holds
 // infinite values, or the task's own arithmetic when the model is finite.
