@@ -136,10 +136,9 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   install_crash_handler();
   install_stop_handlers(where.launched() ? getppid() : 0);
-  // After a failure the launcher restarts the group (--max-restarts): pick
-  // up from the newest checkpoint, as torchrun's elastic agent would.
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  if (attempt && std::atoi(attempt) > 0 && c.resume.empty()) c.resume = "auto";
+  // After a failure the launcher restarts the group (--max-restarts); the
+  // trainer picks up from this job's newest checkpoint, as torchrun's
+  // elastic agent would (Trainer::find_resume_checkpoint).
 
   if (!where.launched()) {
     where.master_addr = c.address == "localhost" ? "127.0.0.1" : c.address;
@@ -198,9 +197,20 @@ Config with_saved_flags(const Config& c) {
 
 data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
-  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu"),
-             "--image-size, --val-root and --image-decode gpu apply to --dataset imagefolder only.",
+  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu" &&
+                                            !c.was_given("val-split") && !c.was_given("strict-data")),
+             "--image-size, --val-root, --val-split, --strict-data and --image-decode gpu apply to --dataset "
+             "imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
+  check_user(c.dataset != "imagefolder" || (!c.was_given("train-samples") && !c.was_given("test-samples")),
+             "--train-samples and --test-samples do not apply to --dataset imagefolder: it trains on every file "
+             "under --data_root.",
+             "for a quick trial, point --data_root at a smaller folder, or lower --image-size.");
+  // The default --data_root is Fashion-MNIST's folder: MNIST must be named.
+  check_user(c.dataset != "mnist" || c.was_given("data_root"),
+             "--dataset mnist needs --data_root: the default, " + c.data_root + ", holds Fashion-MNIST.",
+             "pass --data_root DIR with MNIST's train-images-idx3-ubyte(.gz) and the other three IDX files, or "
+             "--dataset fashion-mnist.");
   if (c.image_decode == "gpu") {
     check_user(device.is_cuda(), "--image-decode gpu needs training on a GPU, but this run trains on the CPU.",
                "use --image-decode cpu (or auto), or train on a GPU.");
@@ -315,7 +325,9 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
     if (command.empty()) c = with_saved_flags(c);
     Placement where = placement_from_env();
-    if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty()))
+    // Restarts live in the launcher, so --max-restarts starts one even for
+    // a single process.
+    if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty() || c.max_restarts > 0))
       return launch(c, argc, argv);
     return run_worker(c, where, *task, command);
   } catch (const UserError& e) {

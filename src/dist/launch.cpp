@@ -528,6 +528,17 @@ int launch_workers(const LaunchOptions& o) {
     port = store->getPort();
     setenv("DDPTRAIN_JOB_TOKEN", job_token().c_str(), 1);
   }
+  // The job's id, the same for every attempt: a restart resumes only the
+  // run directory that this job made (trainer.cpp), never another run's
+  // under the same --save_path. Not a secret, unlike the token.
+  if (!std::getenv("DDPTRAIN_JOB_ID")) {
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        std::chrono::system_clock::now().time_since_epoch()).count();
+    const std::string id = std::string(host) + "-" + std::to_string(getpid()) + "-" + std::to_string(ms);
+    setenv("DDPTRAIN_JOB_ID", id.c_str(), 1);
+  }
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);

@@ -8,6 +8,7 @@
 #include <ctime>
 #include <errno.h>  // program_invocation_name
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -182,7 +183,67 @@ struct Trainer::EpochFeed {
 
 Trainer::~Trainer() = default;
 
-std::string Trainer::find_resume_checkpoint() const {
+namespace {
+
+// This job's id, the same across restarts: ddptrain's launcher's, or the
+// rendezvous id torchrun gives (--standalone makes a fresh one); "" when
+// neither says.
+std::string job_id() {
+  if (const char* id = std::getenv("DDPTRAIN_JOB_ID"); id && *id) return id;
+  if (const char* id = std::getenv("TORCHELASTIC_RUN_ID"); id && *id && std::string(id) != "none")
+    return std::string("torchelastic-") + id;
+  return "";
+}
+
+int restart_attempt() {
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return attempt ? std::atoi(attempt) : 0;
+}
+
+// The run directory under `save_path` whose job_id file names `id`, or "".
+std::string job_run_dir(const std::string& save_path, const std::string& id) {
+  std::error_code ec;
+  if (id.empty() || !std::filesystem::is_directory(save_path, ec)) return "";
+  for (const auto& e : std::filesystem::directory_iterator(save_path, ec)) {
+    std::ifstream f(e.path() / "job_id");
+    std::string got;
+    if (f && std::getline(f, got) && got == id) return e.path().string();
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string Trainer::find_resume_checkpoint() {
+  // A restart (--max-restarts, or torchrun's) goes on from this job's own
+  // newest checkpoint, in the run directory this job wrote its id into;
+  // with none yet it starts again there. Never another run's under the
+  // same --save_path.
+  if (restart_attempt() > 0) {
+    std::string dir, path;
+    if (world_.is_main()) {
+      const std::string id = job_id();
+      dir = job_run_dir(config_.save_path, id);
+      if (!dir.empty()) {
+        path = find_latest_checkpoint(dir);
+      } else if (id.empty() && config_.resume.empty()) {
+        path = find_latest_checkpoint(config_.save_path);
+        std::fprintf(stderr, "ddptrain: warning: restart %d cannot tell this job's checkpoints from other runs' "
+                             "(no DDPTRAIN_JOB_ID or TORCHELASTIC_RUN_ID); resuming the newest under %s. Hint: "
+                             "give torchrun --rdzv-id, or a --save_path of the job's own.\n",
+                     restart_attempt(), config_.save_path.c_str());
+      }
+    }
+    restart_dir_ = world_.share_string("restart_dir", dir);
+    path = world_.share_string("resume_path", path);
+    if (!path.empty()) return path;
+    if (config_.resume.empty()) {
+      DDP_PRINT0(world_, "restart %d: this job saved no checkpoint yet; starting again%s%s\n", restart_attempt(),
+                 restart_dir_.empty() ? "" : " in ", restart_dir_.c_str());
+      return "";
+    }
+    restart_dir_.clear();  // the --resume given, as in the first attempt
+  }
   if (config_.resume.empty()) return "";
   // Rank 0 picks the file; every rank loads that one.
   std::string path = world_.share_string(
@@ -232,12 +293,17 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   std::string dir;
   if (!resume_from.empty()) {
     dir = run_dir_of(resume_from);
+  } else if (!restart_dir_.empty()) {
+    dir = restart_dir_;  // a restart before the job's first checkpoint
   } else if (world_.is_main()) {
     dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
   run_dir_ = world_.share_string("run_dir", dir);
+  // The directory is this job's now: a restart finds it by this id.
+  if (const std::string id = job_id(); world_.is_main() && !id.empty()) write_file_atomic(run_dir_ + "/job_id", id + "\n");
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
   if (!resume_from.empty()) metrics_->truncate_to(state_.epoch, state_.step);  // drop rows logged after the checkpoint
+  else if (!restart_dir_.empty()) metrics_->truncate_to(0, 0);  // the failed attempt's rows
   if (world_.is_main()) {  // a resumed run's as it goes on (e.g. on another number of ranks)
     write_file_atomic(run_dir_ + "/config.json", config_to_json(job_config()).dump(2) + "\n");
     write_file_atomic(run_dir_ + "/config.toml", config_to_toml(job_config()));  // --config repeats the run
@@ -338,7 +404,7 @@ EpochMetrics Trainer::fit() {
                "return it from validation_metrics(), or name one of these in monitor().");
     const double value = monitored == metrics.end() ? std::numeric_limits<double>::quiet_NaN() : monitored->second;
     const bool reached = reached_stop_at(metrics);
-    if (epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached) save(epoch, value);
+    save(epoch, value, epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached);
     if (reached) {
       DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
       break;
@@ -372,8 +438,12 @@ void Trainer::hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, doub
   if (config_.model != "cnn" && std::find(ignored.begin(), ignored.end(), "model") == ignored.end())
     faster += "--model cnn (now " + config_.model + "), ";
   const int64_t minute_of_batches = std::max<int64_t>(1, static_cast<int64_t>(60 / per_batch));
-  faster += "--train-samples " + std::to_string(minute_of_batches * config_.batch * world_.size()) +
-            " for a one-minute trial epoch, or a GPU";
+  if (config_.dataset == "imagefolder")  // it takes every file: a smaller folder is the subset
+    faster += "a folder of about " + std::to_string(minute_of_batches * config_.batch * world_.size()) +
+              " images for a one-minute trial epoch, or a GPU";
+  else
+    faster += "--train-samples " + std::to_string(minute_of_batches * config_.batch * world_.size()) +
+              " for a one-minute trial epoch, or a GPU";
   std::printf("\nhint: on this CPU an epoch takes about %.0f min (%.2f s per batch, %lld batches per rank); "
               "faster: %s.\n",
               epoch_seconds / 60, per_batch, static_cast<long long>(batches_per_epoch), faster.c_str());
@@ -626,15 +696,19 @@ std::string Trainer::command(const std::string& args) const {
   return std::string(program_invocation_name) + " " + args;
 }
 
-void Trainer::save(int64_t epoch, double monitored) {
+// best.pt follows the monitor at every validation (as Lightning's
+// ModelCheckpoint does); epoch_N.pt is written at the save epochs.
+void Trainer::save(int64_t epoch, double monitored, bool periodic) {
   if (!world_.is_main()) return;
   CheckpointMeta meta = this->meta();
-  const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   if (monitor_.better(monitored, state_.best)) {
     state_.best = monitored;
     meta.state = state_;
     save_checkpoint(run_dir_ + "/best.pt", *model_, step_.get(), meta);
+    if (!periodic) std::printf("saved %s/best.pt (%s)\n", run_dir_.c_str(), format_metric(monitor_.metric, monitored).c_str());
   }
+  if (!periodic) return;
+  const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   save_checkpoint(path, *model_, step_.get(), meta);
   std::printf("saved %s\n", path.c_str());
   if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last);

@@ -54,12 +54,12 @@ class Trainer {
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
   Metrics evaluate();
-  void save(int64_t epoch, double monitored);
+  void save(int64_t epoch, double monitored, bool periodic);
   bool reached_stop_at(const Metrics& metrics) const;
   void print_start() const;
   void print_summary(const EpochMetrics& last, double seconds) const;
   [[noreturn]] void save_and_stop(const std::string& path);
-  std::string find_resume_checkpoint() const;
+  std::string find_resume_checkpoint();
   void open_run_dir(const std::string& resume_from);
   void resume(const std::string& path);
   void keep_global_batch(const CheckpointMeta& saved);
@@ -80,6 +80,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> schedule_;
   TrainState state_;
   std::string run_dir_;
+  std::string restart_dir_;  // on a restart: the run directory this job made, if any
   std::unique_ptr<MetricsLog> metrics_;
   int64_t steps_per_epoch_ = 0;
   double data_wait_seconds_ = 0;  // host time the last epoch waited for batches
