@@ -114,7 +114,7 @@ TEST(Cli, ConfigFileRepeatsTheResolvedConfig) {
   // Strings with commas, globs, spaces and quotes; doubles that print long.
   for (const auto& flags : std::vector<std::vector<std::string>>{
            {},
-           {"--optimizer", "sgd", "--visible", "0,1", "--pretrain-skip", "fc.*", "--warmup-epochs", "0.3",
+           {"--optimizer", "sgd", "--visible", "0,1", "--pretrain", "/tmp/w.pt", "--pretrain-skip", "fc.*", "--warmup-epochs", "0.3",
             "--lr", "0.07", "--save_path", "/tmp/my runs/it's here", "--timeout", "1e-3", "--epochs", "9",
             "--node-rank", "1", "--nnodes", "2", "--resume", "auto", "--label-smoothing", "0.1"}}) {
     const auto c = parse(flags);
@@ -283,7 +283,7 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
   const std::regex flag_value(R"re(--([a-z][a-z0-9_-]+)(=|\s)?([^\s,;:)'"\]\\]*))re");
   const std::regex number(R"re(-?[0-9.][0-9.eE+-]*(,[0-9]+)*)re");
   // Flags of other programs that messages mention (apt-get, torchrun, ctest, cmake).
-  const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "no-python", "test-dir",
+  const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "rdzv-id", "no-python", "test-dir",
                                         "output-on-failure", "build", "target", "tests",
                                         "logdir",       // tensorboard's
                                         "aux-weight",   // the example task flag in cli.h's comments

@@ -238,6 +238,20 @@ TEST(Task, BestFollowsEveryValidationNotOnlySaveEpochs) {
   EXPECT_NE(r.output.find("final 2, best 0.5"), std::string::npos) << r.output;
 }
 
+// A --stop-at naming a metric that the task does not report stops the run
+// after the first validation, with that epoch's checkpoint saved (it was
+// thrown before the save: with --epochs 1 the whole run was lost).
+TEST(Task, StopAtAnUnknownMetricKeepsTheEpoch) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("stop_at_unknown");
+  auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "1", "--epochs", "2",
+                                                   "--train-samples", "512", "--test-samples", "128",
+                                                   "--stop-at", "test_acc>=0.9"}));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--stop-at names 'test_acc', which this task does not report"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::exists(run_dir_of(dir) + "/epoch_1.pt")) << r.output;
+}
+
 // A NaN validation metric while the training loss stays finite is said
 // once a job, on rank 0, with its source: the model's buffer that holds
 // infinite values, or the task's own arithmetic when the model is finite.
