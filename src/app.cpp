@@ -206,6 +206,9 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
              "--train-samples and --test-samples do not apply to --dataset imagefolder: it trains on every file "
              "under --data_root.",
              "for a quick trial, point --data_root at a smaller folder, or lower --image-size.");
+  check_user(c.dataset != "synthetic" || !c.was_given("data_root"),
+             "--dataset synthetic makes its own data, so --data_root " + c.data_root + " would not be read.",
+             "drop one of them: --dataset auto reads Fashion-MNIST from --data_root.");
   // The default --data_root is Fashion-MNIST's folder: MNIST must be named.
   check_user(c.dataset != "mnist" || c.was_given("data_root"),
              "--dataset mnist needs --data_root: the default, " + c.data_root + ", holds Fashion-MNIST.",

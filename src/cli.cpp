@@ -89,7 +89,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--ce-kernel", "--task lm's cross-entropy on CUDA: ddptrain's fused kernels, one pass over the logits each way with the gradient written over them (auto), or LibTorch's, which copies the bf16 logits to fp32 first (native)", &c.ce_kernel, {"auto", "native"}, "speed", kMayChange},
       {"--ln-kernel", "--task lm's residual add + LayerNorm on CUDA under --amp bf16: ddptrain's fused kernels, one pass each way with a bf16 output (auto; not yet validated on a GPU), or LibTorch's add, layer_norm and cast (native)", &c.ln_kernel, {"auto", "native"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
-      {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC=V (in the direction the task's monitor prefers), METRIC>=V or METRIC<=V", &c.stop_at, {}, "train", kMayChange},
+      {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC>=V or METRIC<=V, or MONITOR=V for the task's monitor (reached in the direction it prefers)", &c.stop_at, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
 
@@ -159,6 +159,20 @@ void validate(const Config& c) {
     }
     check_user(ok, "--stop-at '" + c.stop_at + "' is not METRIC=VALUE, METRIC>=VALUE or METRIC<=VALUE.",
                "e.g. --stop-at test_acc=0.93 or --stop-at test_loss<=0.3.");
+  }
+  // Flags that would be accepted and do nothing.
+  check_user(!c.was_given("momentum") || c.optimizer == "sgd",
+             "--momentum applies to --optimizer sgd only; " + c.optimizer + " does not read it.",
+             "drop --momentum, or use --optimizer sgd.");
+  check_user(!c.was_given("pretrain-skip") || !c.pretrain.empty(), "--pretrain-skip needs --pretrain.",
+             "name the weights to start from with --pretrain PATH, or drop --pretrain-skip.");
+  check_user(!c.reschedule || !c.resume.empty(), "--reschedule needs --resume.",
+             "resume a run with --resume DIR (or auto) --reschedule, or drop --reschedule.");
+  if (!c.stop_at.empty() && c.stop_at_acc != 0) {
+    std::ostringstream acc;
+    acc << c.stop_at_acc;
+    throw UserError("--stop-at and --stop-at-acc were both given.",
+                    "keep one: --stop-at test_acc=" + acc.str() + " says what --stop-at-acc " + acc.str() + " says.");
   }
   check_user(c.nnodes >= 1, "--nnodes must be at least 1.");
   check_user(c.node_rank >= 0 && c.node_rank < c.nnodes,

@@ -214,15 +214,22 @@ std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
 }
 
 TEST(Cli, UnderscoresAndDashesAreAlikeInEveryFlagAndKey) {
+  // Flags that mean nothing without another one come with it.
+  const std::map<std::string, std::pair<std::string, std::string>> companion = {
+      {"pretrain-skip", {"pretrain", "x.pt"}}, {"reschedule", {"resume", "auto"}}, {"momentum", {"optimizer", "sgd"}}};
   for (const auto& [f, word] : flags_with_a_value()) {
     for (char from : {'-', '_'}) {
       std::string name = f.names.substr(2, f.names.find(',') - 2);
       std::replace(name.begin(), name.end(), from, from == '-' ? '_' : '-');
       const bool is_bool = std::holds_alternative<bool*>(f.target);
-      const auto flag_args = is_bool ? std::vector<std::string>{"--" + name}
-                                     : std::vector<std::string>{"--" + name, word};
+      auto flag_args = is_bool ? std::vector<std::string>{"--" + name} : std::vector<std::string>{"--" + name, word};
+      std::string extra_key;
+      if (auto it = companion.find(f.key()); it != companion.end()) {
+        flag_args.insert(flag_args.end(), {"--" + it->second.first, it->second.second});
+        extra_key = it->second.first + " = '" + it->second.second + "'\n";
+      }
       EXPECT_EQ(error_of(flag_args), "") << "--" << name;
-      const auto file = write_config("cfg_spelling", name + " = " + (is_bool ? std::string("true") : "'" + word + "'") + "\n");
+      const auto file = write_config("cfg_spelling", name + " = " + (is_bool ? std::string("true") : "'" + word + "'") + "\n" + extra_key);
       EXPECT_EQ(error_of({"--config", file}), "") << "config key " << name;
     }
   }

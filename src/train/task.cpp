@@ -138,6 +138,11 @@ void RegressionTask::add_flags(Config& config) {
 
 data::Splits RegressionTask::make_data(const Config& config, World& world) {
   if (config.dataset != "auto" && config.dataset != "synthetic") return Task::make_data(config, world);
+  check_user(!config.was_given("data_root"),
+             "--task regression with --dataset " + config.dataset + " makes its own data, so --data_root " +
+                 config.data_root + " would not be read.",
+             "drop --data_root, or name the data's kind with --dataset (e.g. imagefolder), or write make_data() for "
+             "your own files (examples/regression).");
   builtin_data_ = true;
   return data::make_synthetic_regression(config.train_samples > 0 ? config.train_samples : 20000,
                                          config.test_samples > 0 ? config.test_samples : 4000,

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <ctime>
 #include <errno.h>  // program_invocation_name
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -120,6 +121,15 @@ std::function<void(const World&, int64_t)>& Trainer::after_step_hook() {
 // The set-up order of every run, in one place.
 Trainer::Trainer(Config config, World& world, Task& task)
     : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
+  // 0. Flags that only the task or the run's length can judge.
+  check_stop_rule();
+  if (config_.warmup_epochs > config_.epochs) {
+    std::ostringstream w;
+    w << config_.warmup_epochs;
+    throw UserError("--warmup-epochs " + w.str() + " is longer than the run (--epochs " +
+                        std::to_string(config_.epochs) + ").",
+                    "warm up over part of the run, e.g. --warmup-epochs 1, or train for more --epochs.");
+  }
   // 1. The task's data and model, on this rank's device.
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && data_.test, "make_data() returned no train or no test dataset.",
@@ -154,8 +164,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
                            .kind(config_.schedule)
                            .peak_lr(config_.lr)
                            .total_steps(steps_per_epoch_ * config_.epochs)
-                           .warmup_steps(static_cast<int64_t>(
-                               std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_))))};
+                           .warmup_steps(warmup_steps())};
   task_.configure_optimizer(config_, setup);
   if (!resume_from.empty()) check_schedule_length(saved, setup.schedule);
   // 5. The training step: gradient sync (which broadcasts rank 0's
@@ -403,8 +412,21 @@ EpochMetrics Trainer::fit() {
                    }() + ").",
                "return it from validation_metrics(), or name one of these in monitor().");
     const double value = monitored == metrics.end() ? std::numeric_limits<double>::quiet_NaN() : monitored->second;
-    const bool reached = reached_stop_at(metrics);
-    save(epoch, value, epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached);
+    // A --stop-at metric the task does not report is an error, after this
+    // epoch's checkpoint is saved.
+    bool reached = false;
+    std::exception_ptr stop_error;
+    try {
+      reached = reached_stop_at(metrics);
+    } catch (const UserError&) {
+      stop_error = std::current_exception();
+    }
+    save(epoch, value,
+         epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached || stop_error);
+    if (stop_error) {
+      world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
+      std::rethrow_exception(stop_error);
+    }
     if (reached) {
       DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
       break;
@@ -645,6 +667,27 @@ Metrics Trainer::evaluate() {
   return task_.validation_metrics(reduce_totals(world_, totals, dev));
 }
 
+// --stop-at NAME=V reaches V in the monitor's direction, so a plain '='
+// is for the monitor only: another metric's direction is not known.
+void Trainer::check_stop_rule() const {
+  const std::string& rule = config_.stop_at;
+  if (rule.empty()) return;
+  const auto op = rule.find_first_of("<>=");
+  const std::string name = rule.substr(0, op), value = rule.substr(rule.find('=') + 1);
+  check_user(rule[op] != '=' || name == monitor_.metric,
+             "--stop-at " + rule + " gives no direction, and " + name + " is not the task's monitor (" +
+                 monitor_.metric + ", where " + (monitor_.goal == Goal::kMax ? "higher" : "lower") + " is better).",
+             "say which way: --stop-at " + name + "<=" + value + " or --stop-at " + name + ">=" + value + ".");
+}
+
+// Warm-up in steps: at least one when asked for (a fraction of an epoch
+// shorter than a step would otherwise round to none, and onecycle would
+// fall back to its 30% rise).
+int64_t Trainer::warmup_steps() const {
+  const int64_t steps = std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_));
+  return config_.warmup_epochs > 0 ? std::max<int64_t>(1, steps) : steps;
+}
+
 bool Trainer::reached_stop_at(const Metrics& metrics) const {
   const std::string rule = !config_.stop_at.empty() ? config_.stop_at
                            : config_.stop_at_acc > 0 ? "test_acc>=" + std::to_string(config_.stop_at_acc)
@@ -662,7 +705,7 @@ bool Trainer::reached_stop_at(const Metrics& metrics) const {
     throw UserError("--stop-at names '" + name + "', which this task does not report (it reports " + names + ").",
                     "use one of those names, e.g. --stop-at " + monitor_.metric + "=VALUE.");
   }
-  const bool up = at_least || (!at_most && (name != monitor_.metric || monitor_.goal == Goal::kMax));
+  const bool up = at_least || (!at_most && monitor_.goal == Goal::kMax);  // '=': the monitor (check_stop_rule)
   return up ? it->second >= target : it->second <= target;
 }
 

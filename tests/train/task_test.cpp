@@ -112,7 +112,7 @@ TEST(Task, StopAtAMetricWhereLowerIsBetter) {
 
   auto unknown = run_process(cpu_run(DDPTRAIN_EXE, ddp::testing::temp_dir("task_stop_bad"),
                                      {"--task", "regression", "--size", "1", "--epochs", "1", "--train-samples", "200",
-                                      "--test-samples", "50", "--stop-at", "test_acc=0.9"}));
+                                      "--test-samples", "50", "--stop-at", "test_acc>=0.9"}));
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
   EXPECT_NE(unknown.output.find("--stop-at names 'test_acc', which this task does not report"), std::string::npos)
       << unknown.output;

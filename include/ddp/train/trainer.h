@@ -56,6 +56,8 @@ class Trainer {
   Metrics evaluate();
   void save(int64_t epoch, double monitored, bool periodic);
   bool reached_stop_at(const Metrics& metrics) const;
+  void check_stop_rule() const;
+  int64_t warmup_steps() const;
   void print_start() const;
   void print_summary(const EpochMetrics& last, double seconds) const;
   [[noreturn]] void save_and_stop(const std::string& path);
