@@ -174,6 +174,29 @@ TEST(Trainer, TwoProcessesStartedLikeTorchrunFormOneJob) {
   EXPECT_EQ(read_metrics(dir).size(), 1u);
 }
 
+// Ranks started with flags other than rank 0's stop at once, every one of
+// them, and rank 0 names the flag: a different --lr on one node would let
+// the replicas drift apart without a word (review, session 10).
+TEST(Trainer, RanksWithOtherFlagsThanRankZeroStopAndNameTheFlag) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("env2_flags");
+  const std::string port = std::to_string(ddp::find_free_port());
+  auto start = [&](int rank) {
+    std::vector<std::string> extra{"--train-samples", "512", "--test-samples", "128", "--timeout", "60"};
+    if (rank == 1) extra.insert(extra.end(), {"--lr", "0.5"});
+    return run_process(small_run(dir, extra),
+                       {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
+                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  };
+  auto f0 = std::async(std::launch::async, start, 0), f1 = std::async(std::launch::async, start, 1);
+  auto r0 = f0.get(), r1 = f1.get();
+  EXPECT_EQ(r0.exit_code, 2) << r0.output;
+  EXPECT_EQ(r1.exit_code, 2) << r1.output;
+  EXPECT_LT(r0.seconds, 30);
+  EXPECT_NE(r0.output.find("--lr differs between ranks"), std::string::npos) << r0.output;
+  EXPECT_EQ(r0.output.find("train_loss"), std::string::npos) << "no training with mismatched flags";
+}
+
 // One GPU over NCCL (world size 1): the CUDA path trains a ResNet end to end.
 TEST(Trainer, ResNetOnOneGpu_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
