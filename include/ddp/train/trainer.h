@@ -57,6 +57,7 @@ class Trainer {
   void save(int64_t epoch, double monitored, bool periodic);
   bool reached_stop_at(const Metrics& metrics) const;
   void check_stop_rule() const;
+  void check_flags_match_rank_0();
   int64_t warmup_steps() const;
   void print_start() const;
   void print_summary(const EpochMetrics& last, double seconds) const;
