@@ -189,6 +189,19 @@ TEST(Tokens, TextCorpusIsBytesWithTheLastTenthOfEachFileHeldOut) {
   EXPECT_NE(msg.find("no text corpus at " + dir + "/none"), std::string::npos) << msg;
 }
 
+// A folder read as text must hold text: a binary file (NUL bytes; e.g. the
+// Fashion-MNIST folder given to --task lm) is named, not trained on as bytes.
+TEST(Tokens, BinaryFileInATextCorpusIsAnError) {
+  const auto dir = testing::temp_dir("corpus_binary");
+  std::string text(1000, 'a');
+  const char binary[] = {'\x1f', '\x8b', '\x08', '\0', '\0', 'x'};
+  write_bytes(dir + "/a.txt", text.data(), text.size());
+  write_bytes(dir + "/images.gz", binary, sizeof(binary));
+  const auto msg = testing::user_error([&] { read_text_corpus(dir); });
+  EXPECT_NE(msg.find(dir + "/images.gz is not text"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("train.bin"), std::string::npos) << msg;
+}
+
 TEST(Tokens, FortunesCorpusHasMegabytesOfText) {
   if (!fs::exists(kFortunesDir)) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   auto corpus = read_text_corpus(kFortunesDir);
