@@ -108,6 +108,10 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction) {
     std::ifstream in(f, std::ios::binary);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     check_user(!in.bad(), "cannot read " + f.string() + ".", "check its permissions.");
+    // Text has no NUL bytes; a binary file would be trained on as bytes.
+    check_user(text.find('\0') == std::string::npos, f.string() + " is not text (it holds NUL bytes).",
+               "give --data_root a folder of text files only, or one with train.bin and val.bin (uint16 tokens, "
+               "nanoGPT's layout).");
     const auto n = static_cast<int64_t>(text.size());
     const int64_t cut = n - static_cast<int64_t>(static_cast<double>(n) * val_fraction);
     for (int64_t i = 0; i < n; ++i) (i < cut ? train : val).push_back(static_cast<unsigned char>(text[static_cast<size_t>(i)]));
