@@ -135,6 +135,10 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   // Lines reach the launcher's terminal (or log file) as they are written.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   install_crash_handler();
+  // A peer that dies closes its sockets. Writing to one must fail with an
+  // error that the collective names (a lost peer), not kill this rank with
+  // SIGPIPE, which the launcher would blame on it. Python ignores it too.
+  std::signal(SIGPIPE, SIG_IGN);
   install_stop_handlers(where.launched() ? getppid() : 0);
   // After a failure the launcher restarts the group (--max-restarts); the
   // trainer picks up from this job's newest checkpoint, as torchrun's
