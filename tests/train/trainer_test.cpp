@@ -154,19 +154,27 @@ TEST(Trainer, TorchrunVariablesMeanNoSpawn) {
   EXPECT_NE(r.output.find("rank 0 of 1 (torchrun launcher)"), std::string::npos) << r.output;
 }
 
+// Ranks 0 and 1 of one job, started at once with only torchrun's
+// environment to go by, each with its own flags.
+std::pair<ddp::testing::ProcessResult, ddp::testing::ProcessResult> two_ranks_like_torchrun(
+    const std::string& dir, const std::vector<std::string>& flags0, const std::vector<std::string>& flags1) {
+  const std::string port = std::to_string(ddp::find_free_port());
+  auto start = [&](int rank) {
+    return run_process(small_run(dir, rank == 0 ? flags0 : flags1),
+                       {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
+                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  };
+  auto f0 = std::async(std::launch::async, start, 0), f1 = std::async(std::launch::async, start, 1);
+  return {f0.get(), f1.get()};
+}
+
 // torchrun --no-python --nproc-per-node 2 ddptrain: two processes that only
 // have the environment to go by form one job.
 TEST(Trainer, TwoProcessesStartedLikeTorchrunFormOneJob) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("env2");
-  const std::string port = std::to_string(ddp::find_free_port());
-  auto start = [&](int rank) {
-    return run_process(small_run(dir, {"--train-samples", "512", "--test-samples", "128"}),
-                       {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
-                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
-  };
-  auto f0 = std::async(std::launch::async, start, 0), f1 = std::async(std::launch::async, start, 1);
-  auto r0 = f0.get(), r1 = f1.get();
+  const std::vector<std::string> flags{"--train-samples", "512", "--test-samples", "128"};
+  auto [r0, r1] = two_ranks_like_torchrun(dir, flags, flags);
   ASSERT_EQ(r0.exit_code, 0) << r0.output;
   ASSERT_EQ(r1.exit_code, 0) << r1.output;
   EXPECT_NE(r0.output.find("rank 0 of 2 (torchrun launcher)"), std::string::npos) << r0.output;
@@ -180,16 +188,10 @@ TEST(Trainer, TwoProcessesStartedLikeTorchrunFormOneJob) {
 TEST(Trainer, RanksWithOtherFlagsThanRankZeroStopAndNameTheFlag) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("env2_flags");
-  const std::string port = std::to_string(ddp::find_free_port());
-  auto start = [&](int rank) {
-    std::vector<std::string> extra{"--train-samples", "512", "--test-samples", "128", "--timeout", "60"};
-    if (rank == 1) extra.insert(extra.end(), {"--lr", "0.5"});
-    return run_process(small_run(dir, extra),
-                       {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
-                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
-  };
-  auto f0 = std::async(std::launch::async, start, 0), f1 = std::async(std::launch::async, start, 1);
-  auto r0 = f0.get(), r1 = f1.get();
+  const std::vector<std::string> flags{"--train-samples", "512", "--test-samples", "128", "--timeout", "60"};
+  auto other = flags;
+  other.insert(other.end(), {"--lr", "0.5"});
+  auto [r0, r1] = two_ranks_like_torchrun(dir, flags, other);
   EXPECT_EQ(r0.exit_code, 2) << r0.output;
   EXPECT_EQ(r1.exit_code, 2) << r1.output;
   EXPECT_LT(r0.seconds, 30);
