@@ -29,8 +29,8 @@ from profile_step import kind_of as image_kind
 
 def kind_of(name, gpt):
     n = name.lower()
-    if "ddp::cuda" in n:
-        return "batch norm (ddptrain kernels)"
+    if "ddp::cuda" in n:  # a GPT runs ddptrain's layer norm and cross-entropy; a ResNet its batch norm
+        return "layer norm, cross-entropy (ddptrain kernels)" if gpt else "batch norm (ddptrain kernels)"
     if not gpt:
         return image_kind(name)
     if "flash" in n or "fmha" in n or "attention" in n or "attn" in n:

@@ -87,7 +87,7 @@ struct Config {
   std::string channels_last = "auto";  // auto: on for CUDA
   bool tf32 = true;
   std::string bn_kernel = "auto";      // auto: ddptrain's NHWC bf16 kernels where they apply
-  std::string ln_kernel = "native";    // auto: ddptrain's fused residual add + LayerNorm (--task lm, CUDA, bf16)
+  std::string ln_kernel = "auto";      // auto: ddptrain's fused residual add + LayerNorm (--task lm, CUDA, bf16)
   std::string ce_kernel = "auto";      // auto: ddptrain's fused cross-entropy kernels (--task lm, CUDA)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)

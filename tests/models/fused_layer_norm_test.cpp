@@ -14,7 +14,8 @@
 namespace ddp::models {
 namespace {
 
-// Turns the kernels on for a scope (they are off by default: --ln-kernel native).
+// Turns the kernels on for a scope (process-wide they are off until a program
+// turns them on; ddptrain does, unless --ln-kernel native).
 struct FusedOn {
   FusedOn() { use_fused_layer_norm(true); }
   ~FusedOn() { use_fused_layer_norm(false); }
