@@ -3,9 +3,9 @@
 // The activation is an [M, C] row-major matrix (M = N*H*W). Each thread owns
 // 8 adjacent channels (one 16-byte load) and walks rows; a block is TX x TY
 // threads (TX * 8 channels, TY rows at a time). Statistics: per-thread
-// Welford, merged over the block's rows with Chan's formula, then over the
-// blocks of a column by a second small kernel, which also folds weight and
-// bias into one scale and shift per channel. The backward pass is the same
+// sums about a pivot (see stats_partial_kernel), added over the block's
+// rows, then over the blocks of a column by a second small kernel, which
+// also folds weight and bias into one scale and shift per channel. The backward pass is the same
 // shape: two per-channel sums, then dx = a*dy + b*x + d per channel.
 //
 // Fused variants, for the residual networks' "relu(bn(x))" and
@@ -91,80 +91,30 @@ __device__ __forceinline__ void mask8_from_x(const float* v, const float* s, con
 // out), or x and the forward's scale/shift (no residual; nothing written).
 enum class Mask { kNone, kFromY, kFromX };
 
-// Chan et al.: (n, mean, m2) += (nb, meanb, m2b).
-__device__ __forceinline__ void merge(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
-  if (nb == 0.f) return;
-  const float total = n + nb;
-  const float delta = meanb - mean;
-  const float wb = nb / total;
-  mean += delta * wb;
-  m2 += m2b + delta * delta * n * wb;
-  n = total;
-}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
-// Per block and channel: (count, mean, M2) over the block's rows.
-// part: [3][gridDim.x][C].
-template <typename T>
-__global__ void stats_partial_kernel(const T* __restrict__ x, int64_t M, int C, float* __restrict__ part) {
-  extern __shared__ float sh[];
+// The column reductions' block epilogue: adds the TY rows' (a, b) per
+// channel (TY a power of two) and writes the block's sums to part
+// ([2][gridDim.x][C]). sh holds 2 x TY x TX x kVec floats.
+__device__ __forceinline__ void block_sums_to_part(float* sh, const float* a, const float* b,
+                                                   float* __restrict__ part, int C, int c0) {
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
-  const int c0 = (blockIdx.y * TX + tx) * kVec;
-  float n = 0.f, mean[kVec], m2[kVec];
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) mean[k] = m2[k] = 0.f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * TY;
-  int64_t r = static_cast<int64_t>(blockIdx.x) * TY + ty;
-  for (; r + (kUnroll - 1) * stride < M; r += kUnroll * stride) {
-    float v[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load8(x + (r + u * stride) * C + c0, v[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      n += 1.f;
-      const float inv = 1.f / n;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const float d = v[u][k] - mean[k];
-        mean[k] += d * inv;
-        m2[k] += d * (v[u][k] - mean[k]);
-      }
-    }
-  }
-  for (; r < M; r += stride) {
-    float v[kVec];
-    load8(x + r * C + c0, v);
-    n += 1.f;
-    const float inv = 1.f / n;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float d = v[k] - mean[k];
-      mean[k] += d * inv;
-      m2[k] += d * (v[k] - mean[k]);
-    }
-  }
-  // Merge the TY rows of the block (TY is a power of two).
   const int W = TX * kVec;
-  float* sn = sh;
-  float* smean = sh + TY * W;
-  float* sm2 = sh + 2 * TY * W;
+  float* s1 = sh;
+  float* s2 = sh + TY * W;
   const int own = ty * W + tx * kVec;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
-    sn[own + k] = n;
-    smean[own + k] = mean[k];
-    sm2[own + k] = m2[k];
+    s1[own + k] = a[k];
+    s2[own + k] = b[k];
   }
   for (int s = TY / 2; s > 0; s >>= 1) {
     __syncthreads();
     if (ty < s) {
-      const int other = own + s * W;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        float na = sn[own + k], ma = smean[own + k], qa = sm2[own + k];
-        merge(na, ma, qa, sn[other + k], smean[other + k], sm2[other + k]);
-        sn[own + k] = na;
-        smean[own + k] = ma;
-        sm2[own + k] = qa;
+        s1[own + k] += s1[own + s * W + k];
+        s2[own + k] += s2[own + s * W + k];
       }
     }
   }
@@ -173,46 +123,137 @@ __global__ void stats_partial_kernel(const T* __restrict__ x, int64_t M, int C, 
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       const int64_t o = static_cast<int64_t>(blockIdx.x) * C + c0 + k;
-      part[o] = sn[own + k];
-      part[plane + o] = smean[own + k];
-      part[2 * plane + o] = sm2[own + k];
+      part[o] = s1[own + k];
+      part[plane + o] = s2[own + k];
     }
   }
 }
 
-// Per channel: merge the blocks' summaries; out = [mean, invstd, scale,
-// shift] x C; update the running statistics (unbiased variance, as PyTorch).
-// Block (32, kLanes): 32 channels, kLanes lanes over the partials, merged
-// in a tree. (With 8 lanes, a 64-channel layer's 1,000 partials made this
-// latency-bound kernel 7% of a ResNet-50 step.)
+// Per channel: the plain sums of `parts` pairs of partial sums (part:
+// [2][parts][C]); a block is 32 channels x kLanes lanes, each lane with
+// kLoads loads in flight. The sums land in lane threadIdx.y == 0.
 constexpr int kLanes = 32;
+constexpr int kLoads = 4;
 
-__global__ void stats_finalize_kernel(const float* __restrict__ part, int parts, int C, const float* __restrict__ weight,
-                                      const float* __restrict__ bias, float* __restrict__ running_mean,
-                                      float* __restrict__ running_var, float momentum, float eps, float* __restrict__ out) {
-  __shared__ float sn[kLanes][33], smean[kLanes][33], sm2[kLanes][33];
-  const int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
+__device__ __forceinline__ void column_sums(const float* __restrict__ part, int parts, int C, int c, float& sa,
+                                            float& sb) {
+  __shared__ float s1[kLanes][33], s2[kLanes][33];
+  const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t plane = static_cast<int64_t>(parts) * C;
-  float n = 0.f, mean = 0.f, m2 = 0.f;
-  if (c < C)
-    for (int i = ty; i < parts; i += kLanes) {
-      const int64_t o = static_cast<int64_t>(i) * C + c;
-      merge(n, mean, m2, part[o], part[plane + o], part[2 * plane + o]);
+  float a = 0.f, b = 0.f;
+  if (c < C) {
+    int i = ty;
+    for (; i + (kLoads - 1) * kLanes < parts; i += kLoads * kLanes) {
+      float va[kLoads], vb[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        const int64_t o = static_cast<int64_t>(i + u * kLanes) * C + c;
+        va[u] = part[o];
+        vb[u] = part[plane + o];
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) a += va[u], b += vb[u];
     }
-  sn[ty][tx] = n;
-  smean[ty][tx] = mean;
-  sm2[ty][tx] = m2;
+    for (; i < parts; i += kLanes) {
+      const int64_t o = static_cast<int64_t>(i) * C + c;
+      a += part[o];
+      b += part[plane + o];
+    }
+  }
+  s1[ty][tx] = a;
+  s2[ty][tx] = b;
   for (int s = kLanes / 2; s > 0; s >>= 1) {
     __syncthreads();
     if (ty < s) {
-      merge(n, mean, m2, sn[ty + s][tx], smean[ty + s][tx], sm2[ty + s][tx]);
-      sn[ty][tx] = n;
-      smean[ty][tx] = mean;
-      sm2[ty][tx] = m2;
+      a += s1[ty + s][tx];
+      b += s2[ty + s][tx];
+      s1[ty][tx] = a;
+      s2[ty][tx] = b;
     }
   }
-  if (ty != 0 || c >= C) return;
-  const float var = m2 / n;
+  sa = a;
+  sb = b;
+}
+
+// Statistics as sums about a pivot: per channel, S = sum(x - K) and
+// Q = sum((x - K)^2); then mean = K + S/M and var = Q/M - (S/M)^2. K is the
+// median of the channel's values in x's first, middle and last rows: a
+// sample of the data, so (mean - K)^2 stays of the order of the variance
+// and the subtraction costs a few bits at most (sums about 0 would lose all
+// of them for a large mean), and a median, so one outlier among the three
+// is never the pivot. Sums cost three flops an element and merge by
+// addition, where per-row Welford updates cost a division per row and per
+// merge; with one wave of blocks (see plan) this pass reads at a copy's
+// bandwidth (it ran at 18-75% of it), and the finalising kernel is a plain
+// column sum.
+__device__ __forceinline__ float median3(float a, float b, float c) {
+  return fmaxf(fminf(a, b), fminf(fmaxf(a, b), c));
+}
+
+template <typename T>
+__device__ __forceinline__ void pivot8(const T* x, int64_t M, int C, int c0, float* k) {
+  float a[kVec], b[kVec], c[kVec];
+  load8(x + c0, a);
+  load8(x + (M / 2) * C + c0, b);
+  load8(x + (M - 1) * C + c0, c);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) k[i] = median3(a[i], b[i], c[i]);
+}
+
+// Per block and channel: S and Q over the block's rows. part: [2][gridDim.x][C].
+template <typename T>
+__global__ void stats_partial_kernel(const T* __restrict__ x, int64_t M, int C, float* __restrict__ part) {
+  extern __shared__ float sh[];
+  const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+  const int c0 = (blockIdx.y * TX + tx) * kVec;
+  float pivot[kVec], s1[kVec], s2[kVec];
+  pivot8(x, M, C, c0, pivot);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) s1[k] = s2[k] = 0.f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * TY;
+  int64_t r = static_cast<int64_t>(blockIdx.x) * TY + ty;
+  for (; r + (kUnroll - 1) * stride < M; r += kUnroll * stride) {
+    float v[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load8(x + (r + u * stride) * C + c0, v[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float d = v[u][k] - pivot[k];
+        s1[k] += d;
+        s2[k] = __fmaf_rn(d, d, s2[k]);
+      }
+  }
+  for (; r < M; r += stride) {
+    float v[kVec];
+    load8(x + r * C + c0, v);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float d = v[k] - pivot[k];
+      s1[k] += d;
+      s2[k] = __fmaf_rn(d, d, s2[k]);
+    }
+  }
+  block_sums_to_part(sh, s1, s2, part, C, c0);
+}
+
+// Per channel: the blocks' sums merged; out = [mean, invstd, scale, shift]
+// x C; the running statistics updated (unbiased variance, as PyTorch).
+template <typename T>
+__global__ void stats_finalize_kernel(const float* __restrict__ part, int parts, int C, const T* __restrict__ x,
+                                      int64_t M, const float* __restrict__ weight, const float* __restrict__ bias,
+                                      float* __restrict__ running_mean, float* __restrict__ running_var,
+                                      float momentum, float eps, float* __restrict__ out) {
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float sum, sumsq;
+  column_sums(part, parts, C, c, sum, sumsq);
+  if (threadIdx.y != 0 || c >= C) return;
+  const float rows = static_cast<float>(M);
+  const float pivot = median3(to_float(x[c]), to_float(x[(M / 2) * C + c]), to_float(x[(M - 1) * C + c]));
+  const float offset = sum / rows;  // mean - pivot
+  const float mean = pivot + offset;
+  const float var = fmaxf(sumsq / rows - offset * offset, 0.f);
   const float invstd = rsqrtf(var + eps);
   const float scale = weight[c] * invstd;
   out[c] = mean;
@@ -220,29 +261,70 @@ __global__ void stats_finalize_kernel(const float* __restrict__ part, int parts,
   out[2 * C + c] = scale;
   out[3 * C + c] = bias[c] - mean * scale;
   running_mean[c] = (1.f - momentum) * running_mean[c] + momentum * mean;
-  running_var[c] = (1.f - momentum) * running_var[c] + momentum * (n > 1.f ? m2 / (n - 1.f) : var);
+  running_var[c] = (1.f - momentum) * running_var[c] + momentum * (rows > 1.f ? var * rows / (rows - 1.f) : var);
 }
 
+// The elementwise passes visit vector i = thread + k * stride (stride =
+// grid x block threads). When the stride is a multiple of the row's
+// vectors (cv = C / 8; true for every power-of-two C up to 2048 with
+// 256-thread blocks), a thread's channels never change: it loads its
+// per-channel factors once, and finds no channel index per vector.
+// Otherwise (odd test shapes) it finds its channels per vector.
+#ifndef BN_ELEM_UNROLL
+#define BN_ELEM_UNROLL 1
+#endif
+#ifndef BN_FIXED_CHANNELS
+#define BN_FIXED_CHANNELS 1
+#endif
+constexpr int kElemUnroll = BN_ELEM_UNROLL;
+
 // y = x * scale[c] + shift[c] (+ residual) (then max(., 0)), 8 channels per thread.
-template <typename T, bool kResidual, bool kRelu>
+template <bool kResidual, bool kRelu>
+__device__ __forceinline__ void normalize8(float* v, const float* r, const float* s, const float* t) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    // Rounded to bf16 before the add, as the unfused ops round bn's output.
+    v[k] = affine(v[k], s[k], t[k]);
+    if constexpr (kResidual) v[k] = __bfloat162float(__float2bfloat16_rn(v[k])) + r[k];
+    if constexpr (kRelu) v[k] = fmaxf(v[k], 0.f);
+  }
+}
+
+template <typename T, bool kResidual, bool kRelu, bool kFixed>
 __global__ void normalize_kernel(const T* __restrict__ x, const T* __restrict__ residual,
                                  const float* __restrict__ scale, const float* __restrict__ shift, T* __restrict__ y,
                                  int64_t vecs, int cv) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  float s[kVec], t[kVec];
+  if constexpr (kFixed) {
     const int c0 = static_cast<int>(i % cv) * kVec;
-    float v[kVec], s[kVec], t[kVec], r[kVec];
-    load8(x + i * kVec, v);
-    if constexpr (kResidual) load8(residual + i * kVec, r);
     load8f(scale + c0, s);
     load8f(shift + c0, t);
+    for (; i + (kElemUnroll - 1) * stride < vecs; i += kElemUnroll * stride) {
+      float v[kElemUnroll][kVec], r[kElemUnroll][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      // Rounded to bf16 before the add, as the unfused ops round bn's output.
-      v[k] = affine(v[k], s[k], t[k]);
-      if constexpr (kResidual) v[k] = __bfloat162float(__float2bfloat16_rn(v[k])) + r[k];
-      if constexpr (kRelu) v[k] = fmaxf(v[k], 0.f);
+      for (int u = 0; u < kElemUnroll; ++u) {
+        load8(x + (i + u * stride) * kVec, v[u]);
+        if constexpr (kResidual) load8(residual + (i + u * stride) * kVec, r[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kElemUnroll; ++u) {
+        normalize8<kResidual, kRelu>(v[u], r[u], s, t);
+        store8(y + (i + u * stride) * kVec, v[u]);
+      }
     }
+  }
+  for (; i < vecs; i += stride) {
+    if constexpr (!kFixed) {
+      const int c0 = static_cast<int>(i % cv) * kVec;
+      load8f(scale + c0, s);
+      load8f(shift + c0, t);
+    }
+    float v[kVec], r[kVec];
+    load8(x + i * kVec, v);
+    if constexpr (kResidual) load8(residual + i * kVec, r);
+    normalize8<kResidual, kRelu>(v, r, s, t);
     store8(y + i * kVec, v);
   }
 }
@@ -270,15 +352,20 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
   const int64_t stride = static_cast<int64_t>(gridDim.x) * TY;
   int64_t r = static_cast<int64_t>(blockIdx.x) * TY + ty;
   for (; r + (kUnroll - 1) * stride < M; r += kUnroll * stride) {
-    float g[kUnroll][kVec], v[kUnroll][kVec];
+    float g[kUnroll][kVec], v[kUnroll][kVec], o[kMask == Mask::kFromY ? kUnroll : 1][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       load8(dy + (r + u * stride) * C + c0, g[u]);
       load8(x + (r + u * stride) * C + c0, v[u]);
+      if constexpr (kMask == Mask::kFromY) load8(y + (r + u * stride) * C + c0, o[u]);
     }
     if constexpr (kMask == Mask::kFromY) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) mask8(y + (r + u * stride) * C + c0, g[u], dz + (r + u * stride) * C + c0);
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[u][k] = o[u][k] > 0.f ? g[u][k] : 0.f;
+        store8(dz + (r + u * stride) * C + c0, g[u]);
+      }
     }
     if constexpr (kMask == Mask::kFromX) {
 #pragma unroll
@@ -304,34 +391,7 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
       sdx[k] += g[k] * (v[k] - m[k]);
     }
   }
-  const int W = TX * kVec;
-  float* s1 = sh;
-  float* s2 = sh + TY * W;
-  const int own = ty * W + tx * kVec;
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    s1[own + k] = sdy[k];
-    s2[own + k] = sdx[k];
-  }
-  for (int s = TY / 2; s > 0; s >>= 1) {
-    __syncthreads();
-    if (ty < s) {
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        s1[own + k] += s1[own + s * W + k];
-        s2[own + k] += s2[own + s * W + k];
-      }
-    }
-  }
-  if (ty == 0) {
-    const int64_t plane = static_cast<int64_t>(gridDim.x) * C;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const int64_t o = static_cast<int64_t>(blockIdx.x) * C + c0 + k;
-      part[o] = s1[own + k];
-      part[plane + o] = s2[own + k];
-    }
-  }
+  block_sums_to_part(sh, sdy, sdx, part, C, c0);
 }
 
 // Per channel: dbias = sum(dy), dweight = sum(dy * xhat), and the
@@ -340,28 +400,10 @@ __global__ void grad_finalize_kernel(const float* __restrict__ part, int parts, 
                                      const float* __restrict__ weight, const float* __restrict__ mean,
                                      const float* __restrict__ invstd, float* __restrict__ dweight,
                                      float* __restrict__ dbias, float* __restrict__ coef) {
-  __shared__ float s1[kLanes][33], s2[kLanes][33];
-  const int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
-  const int64_t plane = static_cast<int64_t>(parts) * C;
-  float sdy = 0.f, sdx = 0.f;
-  if (c < C)
-    for (int i = ty; i < parts; i += kLanes) {
-      const int64_t o = static_cast<int64_t>(i) * C + c;
-      sdy += part[o];
-      sdx += part[plane + o];
-    }
-  s1[ty][tx] = sdy;
-  s2[ty][tx] = sdx;
-  for (int s = kLanes / 2; s > 0; s >>= 1) {
-    __syncthreads();
-    if (ty < s) {
-      sdy += s1[ty + s][tx];
-      sdx += s2[ty + s][tx];
-      s1[ty][tx] = sdy;
-      s2[ty][tx] = sdx;
-    }
-  }
-  if (ty != 0 || c >= C) return;
+  const int c = blockIdx.x * 32 + threadIdx.x;
+  float sdy, sdx;
+  column_sums(part, parts, C, c, sdy, sdx);
+  if (threadIdx.y != 0 || c >= C) return;
   const float is = invstd[c];
   dbias[c] = sdy;
   dweight[c] = sdx * is;
@@ -377,47 +419,91 @@ __global__ void grad_finalize_kernel(const float* __restrict__ part, int parts, 
 // dz when the caller does not need dz), hence no __restrict__ on them: each
 // thread reads its own 8 elements of dy before it writes the same 8 of dx,
 // and no other thread touches them, so the in-place update is race-free.
-template <typename T, Mask kMask>
+// kFixed: as normalize_kernel.
+struct InputCoef {
+  float a[kVec], b[kVec], d[kVec], sc[kVec], sf[kVec];
+};
+
+template <Mask kMask>
+__device__ __forceinline__ void load_input_coef(const float* coef, const float* scale_shift, int C, int c0,
+                                                InputCoef& q) {
+  load8f(coef + c0, q.a);
+  load8f(coef + C + c0, q.b);
+  load8f(coef + 2 * C + c0, q.d);
+  if constexpr (kMask == Mask::kFromX) {
+    load8f(scale_shift + c0, q.sc);
+    load8f(scale_shift + C + c0, q.sf);
+  }
+}
+
+template <Mask kMask>
+__device__ __forceinline__ void grad_input8(float* g, const float* v, const InputCoef& q) {
+  if constexpr (kMask == Mask::kFromX) mask8_from_x(v, q.sc, q.sf, g);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) g[k] = q.a[k] * g[k] + q.b[k] * v[k] + q.d[k];
+}
+
+template <typename T, Mask kMask, bool kFixed>
 __global__ void grad_input_kernel(const T* dy, const T* __restrict__ x, const float* __restrict__ coef,
                                   const float* __restrict__ scale_shift, T* dx, int64_t vecs, int cv) {
   const int C = cv * kVec;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < vecs;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int c0 = static_cast<int>(i % cv) * kVec;
-    float g[kVec], v[kVec], a[kVec], b[kVec], d[kVec];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  InputCoef q;
+  if constexpr (kFixed) {
+    load_input_coef<kMask>(coef, scale_shift, C, static_cast<int>(i % cv) * kVec, q);
+    for (; i + (kElemUnroll - 1) * stride < vecs; i += kElemUnroll * stride) {
+      float g[kElemUnroll][kVec], v[kElemUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kElemUnroll; ++u) {
+        load8(dy + (i + u * stride) * kVec, g[u]);
+        load8(x + (i + u * stride) * kVec, v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kElemUnroll; ++u) {
+        grad_input8<kMask>(g[u], v[u], q);
+        store8(dx + (i + u * stride) * kVec, g[u]);
+      }
+    }
+  }
+  for (; i < vecs; i += stride) {
+    if constexpr (!kFixed) load_input_coef<kMask>(coef, scale_shift, C, static_cast<int>(i % cv) * kVec, q);
+    float g[kVec], v[kVec];
     load8(dy + i * kVec, g);
     load8(x + i * kVec, v);
-    load8f(coef + c0, a);
-    load8f(coef + C + c0, b);
-    load8f(coef + 2 * C + c0, d);
-    if constexpr (kMask == Mask::kFromX) {
-      float sc[kVec], sf[kVec];
-      load8f(scale_shift + c0, sc);
-      load8f(scale_shift + C + c0, sf);
-      mask8_from_x(v, sc, sf, g);
-    }
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) g[k] = a[k] * g[k] + b[k] * v[k] + d[k];
+    grad_input8<kMask>(g, v, q);
     store8(dx + i * kVec, g);
   }
 }
 
 // Block shape and grid for the column reductions: TX threads across
 // channels (a power of two dividing C/8, at most 32), TY = 256/TX rows, and
-// enough row-blocks to fill the GPU, each thread seeing >= kUnroll rows.
+// one wave of row-blocks: as many as the kernel's occupancy lets the GPU
+// hold at once, each thread seeing >= kUnroll rows. (Eight blocks an SM,
+// whatever the occupancy, made up to four waves of short blocks, and the
+// small layers' sum passes ran at 30-70% of a copy's bandwidth.)
+#ifndef BN_REDUCE_WAVES
+#define BN_REDUCE_WAVES 1
+#endif
+
 struct Plan {
   int tx, ty, gx, gy;
+  size_t shared;  // bytes: two sums per channel and row of the block
 };
 
-Plan plan(int64_t M, int C) {
+template <typename Kernel>
+Plan plan(int64_t M, int C, Kernel kernel) {
   const int cv = C / kVec;
   Plan p{};
   p.tx = 32;
   while (cv % p.tx != 0) p.tx /= 2;
   p.ty = kThreads / p.tx;
   p.gy = cv / p.tx;
+  p.shared = sizeof(float) * 2 * p.ty * p.tx * kVec;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, p.shared));
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t want = std::max<int64_t>(1, sms * 8 / p.gy);
+  const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) * BN_REDUCE_WAVES / p.gy);
   const int64_t rows_per_block = static_cast<int64_t>(p.ty) * kUnroll;
   p.gx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (M + rows_per_block - 1) / rows_per_block)));
   return p;
@@ -426,6 +512,17 @@ Plan plan(int64_t M, int C) {
 int elementwise_blocks(int64_t vecs) {
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((vecs + kThreads - 1) / kThreads, sms * 16)));
+}
+
+// Whether every thread of an elementwise pass of `blocks` blocks sees the
+// same channels in each vector it visits (see normalize_kernel).
+bool fixed_channels(int blocks, int C) {
+#if BN_FIXED_CHANNELS
+  return (static_cast<int64_t>(blocks) * kThreads) % (C / kVec) == 0;
+#else
+  (void)blocks, (void)C;
+  return false;
+#endif
 }
 
 void check_param(const at::Tensor& t, int64_t C, const char* what) {
@@ -438,9 +535,15 @@ void launch_normalize(const at::Tensor& x, const at::Tensor& residual, const at:
                       cudaStream_t stream) {
   const int C = static_cast<int>(x.size(1));
   const int64_t vecs = x.numel() / kVec;
-  normalize_kernel<T, kResidual, kRelu><<<elementwise_blocks(vecs), kThreads, 0, stream>>>(
-      as<T>(x), kResidual ? as<T>(residual) : nullptr, as<float>(stats) + 2 * C, as<float>(stats) + 3 * C,
-      as_mut<T>(y), vecs, C / kVec);
+  const int blocks = elementwise_blocks(vecs);
+  const auto* r = kResidual ? as<T>(residual) : nullptr;
+  const float* scale = as<float>(stats) + 2 * C;
+  if (fixed_channels(blocks, C))
+    normalize_kernel<T, kResidual, kRelu, true><<<blocks, kThreads, 0, stream>>>(as<T>(x), r, scale, scale + C,
+                                                                                 as_mut<T>(y), vecs, C / kVec);
+  else
+    normalize_kernel<T, kResidual, kRelu, false><<<blocks, kThreads, 0, stream>>>(as<T>(x), r, scale, scale + C,
+                                                                                  as_mut<T>(y), vecs, C / kVec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -450,15 +553,16 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                   const at::Tensor& residual, bool relu, const at::Tensor& y, const at::Tensor& stats) {
   const int C = static_cast<int>(x.size(1));
   const int64_t M = x.numel() / C;
-  const auto p = plan(M, C);
+  const auto p = plan(M, C, stats_partial_kernel<T>);
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto part = at::empty({3 * static_cast<int64_t>(p.gx) * C}, stats.options());
-  const size_t shared = sizeof(float) * 3 * p.ty * p.tx * kVec;
-  stats_partial_kernel<T><<<dim3(p.gx, p.gy), dim3(p.tx, p.ty), shared, stream>>>(as<T>(x), M, C, as_mut<float>(part));
+  auto part = at::empty({2 * static_cast<int64_t>(p.gx) * C}, stats.options());
+  stats_partial_kernel<T><<<dim3(p.gx, p.gy), dim3(p.tx, p.ty), p.shared, stream>>>(as<T>(x), M, C,
+                                                                                   as_mut<float>(part));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  stats_finalize_kernel<<<(C + 31) / 32, dim3(32, kLanes), 0, stream>>>(
-      as<float>(part), p.gx, C, as<float>(weight), as<float>(bias), as_mut<float>(running_mean),
-      as_mut<float>(running_var), static_cast<float>(momentum), static_cast<float>(eps), as_mut<float>(stats));
+  stats_finalize_kernel<T><<<(C + 31) / 32, dim3(32, kLanes), 0, stream>>>(
+      as<float>(part), p.gx, C, as<T>(x), M, as<float>(weight), as<float>(bias),
+      as_mut<float>(running_mean), as_mut<float>(running_var), static_cast<float>(momentum), static_cast<float>(eps),
+      as_mut<float>(stats));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const bool add = residual.defined();
   if (add && relu) launch_normalize<T, true, true>(x, residual, stats, y, stream);
@@ -475,13 +579,15 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
                    const at::Tensor& dz, const at::Tensor& dx, const at::Tensor& dweight, const at::Tensor& dbias) {
   const int C = static_cast<int>(x.size(1));
   const int64_t M = x.numel() / C;
-  const auto p = plan(M, C);
+  const Mask mask = relu_output.defined() ? Mask::kFromY : scale_shift.defined() ? Mask::kFromX : Mask::kNone;
+  const auto p = mask == Mask::kFromY   ? plan(M, C, grad_partial_kernel<T, Mask::kFromY>)
+                 : mask == Mask::kFromX ? plan(M, C, grad_partial_kernel<T, Mask::kFromX>)
+                                        : plan(M, C, grad_partial_kernel<T, Mask::kNone>);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto part = at::empty({2 * static_cast<int64_t>(p.gx) * C}, dweight.options());
   auto coef = at::empty({3 * static_cast<int64_t>(C)}, dweight.options());
-  const size_t shared = sizeof(float) * 2 * p.ty * p.tx * kVec;
+  const size_t shared = p.shared;
   const dim3 grid(p.gx, p.gy), block(p.tx, p.ty);
-  const Mask mask = relu_output.defined() ? Mask::kFromY : scale_shift.defined() ? Mask::kFromX : Mask::kNone;
   const float* ss = scale_shift.defined() ? as<float>(scale_shift) : nullptr;
   if (mask == Mask::kFromY)
     grad_partial_kernel<T, Mask::kFromY><<<grid, block, shared, stream>>>(
@@ -499,12 +605,20 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t vecs = x.numel() / kVec;
   const int blocks = elementwise_blocks(vecs);
-  if (mask == Mask::kFromX)
-    grad_input_kernel<T, Mask::kFromX><<<blocks, kThreads, 0, stream>>>(as<T>(dy), as<T>(x), as<float>(coef), ss,
-                                                                        as_mut<T>(dx), vecs, C / kVec);
-  else  // kFromY reads the masked gradient back from dz
-    grad_input_kernel<T, Mask::kNone><<<blocks, kThreads, 0, stream>>>(
-        as<T>(mask == Mask::kFromY ? dz : dy), as<T>(x), as<float>(coef), nullptr, as_mut<T>(dx), vecs, C / kVec);
+  const bool fixed = fixed_channels(blocks, C);
+  const T* g = as<T>(mask == Mask::kFromY ? dz : dy);  // kFromY reads the masked gradient back from dz
+  if (mask == Mask::kFromX && fixed)
+    grad_input_kernel<T, Mask::kFromX, true><<<blocks, kThreads, 0, stream>>>(g, as<T>(x), as<float>(coef), ss,
+                                                                              as_mut<T>(dx), vecs, C / kVec);
+  else if (mask == Mask::kFromX)
+    grad_input_kernel<T, Mask::kFromX, false><<<blocks, kThreads, 0, stream>>>(g, as<T>(x), as<float>(coef), ss,
+                                                                               as_mut<T>(dx), vecs, C / kVec);
+  else if (fixed)
+    grad_input_kernel<T, Mask::kNone, true><<<blocks, kThreads, 0, stream>>>(g, as<T>(x), as<float>(coef), nullptr,
+                                                                             as_mut<T>(dx), vecs, C / kVec);
+  else
+    grad_input_kernel<T, Mask::kNone, false><<<blocks, kThreads, 0, stream>>>(g, as<T>(x), as<float>(coef), nullptr,
+                                                                              as_mut<T>(dx), vecs, C / kVec);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -75,6 +75,34 @@ TEST(BatchNormNhwc, MatchesLibTorchForwardAndBackward_CUDA) {
   }
 }
 
+// The statistics are sums about a pivot from the data: they must hold where
+// the mean is far from 0 against the spread (sums about 0 would cancel),
+// and where the pivot row is an outlier of its channel.
+TEST(BatchNormNhwc, StatisticsHoldForALargeMeanAndAnOutlierPivot_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(11);
+  const double eps = 1.0 / 128;
+  const std::vector<int64_t> shape{64, 64, 28, 28};
+  const int64_t c = shape[1];
+  for (const bool outlier : {false, true}) {
+    SCOPED_TRACE(outlier ? "outlier in the first row" : "mean 1000, std 8");
+    auto x = torch::randn(shape, gpu) * 8 + 1000;
+    if (outlier) x.select(0, 0).select(1, 0).select(1, 0).fill_(2000);  // row 0 (n=0, h=0, w=0), every channel
+    x = x.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    auto dy = torch::randn(shape, gpu).to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    auto w = torch::rand({c}, gpu) + 0.5, b = torch::randn({c}, gpu);
+    auto rm = torch::zeros({c}, gpu), rv = torch::ones({c}, gpu);
+    auto ours = run_bn(true, x, dy, w, b, rm, rv);
+    auto ref = run_bn(false, x, dy, w, b, rm, rv);
+    EXPECT_LE(rel(ours.running_mean, ref.running_mean), 1e-5);
+    EXPECT_LE(rel(ours.running_var, ref.running_var), 1e-4);
+    EXPECT_LE(rel(ours.y, ref.y), 2 * eps);
+    EXPECT_LE(rel(ours.dx, ref.dx), 4 * eps);
+  }
+}
+
 // relu(bn(x) + residual) through BatchNorm::forward_relu, three ways.
 struct FusedResult {
   torch::Tensor y, dx, dres, dw, db, running_mean;

@@ -9,7 +9,7 @@
 // The kernels make the minimum number of passes over memory (forward: read
 // x for the statistics, read x and write y; backward: read x and dy for two
 // sums, read them again and write dx), with 16-byte loads and fp32
-// arithmetic (Welford statistics, combined with Chan's formula). Fused
+// arithmetic (statistics as sums about a pivot taken from the data). Fused
 // variants add a residual and apply a ReLU in the same passes.
 #pragma once
 
