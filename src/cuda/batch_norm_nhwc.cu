@@ -71,6 +71,12 @@ __device__ __forceinline__ void mask8(const __nv_bfloat16* y, float* g, __nv_bfl
   store8(dz, g);
 }
 
+// g = bf16(g + h): the sum of two bf16 gradients as a bf16 add rounds it.
+__device__ __forceinline__ void add8_rounded(float* g, const float* h) {
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) g[k] = __bfloat162float(__float2bfloat16_rn(g[k] + h[k]));
+}
+
 // The normalising affine map, as one explicit fma: the forward and the
 // ReLU mask recomputed in backward must round identically. (It is the fma
 // that nvcc contracted `v * s + t` to before this was spelled out.)
@@ -333,11 +339,16 @@ __global__ void normalize_kernel(const T* __restrict__ x, const T* __restrict__ 
 // kFromY: dy is first masked by the ReLU output y (dy where y > 0, else 0),
 // and the masked gradient is written to dz. kFromX: the same mask from x
 // and scale_shift ([2][C]: the forward's scale and shift), nothing written.
-template <typename T, Mask kMask>
-__global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ mean,
-                                    const T* __restrict__ y, T* __restrict__ dz,
+// kSum (with kFromY): dy is the sum of two gradients, dy and dy2, rounded
+// to bf16 as autograd's add of the two would round it: an output with two
+// consumers (a residual block's output feeds the next block's convolution
+// and its shortcut) gets both gradients here, with no separate add pass.
+template <typename T, Mask kMask, bool kSum = false>
+__global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restrict__ dy2, const T* __restrict__ x,
+                                    const float* __restrict__ mean, const T* __restrict__ y, T* __restrict__ dz,
                                     const float* __restrict__ scale_shift, int64_t M, int C,
                                     float* __restrict__ part) {
+  static_assert(!kSum || kMask == Mask::kFromY, "two gradients only for the residual tail");
   extern __shared__ float sh[];
   const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
   const int c0 = (blockIdx.y * TX + tx) * kVec;
@@ -353,15 +364,18 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
   int64_t r = static_cast<int64_t>(blockIdx.x) * TY + ty;
   for (; r + (kUnroll - 1) * stride < M; r += kUnroll * stride) {
     float g[kUnroll][kVec], v[kUnroll][kVec], o[kMask == Mask::kFromY ? kUnroll : 1][kVec];
+    float g2[kSum ? kUnroll : 1][kVec];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       load8(dy + (r + u * stride) * C + c0, g[u]);
+      if constexpr (kSum) load8(dy2 + (r + u * stride) * C + c0, g2[u]);
       load8(x + (r + u * stride) * C + c0, v[u]);
       if constexpr (kMask == Mask::kFromY) load8(y + (r + u * stride) * C + c0, o[u]);
     }
     if constexpr (kMask == Mask::kFromY) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+        if constexpr (kSum) add8_rounded(g[u], g2[u]);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) g[u][k] = o[u][k] > 0.f ? g[u][k] : 0.f;
         store8(dz + (r + u * stride) * C + c0, g[u]);
@@ -383,6 +397,11 @@ __global__ void grad_partial_kernel(const T* __restrict__ dy, const T* __restric
     float g[kVec], v[kVec];
     load8(dy + r * C + c0, g);
     load8(x + r * C + c0, v);
+    if constexpr (kSum) {
+      float g2[kVec];
+      load8(dy2 + r * C + c0, g2);
+      add8_rounded(g, g2);
+    }
     if constexpr (kMask == Mask::kFromY) mask8(y + r * C + c0, g, dz + r * C + c0);
     if constexpr (kMask == Mask::kFromX) mask8_from_x(v, sc, sf, g);
 #pragma unroll
@@ -574,13 +593,15 @@ void forward_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
 // The mask comes from relu_output (then the masked gradient goes to dz,
 // which may be dx itself), from scale_shift, or there is none.
 template <typename T>
-void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& mean,
-                   const at::Tensor& invstd, const at::Tensor& relu_output, const at::Tensor& scale_shift,
-                   const at::Tensor& dz, const at::Tensor& dx, const at::Tensor& dweight, const at::Tensor& dbias) {
+void backward_impl(const at::Tensor& dy, const at::Tensor& dy2, const at::Tensor& x, const at::Tensor& weight,
+                   const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& relu_output,
+                   const at::Tensor& scale_shift, const at::Tensor& dz, const at::Tensor& dx,
+                   const at::Tensor& dweight, const at::Tensor& dbias) {
   const int C = static_cast<int>(x.size(1));
   const int64_t M = x.numel() / C;
   const Mask mask = relu_output.defined() ? Mask::kFromY : scale_shift.defined() ? Mask::kFromX : Mask::kNone;
-  const auto p = mask == Mask::kFromY   ? plan(M, C, grad_partial_kernel<T, Mask::kFromY>)
+  const auto p = mask == Mask::kFromY   ? (dy2.defined() ? plan(M, C, grad_partial_kernel<T, Mask::kFromY, true>)
+                                                         : plan(M, C, grad_partial_kernel<T, Mask::kFromY>))
                  : mask == Mask::kFromX ? plan(M, C, grad_partial_kernel<T, Mask::kFromX>)
                                         : plan(M, C, grad_partial_kernel<T, Mask::kNone>);
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -589,15 +610,20 @@ void backward_impl(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& 
   const size_t shared = p.shared;
   const dim3 grid(p.gx, p.gy), block(p.tx, p.ty);
   const float* ss = scale_shift.defined() ? as<float>(scale_shift) : nullptr;
-  if (mask == Mask::kFromY)
+  if (mask == Mask::kFromY && dy2.defined())
+    grad_partial_kernel<T, Mask::kFromY, true><<<grid, block, shared, stream>>>(
+        as<T>(dy), as<T>(dy2), as<T>(x), as<float>(mean), as<T>(relu_output), as_mut<T>(dz), nullptr, M, C,
+        as_mut<float>(part));
+  else if (mask == Mask::kFromY)
     grad_partial_kernel<T, Mask::kFromY><<<grid, block, shared, stream>>>(
-        as<T>(dy), as<T>(x), as<float>(mean), as<T>(relu_output), as_mut<T>(dz), nullptr, M, C, as_mut<float>(part));
+        as<T>(dy), nullptr, as<T>(x), as<float>(mean), as<T>(relu_output), as_mut<T>(dz), nullptr, M, C,
+        as_mut<float>(part));
   else if (mask == Mask::kFromX)
     grad_partial_kernel<T, Mask::kFromX><<<grid, block, shared, stream>>>(
-        as<T>(dy), as<T>(x), as<float>(mean), nullptr, nullptr, ss, M, C, as_mut<float>(part));
+        as<T>(dy), nullptr, as<T>(x), as<float>(mean), nullptr, nullptr, ss, M, C, as_mut<float>(part));
   else
     grad_partial_kernel<T, Mask::kNone><<<grid, block, shared, stream>>>(
-        as<T>(dy), as<T>(x), as<float>(mean), nullptr, nullptr, nullptr, M, C, as_mut<float>(part));
+        as<T>(dy), nullptr, as<T>(x), as<float>(mean), nullptr, nullptr, nullptr, M, C, as_mut<float>(part));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   grad_finalize_kernel<<<(C + 31) / 32, dim3(32, kLanes), 0, stream>>>(
       as<float>(part), p.gx, C, static_cast<float>(M), as<float>(weight), as<float>(mean), as<float>(invstd),
@@ -664,9 +690,15 @@ void check_backward_input(const at::Tensor& x, const char* what) {
 
 std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy_in, const at::Tensor& x, const at::Tensor& weight,
                                          const at::Tensor& mean, const at::Tensor& invstd,
-                                         const at::Tensor& relu_output, bool need_dz) {
+                                         const at::Tensor& relu_output, bool need_dz, const at::Tensor& dy2_in) {
   check_backward_input(x, "bn_nhwc_backward");
-  auto dy = as_kernel_input(dy_in, x);
+  TORCH_CHECK(!dy2_in.defined() || relu_output.defined(), "bn_nhwc_backward: a second gradient needs relu_output");
+  // One of two gradients may be missing (an output nobody used).
+  const at::Tensor& first = dy_in.defined() ? dy_in : dy2_in;
+  TORCH_CHECK(first.defined(), "bn_nhwc_backward: no gradient");
+  auto dy = as_kernel_input(first, x);
+  at::Tensor dy2;
+  if (dy_in.defined() && dy2_in.defined()) dy2 = as_kernel_input(dy2_in, x);
   c10::cuda::CUDAGuard guard(x.device());
   at::Tensor y, dz = dy, dx;
   if (relu_output.defined()) {
@@ -680,7 +712,7 @@ std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy_in, const at::Tens
   }
   auto dweight = at::empty_like(weight);
   auto dbias = at::empty_like(weight);
-  backward_impl<__nv_bfloat16>(dy, x, weight, mean.contiguous(), invstd.contiguous(), y, at::Tensor(), dz, dx,
+  backward_impl<__nv_bfloat16>(dy, dy2, x, weight, mean.contiguous(), invstd.contiguous(), y, at::Tensor(), dz, dx,
                                dweight, dbias);
   return {dx, dweight, dbias, need_dz ? dz : at::Tensor()};
 }
@@ -698,8 +730,8 @@ std::vector<at::Tensor> bn_nhwc_relu_backward(const at::Tensor& dy_in, const at:
   auto dx = at::empty_like(x);
   auto dweight = at::empty_like(weight);
   auto dbias = at::empty_like(weight);
-  backward_impl<__nv_bfloat16>(dy, x, weight, mean.contiguous(), invstd.contiguous(), at::Tensor(), scale_shift,
-                               at::Tensor(), dx, dweight, dbias);
+  backward_impl<__nv_bfloat16>(dy, at::Tensor(), x, weight, mean.contiguous(), invstd.contiguous(), at::Tensor(),
+                               scale_shift, at::Tensor(), dx, dweight, dbias);
   return {dx, dweight, dbias};
 }
 

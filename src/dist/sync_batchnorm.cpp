@@ -118,6 +118,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
 
 std::atomic<bool> g_nhwc_kernels{true};   // use_nhwc_batchnorm_kernels()
 std::atomic<bool> g_fused_relu{true};     // use_fused_batchnorm_relu()
+std::atomic<bool> g_split_output{true};   // use_split_residual_output()
 
 #ifdef DDP_WITH_CUDA_KERNELS
 // Local (unsynced) training statistics through ddptrain's NHWC kernels,
@@ -168,6 +169,27 @@ struct NhwcBatchNormAddReluFn : torch::autograd::Function<NhwcBatchNormAddReluFn
   }
 };
 
+// relu(bn(x) + residual) returned twice, {y, a view of y}, for an output
+// with two consumers (a residual block's output: the next block's
+// convolution and its shortcut). Autograd would add their two gradients in
+// a pass of its own; as two outputs of one node, both arrive in backward
+// and the kernels add them as they read them (the same bits).
+struct NhwcBatchNormAddReluSplitFn : torch::autograd::Function<NhwcBatchNormAddReluSplitFn> {
+  static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+                               torch::Tensor residual, torch::Tensor running_mean, torch::Tensor running_var,
+                               double eps, double momentum) {
+    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, true);
+    ctx->save_for_backward({x, weight, out[1], out[2], out[0]});
+    return {out[0], out[0].view_as(out[0])};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const bool need_dz = ctx->needs_input_grad(3);
+    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4], need_dz, grads[1]);
+    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
 bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
   return g_nhwc_kernels.load() && bn.options.affine() && bn.options.track_running_stats() &&
          bn.weight.scalar_type() == torch::kFloat && bn.running_mean.scalar_type() == torch::kFloat &&
@@ -179,6 +201,7 @@ bool nhwc_kernels_apply(const torch::Tensor& x, const BatchNormImpl& bn) {
 
 void use_nhwc_batchnorm_kernels(bool on) { g_nhwc_kernels.store(on); }
 void use_fused_batchnorm_relu(bool on) { g_fused_relu.store(on); }
+void use_split_residual_output(bool on) { g_split_output.store(on); }
 
 bool have_nhwc_batchnorm_kernels() {
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -246,12 +269,35 @@ torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
                            options.momentum(), options.eps(), at::globalContext().userEnabledCuDNN());
 }
 
+bool BatchNormImpl::fused_relu_applies(const torch::Tensor& input, const torch::Tensor& residual) const {
+#ifdef DDP_WITH_CUDA_KERNELS
+  return is_training() && !synced() && g_fused_relu.load() && nhwc_kernels_apply(input, *this) &&
+         (!residual.defined() || (residual.scalar_type() == input.scalar_type() &&
+                                  residual.sizes() == input.sizes() && cuda::bn_nhwc_supported(residual)));
+#else
+  (void)input, (void)residual;
+  return false;
+#endif
+}
+
+std::pair<torch::Tensor, torch::Tensor> BatchNormImpl::forward_relu_split(const torch::Tensor& input,
+                                                                          const torch::Tensor& residual) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (residual.defined() && g_split_output.load() && fused_relu_applies(input, residual)) {
+    check_input(input);
+    if (options.track_running_stats()) num_batches_tracked.add_(1);
+    auto out = NhwcBatchNormAddReluSplitFn::apply(input, weight, bias, residual, running_mean, running_var,
+                                                  options.eps(), options.momentum());
+    return {out[0], out[1]};
+  }
+#endif
+  auto y = forward_relu(input, residual);
+  return {y, y};
+}
+
 torch::Tensor BatchNormImpl::forward_relu(const torch::Tensor& input, const torch::Tensor& residual) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  if (is_training() && !synced() && g_fused_relu.load() && nhwc_kernels_apply(input, *this) &&
-      (!residual.defined() ||
-       (residual.scalar_type() == input.scalar_type() && residual.sizes() == input.sizes() &&
-        cuda::bn_nhwc_supported(residual)))) {
+  if (fused_relu_applies(input, residual)) {
     check_input(input);
     if (options.track_running_stats()) num_batches_tracked.add_(1);
     if (residual.defined())

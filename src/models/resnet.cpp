@@ -5,6 +5,8 @@
 // same order as PyTorch, not just under the same names.
 #include "ddp/models/resnet.h"
 
+#include <tuple>
+
 #include "ddp/models/max_pool.h"
 
 #include <array>
@@ -69,6 +71,14 @@ torch::Tensor BasicBlockImpl::forward(torch::Tensor x) {
   return bn2->forward_relu(out, shortcut);
 }
 
+std::pair<torch::Tensor, torch::Tensor> BasicBlockImpl::forward_split(const torch::Tensor& x,
+                                                                     const torch::Tensor& branch) {
+  const auto& in = branch.defined() ? branch : x;
+  auto out = conv2(bn1->forward_relu(conv1(x)));
+  auto shortcut = downsample.is_empty() ? in : downsample->forward(in);
+  return bn2->forward_relu_split(out, shortcut);
+}
+
 BottleneckImpl::BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride) {
   conv1 = register_module("conv1", conv(in_planes, planes, 1, 1));
   bn1 = register_module("bn1", BatchNorm2d(planes));
@@ -85,6 +95,15 @@ torch::Tensor BottleneckImpl::forward(torch::Tensor x) {
   out = conv3(bn2->forward_relu(conv2(out)));
   auto shortcut = downsample.is_empty() ? x : downsample->forward(x);
   return bn3->forward_relu(out, shortcut);
+}
+
+std::pair<torch::Tensor, torch::Tensor> BottleneckImpl::forward_split(const torch::Tensor& x,
+                                                                     const torch::Tensor& branch) {
+  const auto& in = branch.defined() ? branch : x;
+  auto out = bn1->forward_relu(conv1(x));
+  out = conv3(bn2->forward_relu(conv2(out)));
+  auto shortcut = downsample.is_empty() ? in : downsample->forward(in);
+  return bn3->forward_relu_split(out, shortcut);
 }
 
 ResNetImpl::ResNetImpl(ResNetOptions options_) : options(std::move(options_)) {
@@ -130,10 +149,18 @@ torch::Tensor ResNetImpl::forward_features(torch::Tensor x) {
     // input), ATen's otherwise; the same outputs and gradients.
     x = max_pool2d(x, /*kernel=*/3, /*stride=*/2, /*padding=*/1);
   }
-  x = layer1->forward(x);
-  x = layer2->forward(x);
-  x = layer3->forward(x);
-  return layer4->forward(x);
+  // Block by block, each output handed on twice (main path, shortcut), so
+  // that the next block's two gradients meet inside the batch norm's
+  // backward (BatchNorm::forward_relu_split); the same as layerN->forward.
+  torch::Tensor branch;
+  for (auto* layer : {&layer1, &layer2, &layer3, &layer4}) {
+    for (const auto& m : (*layer)->children()) {
+      if (auto* b = m->as<Bottleneck>()) std::tie(x, branch) = b->forward_split(x, branch);
+      else if (auto* bb = m->as<BasicBlock>()) std::tie(x, branch) = bb->forward_split(x, branch);
+      else TORCH_CHECK(false, "ResNet: unexpected module in a stage");
+    }
+  }
+  return x;
 }
 
 torch::Tensor ResNetImpl::forward(torch::Tensor x) {

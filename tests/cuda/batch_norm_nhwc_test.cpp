@@ -1,7 +1,10 @@
 // ddptrain's channels-last batch-norm kernels against LibTorch's batch norm,
 // through ddp::BatchNorm (the path models take), forward and backward.
 #include "ddp/dist/sync_batchnorm.h"
+#include "ddp/models/resnet.h"
 #include "support/testing.h"
+
+#include <tuple>
 
 #ifdef DDP_WITH_CUDA_KERNELS
 #include "ddp/cuda/batch_norm_nhwc.h"
@@ -232,6 +235,90 @@ TEST(BatchNormNhwc, BackwardWithoutDzOrYGivesTheSameBits_CUDA) {
   }
 }
 #endif
+
+// An output with two consumers: forward_relu_split hands the two gradients
+// to the batch norm's backward, which adds them as it reads them. The
+// bits must be those of autograd adding them to one output's gradient.
+TEST(BatchNormNhwc, SplitOutputAddsBothGradientsAsAutogradDoes_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(8);
+  auto cl = [&](torch::Tensor t) { return t.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
+  for (const auto& shape : kShapes) {
+    SCOPED_TRACE(c10::str(shape));
+    const int64_t c = shape[1];
+    auto x = cl(torch::randn(shape, gpu) * 3 + 2), res = cl(torch::randn(shape, gpu));
+    auto ga = cl(torch::randn(shape, gpu)), gb = cl(torch::randn(shape, gpu));
+    auto w = torch::rand({c}, gpu) + 0.5, b = torch::randn({c}, gpu);
+    struct Grads {
+      torch::Tensor dx, dres, dw, db;
+    };
+    auto run = [&](bool split, bool second_used) {
+      ddp::BatchNorm bn(c);
+      bn->to(gpu);
+      {
+        torch::NoGradGuard no_grad;
+        bn->weight.copy_(w);
+        bn->bias.copy_(b);
+      }
+      auto xg = x.clone().requires_grad_(), rg = res.clone().requires_grad_();
+      torch::Tensor y1, y2;
+      if (split) {
+        std::tie(y1, y2) = bn->forward_relu_split(xg, rg);
+      } else {
+        y1 = y2 = bn->forward_relu(xg, rg);
+      }
+      // Gradient ga into the first handle, gb into the second.
+      auto loss = (y1 * ga).sum();
+      if (second_used) loss = loss + (y2 * gb).sum();
+      loss.backward();
+      return Grads{xg.grad(), rg.grad(), bn->weight.grad(), bn->bias.grad()};
+    };
+    for (const bool second_used : {true, false}) {
+      SCOPED_TRACE(second_used ? "both handles used" : "second handle unused");
+      auto one = run(false, second_used), two = run(true, second_used);
+      EXPECT_TRUE(same_bits(one.dx, two.dx));
+      EXPECT_TRUE(same_bits(one.dres, two.dres));
+      EXPECT_TRUE(same_bits(one.dw, two.dw));
+      EXPECT_TRUE(same_bits(one.db, two.db));
+    }
+  }
+}
+
+// The same through a whole ResNet-50 step: ResNet hands each block's output
+// on twice (forward_relu_split); every gradient equals the one of the plain
+// path (one output, autograd adding its gradients), bit for bit.
+TEST(BatchNormNhwc, ResNetGradientsEqualWithAndWithoutSplitOutputs_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(9);
+  auto input = torch::randn({4, 3, 64, 64}, gpu).contiguous(at::MemoryFormat::ChannelsLast);
+  auto target = torch::randint(0, 10, {4}, torch::TensorOptions().device(gpu).dtype(torch::kLong));
+  auto grads = [&](bool split) {
+    ddp::use_split_residual_output(split);
+    torch::manual_seed(1);
+    ddp::models::ResNet model(ddp::models::ResNetOptions(50).num_classes(10));
+    model->to(gpu);
+    for (auto& p : model->parameters())
+      if (p.dim() == 4) p.set_data(p.data().contiguous(at::MemoryFormat::ChannelsLast));
+    model->train();
+    torch::Tensor loss;
+    {
+      ddp::compat::AutocastGuard amp(torch::kCUDA, torch::kBFloat16, true);
+      loss = torch::nn::functional::cross_entropy(model->forward(input), target);
+    }
+    loss.backward();
+    ddp::use_split_residual_output(true);
+    std::vector<torch::Tensor> g;
+    for (auto& p : model->parameters()) g.push_back(p.grad().clone());
+    return g;
+  };
+  auto plain = grads(false), split = grads(true);
+  ASSERT_EQ(plain.size(), split.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(same_bits(plain[i], split[i])) << "parameter " << i;
+}
 
 // Inputs the kernels do not take run through LibTorch's batch norm.
 TEST(BatchNormNhwc, OtherInputsTakeLibTorchsPath_CUDA) {

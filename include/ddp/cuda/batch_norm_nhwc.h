@@ -41,9 +41,13 @@ std::vector<at::Tensor> bn_nhwc_forward(const at::Tensor& x, const at::Tensor& w
 /// need_dz = false (with relu_output) says the caller has no use for dz:
 /// dx is then written over it (one activation-sized buffer less) and the
 /// returned dz is undefined. Results are the same bits either way.
+/// dy2 (with relu_output): a second gradient of the same output, from a
+/// second consumer; the kernels use bf16(dy + dy2), the bits autograd's add
+/// of the two gives, without a pass of their own. Either may be undefined.
 std::vector<at::Tensor> bn_nhwc_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                          const at::Tensor& mean, const at::Tensor& invstd,
-                                         const at::Tensor& relu_output = {}, bool need_dz = true);
+                                         const at::Tensor& relu_output = {}, bool need_dz = true,
+                                         const at::Tensor& dy2 = {});
 
 /// Backward of relu(bn(x)) with no residual, from the forward's x and
 /// scale_shift instead of its output: the ReLU mask is recomputed (bit for

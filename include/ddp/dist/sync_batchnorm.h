@@ -15,6 +15,8 @@
 // ddp::BatchNorm, and conversion switches it on in place.
 #pragma once
 
+#include <utility>
+
 #include "ddp/compat.h"
 #include "ddp/dist/world.h"
 
@@ -42,6 +44,14 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
   /// pass of ddptrain's kernels forward, with the ReLU folded into the batch
   /// norm's backward; elsewhere it is the separate ops, with equal results.
   torch::Tensor forward_relu(const torch::Tensor& input, const torch::Tensor& residual = {});
+  /// forward_relu(input, residual) for an output with two consumers (a
+  /// residual block's output: the next block's main path and its shortcut),
+  /// returned twice: {y, y} or, where the fused kernels apply, {y, a view of
+  /// y} from one autograd node, so that the two consumers' gradients are
+  /// added inside the batch norm's backward instead of by autograd in a
+  /// pass of their own. The same values and gradients either way.
+  std::pair<torch::Tensor, torch::Tensor> forward_relu_split(const torch::Tensor& input,
+                                                             const torch::Tensor& residual);
   void pretty_print(std::ostream& stream) const override;
 
   /// Makes training statistics global over `world` (nullptr: local again).
@@ -53,6 +63,7 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
 
  private:
   void check_input(const torch::Tensor& input) const;
+  bool fused_relu_applies(const torch::Tensor& input, const torch::Tensor& residual) const;
   World* world_ = nullptr;
 };
 TORCH_MODULE(BatchNorm);
@@ -68,6 +79,10 @@ void use_nhwc_batchnorm_kernels(bool on);
 /// Whether BatchNorm::forward_relu fuses the ReLU (and residual add) into
 /// those kernels (default: yes); off, it runs them and then the separate ops.
 void use_fused_batchnorm_relu(bool on);
+/// Whether BatchNorm::forward_relu_split returns its two outputs from one
+/// node, with the gradients' add fused (default: yes); off, it returns
+/// {y, y} and autograd adds the gradients.
+void use_split_residual_output(bool on);
 /// True when this build has those kernels (a CUDA LibTorch build).
 bool have_nhwc_batchnorm_kernels();
 

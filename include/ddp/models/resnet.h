@@ -46,6 +46,10 @@ class BasicBlockImpl : public torch::nn::Module {
   static constexpr int64_t kExpansion = 1;
   BasicBlockImpl(int64_t in_planes, int64_t planes, int64_t stride);
   torch::Tensor forward(torch::Tensor x);
+  /// forward(x) with the shortcut taken from `branch` (x itself when
+  /// undefined), returning {output, its second handle} for the next block's
+  /// forward_split: see BatchNorm::forward_relu_split.
+  std::pair<torch::Tensor, torch::Tensor> forward_split(const torch::Tensor& x, const torch::Tensor& branch);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   BatchNorm bn1{nullptr}, bn2{nullptr};
@@ -60,6 +64,10 @@ class BottleneckImpl : public torch::nn::Module {
   static constexpr int64_t kExpansion = 4;
   BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride);
   torch::Tensor forward(torch::Tensor x);
+  /// forward(x) with the shortcut taken from `branch` (x itself when
+  /// undefined), returning {output, its second handle} for the next block's
+  /// forward_split: see BatchNorm::forward_relu_split.
+  std::pair<torch::Tensor, torch::Tensor> forward_split(const torch::Tensor& x, const torch::Tensor& branch);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
   BatchNorm bn1{nullptr}, bn2{nullptr}, bn3{nullptr};
