@@ -19,6 +19,7 @@
 #
 #   bash bench/run.sh            # OUT=dir for the logs (default /tmp/bench)
 #   PHASES="build step" bash bench/run.sh
+#   PHASES="bn" bash bench/run.sh   # batch-norm kernels alone (bench/bn_bandwidth.py, bench/bn_kernels.py)
 #
 # Writes $OUT/results.jsonl (one JSON line per measurement) and
 # $OUT/table.md (bench/table.py), which go into bench/RESULTS.md.
@@ -170,5 +171,10 @@ fi
 if has gpt_profile; then
   log "config e: kernel-time profile of ddptrain's GPT step"
   OUT="$OUT" bash bench/profile_ddptrain.sh e --cuda-graph 2>"$OUT/profile.e.err" | tee -a "$OUT/profile.jsonl"
+fi
+if has bn; then
+  log "batch norm: every kernel of one ResNet-50's batch norms against a copy's bandwidth, and the float64 check"
+  python3 bench/bn_bandwidth.py 2>"$OUT/bn_bandwidth.err" | tee -a "$OUT/bn.jsonl"
+  timeout 300 python3 bench/bn_kernels.py 2>"$OUT/bn_kernels.err" | tee -a "$OUT/bn.jsonl"
 fi
 python3 bench/table.py "$R" > "$OUT/table.md" && cat "$OUT/table.md"
