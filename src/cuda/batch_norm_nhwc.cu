@@ -259,7 +259,10 @@ __global__ void stats_finalize_kernel(const float* __restrict__ part, int parts,
   const float pivot = median3(to_float(x[c]), to_float(x[(M / 2) * C + c]), to_float(x[(M - 1) * C + c]));
   const float offset = sum / rows;  // mean - pivot
   const float mean = pivot + offset;
-  const float var = fmaxf(sumsq / rows - offset * offset, 0.f);
+  // Rounding may take a zero variance below 0; a NaN must stay NaN (fmaxf
+  // would make it 0, and the running variance would hide a NaN input).
+  const float v = sumsq / rows - offset * offset;
+  const float var = v < 0.f ? 0.f : v;
   const float invstd = rsqrtf(var + eps);
   const float scale = weight[c] * invstd;
   out[c] = mean;

@@ -4,6 +4,7 @@
 #include "ddp/models/resnet.h"
 #include "support/testing.h"
 
+#include <cmath>
 #include <tuple>
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -103,6 +104,30 @@ TEST(BatchNormNhwc, StatisticsHoldForALargeMeanAndAnOutlierPivot_CUDA) {
     EXPECT_LE(rel(ours.running_var, ref.running_var), 1e-4);
     EXPECT_LE(rel(ours.y, ref.y), 2 * eps);
     EXPECT_LE(rel(ours.dx, ref.dx), 4 * eps);
+  }
+}
+
+// A NaN in a channel's input reaches its output and both running
+// statistics, as with LibTorch's batch norm; the other channels are finite.
+TEST(BatchNormNhwc, NaNInputReachesTheRunningStatistics_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  if (!ddp::have_nhwc_batchnorm_kernels()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(12);
+  const std::vector<int64_t> shape{8, 16, 5, 5};
+  auto x = torch::randn(shape, gpu);
+  x.select(0, 3).select(0, 2).select(0, 1).select(0, 4).fill_(std::nan(""));  // channel 2 only
+  x = x.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  auto dy = torch::randn(shape, gpu).to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+  auto w = torch::ones({16}, gpu), b = torch::zeros({16}, gpu);
+  auto rm = torch::zeros({16}, gpu), rv = torch::ones({16}, gpu);
+  for (const bool kernels : {true, false}) {
+    SCOPED_TRACE(kernels ? "ddptrain's kernels" : "LibTorch's");
+    auto r = run_bn(kernels, x, dy, w, b, rm, rv);
+    EXPECT_TRUE(std::isnan(r.running_mean[2].item<float>()));
+    EXPECT_TRUE(std::isnan(r.running_var[2].item<float>()));
+    EXPECT_TRUE(torch::isnan(r.y.select(1, 2)).all().item<bool>());
+    EXPECT_TRUE(torch::isfinite(r.running_var.index_select(0, torch::tensor({0, 1, 3}, gpu))).all().item<bool>());
   }
 }
 
