@@ -29,6 +29,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace ddp::cuda {
 namespace {
@@ -276,17 +279,10 @@ __global__ void stats_finalize_kernel(const float* __restrict__ part, int parts,
 // The elementwise passes visit vector i = thread + k * stride (stride =
 // grid x block threads). When the stride is a multiple of the row's
 // vectors (cv = C / 8; true for every power-of-two C up to 2048 with
-// 256-thread blocks), a thread's channels never change: it loads its
-// per-channel factors once, and finds no channel index per vector.
-// Otherwise (odd test shapes) it finds its channels per vector.
-#ifndef BN_ELEM_UNROLL
-#define BN_ELEM_UNROLL 1
-#endif
-#ifndef BN_FIXED_CHANNELS
-#define BN_FIXED_CHANNELS 1
-#endif
-constexpr int kElemUnroll = BN_ELEM_UNROLL;
-
+// 256-thread blocks), a thread's channels never change (kFixed): it loads
+// its per-channel factors once. Otherwise (odd test shapes) it finds its
+// channels per vector. (Unrolling the loop 2 or 4 deep was slower:
+// bench/RESULTS.md, session 12.)
 // y = x * scale[c] + shift[c] (+ residual) (then max(., 0)), 8 channels per thread.
 template <bool kResidual, bool kRelu>
 __device__ __forceinline__ void normalize8(float* v, const float* r, const float* s, const float* t) {
@@ -310,19 +306,6 @@ __global__ void normalize_kernel(const T* __restrict__ x, const T* __restrict__ 
     const int c0 = static_cast<int>(i % cv) * kVec;
     load8f(scale + c0, s);
     load8f(shift + c0, t);
-    for (; i + (kElemUnroll - 1) * stride < vecs; i += kElemUnroll * stride) {
-      float v[kElemUnroll][kVec], r[kElemUnroll][kVec];
-#pragma unroll
-      for (int u = 0; u < kElemUnroll; ++u) {
-        load8(x + (i + u * stride) * kVec, v[u]);
-        if constexpr (kResidual) load8(residual + (i + u * stride) * kVec, r[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kElemUnroll; ++u) {
-        normalize8<kResidual, kRelu>(v[u], r[u], s, t);
-        store8(y + (i + u * stride) * kVec, v[u]);
-      }
-    }
   }
   for (; i < vecs; i += stride) {
     if constexpr (!kFixed) {
@@ -472,22 +455,7 @@ __global__ void grad_input_kernel(const T* dy, const T* __restrict__ x, const fl
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   InputCoef q;
-  if constexpr (kFixed) {
-    load_input_coef<kMask>(coef, scale_shift, C, static_cast<int>(i % cv) * kVec, q);
-    for (; i + (kElemUnroll - 1) * stride < vecs; i += kElemUnroll * stride) {
-      float g[kElemUnroll][kVec], v[kElemUnroll][kVec];
-#pragma unroll
-      for (int u = 0; u < kElemUnroll; ++u) {
-        load8(dy + (i + u * stride) * kVec, g[u]);
-        load8(x + (i + u * stride) * kVec, v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < kElemUnroll; ++u) {
-        grad_input8<kMask>(g[u], v[u], q);
-        store8(dx + (i + u * stride) * kVec, g[u]);
-      }
-    }
-  }
+  if constexpr (kFixed) load_input_coef<kMask>(coef, scale_shift, C, static_cast<int>(i % cv) * kVec, q);
   for (; i < vecs; i += stride) {
     if constexpr (!kFixed) load_input_coef<kMask>(coef, scale_shift, C, static_cast<int>(i % cv) * kVec, q);
     float g[kVec], v[kVec];
@@ -508,6 +476,24 @@ __global__ void grad_input_kernel(const T* dy, const T* __restrict__ x, const fl
 #define BN_REDUCE_WAVES 1
 #endif
 
+// How many kThreads-thread blocks of `kernel` with `shared` bytes an SM holds
+// at once, asked once per (kernel, shared, device): the steps call this for
+// every batch norm.
+int resident_blocks_per_sm(const void* kernel, size_t shared) {
+  static std::mutex mu;
+  static std::map<std::tuple<const void*, size_t, int>, int> known;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const auto key = std::make_tuple(kernel, shared, device);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+  known.emplace(key, per_sm);
+  return per_sm;
+}
+
 struct Plan {
   int tx, ty, gx, gy;
   size_t shared;  // bytes: two sums per channel and row of the block
@@ -522,8 +508,7 @@ Plan plan(int64_t M, int C, Kernel kernel) {
   p.ty = kThreads / p.tx;
   p.gy = cv / p.tx;
   p.shared = sizeof(float) * 2 * p.ty * p.tx * kVec;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, p.shared));
+  const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), p.shared);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) * BN_REDUCE_WAVES / p.gy);
   const int64_t rows_per_block = static_cast<int64_t>(p.ty) * kUnroll;
@@ -538,14 +523,7 @@ int elementwise_blocks(int64_t vecs) {
 
 // Whether every thread of an elementwise pass of `blocks` blocks sees the
 // same channels in each vector it visits (see normalize_kernel).
-bool fixed_channels(int blocks, int C) {
-#if BN_FIXED_CHANNELS
-  return (static_cast<int64_t>(blocks) * kThreads) % (C / kVec) == 0;
-#else
-  (void)blocks, (void)C;
-  return false;
-#endif
-}
+bool fixed_channels(int blocks, int C) { return (static_cast<int64_t>(blocks) * kThreads) % (C / kVec) == 0; }
 
 void check_param(const at::Tensor& t, int64_t C, const char* what) {
   TORCH_CHECK(t.defined() && t.is_cuda() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == C,

@@ -152,41 +152,28 @@ struct NhwcBatchNormFn : torch::autograd::Function<NhwcBatchNormFn> {
 };
 
 // relu(bn(x) + residual). dz, the masked gradient, is the residual's.
+// With `split`, y is returned twice, {y, a view of y}, for an output with
+// two consumers (a residual block's output: the next block's convolution
+// and its shortcut): autograd would add their two gradients in a pass of
+// its own; as two outputs of one node, both arrive here and the kernels add
+// them as they read them (the same bits).
 struct NhwcBatchNormAddReluFn : torch::autograd::Function<NhwcBatchNormAddReluFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
+  static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                                torch::Tensor residual, torch::Tensor running_mean, torch::Tensor running_var,
-                               double eps, double momentum) {
+                               double eps, double momentum, bool split) {
     auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, true);
     ctx->save_for_backward({x, weight, out[1], out[2], out[0]});
-    return out[0];
+    if (!split) return {out[0]};
+    return {out[0], out[0].view_as(out[0])};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
     // The shortcut needs dz only when its input requires a gradient.
     const bool need_dz = ctx->needs_input_grad(3);
-    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4], need_dz);
-    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-  }
-};
-
-// relu(bn(x) + residual) returned twice, {y, a view of y}, for an output
-// with two consumers (a residual block's output: the next block's
-// convolution and its shortcut). Autograd would add their two gradients in
-// a pass of its own; as two outputs of one node, both arrive in backward
-// and the kernels add them as they read them (the same bits).
-struct NhwcBatchNormAddReluSplitFn : torch::autograd::Function<NhwcBatchNormAddReluSplitFn> {
-  static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
-                               torch::Tensor residual, torch::Tensor running_mean, torch::Tensor running_var,
-                               double eps, double momentum) {
-    auto out = cuda::bn_nhwc_forward(x, weight, bias, running_mean, running_var, momentum, eps, residual, true);
-    ctx->save_for_backward({x, weight, out[1], out[2], out[0]});
-    return {out[0], out[0].view_as(out[0])};
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto s = ctx->get_saved_variables();
-    const bool need_dz = ctx->needs_input_grad(3);
-    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4], need_dz, grads[1]);
-    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    const auto second = grads.size() > 1 ? grads[1] : torch::Tensor();
+    auto g = cuda::bn_nhwc_backward(grads[0], s[0], s[1], s[2], s[3], s[4], need_dz, second);
+    return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -286,8 +273,8 @@ std::pair<torch::Tensor, torch::Tensor> BatchNormImpl::forward_relu_split(const 
   if (residual.defined() && g_split_output.load() && fused_relu_applies(input, residual)) {
     check_input(input);
     if (options.track_running_stats()) num_batches_tracked.add_(1);
-    auto out = NhwcBatchNormAddReluSplitFn::apply(input, weight, bias, residual, running_mean, running_var,
-                                                  options.eps(), options.momentum());
+    auto out = NhwcBatchNormAddReluFn::apply(input, weight, bias, residual, running_mean, running_var,
+                                             options.eps(), options.momentum(), /*split=*/true);
     return {out[0], out[1]};
   }
 #endif
@@ -302,7 +289,7 @@ torch::Tensor BatchNormImpl::forward_relu(const torch::Tensor& input, const torc
     if (options.track_running_stats()) num_batches_tracked.add_(1);
     if (residual.defined())
       return NhwcBatchNormAddReluFn::apply(input, weight, bias, residual, running_mean, running_var, options.eps(),
-                                           options.momentum());
+                                           options.momentum(), /*split=*/false)[0];
     return NhwcBatchNormFn::apply(input, weight, bias, running_mean, running_var, options.eps(), options.momentum(),
                                   true);
   }

@@ -65,11 +65,7 @@ BasicBlockImpl::BasicBlockImpl(int64_t in_planes, int64_t planes, int64_t stride
   if (!proj.is_empty()) downsample = register_module("downsample", proj);
 }
 
-torch::Tensor BasicBlockImpl::forward(torch::Tensor x) {
-  auto out = conv2(bn1->forward_relu(conv1(x)));
-  auto shortcut = downsample.is_empty() ? x : downsample->forward(x);
-  return bn2->forward_relu(out, shortcut);
-}
+torch::Tensor BasicBlockImpl::forward(torch::Tensor x) { return forward_split(x, {}).first; }
 
 std::pair<torch::Tensor, torch::Tensor> BasicBlockImpl::forward_split(const torch::Tensor& x,
                                                                      const torch::Tensor& branch) {
@@ -90,12 +86,7 @@ BottleneckImpl::BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride
   if (!proj.is_empty()) downsample = register_module("downsample", proj);
 }
 
-torch::Tensor BottleneckImpl::forward(torch::Tensor x) {
-  auto out = bn1->forward_relu(conv1(x));
-  out = conv3(bn2->forward_relu(conv2(out)));
-  auto shortcut = downsample.is_empty() ? x : downsample->forward(x);
-  return bn3->forward_relu(out, shortcut);
-}
+torch::Tensor BottleneckImpl::forward(torch::Tensor x) { return forward_split(x, {}).first; }
 
 std::pair<torch::Tensor, torch::Tensor> BottleneckImpl::forward_split(const torch::Tensor& x,
                                                                      const torch::Tensor& branch) {

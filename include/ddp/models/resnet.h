@@ -46,9 +46,9 @@ class BasicBlockImpl : public torch::nn::Module {
   static constexpr int64_t kExpansion = 1;
   BasicBlockImpl(int64_t in_planes, int64_t planes, int64_t stride);
   torch::Tensor forward(torch::Tensor x);
-  /// forward(x) with the shortcut taken from `branch` (x itself when
+  /// The block with its shortcut taken from `branch` (x itself when
   /// undefined), returning {output, its second handle} for the next block's
-  /// forward_split: see BatchNorm::forward_relu_split.
+  /// forward_split (BatchNorm::forward_relu_split); forward(x) is its first.
   std::pair<torch::Tensor, torch::Tensor> forward_split(const torch::Tensor& x, const torch::Tensor& branch);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
@@ -64,9 +64,9 @@ class BottleneckImpl : public torch::nn::Module {
   static constexpr int64_t kExpansion = 4;
   BottleneckImpl(int64_t in_planes, int64_t planes, int64_t stride);
   torch::Tensor forward(torch::Tensor x);
-  /// forward(x) with the shortcut taken from `branch` (x itself when
+  /// The block with its shortcut taken from `branch` (x itself when
   /// undefined), returning {output, its second handle} for the next block's
-  /// forward_split: see BatchNorm::forward_relu_split.
+  /// forward_split (BatchNorm::forward_relu_split); forward(x) is its first.
   std::pair<torch::Tensor, torch::Tensor> forward_split(const torch::Tensor& x, const torch::Tensor& branch);
 
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr}, conv3{nullptr};
