@@ -8,6 +8,7 @@
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/models/fused_layer_norm.h"
+#include "ddp/models/fused_linear.h"
 
 namespace ddp::models {
 
@@ -74,8 +75,10 @@ void check_options(const GptOptions& o) {
 // of a GPT-2 124M step on the H200 (bench/RESULTS.md). at::linear casts the
 // bias with the rest and folds it into the matmul, as PyTorch's nn.Linear.
 namespace {
+// With use_fused_linear on, the bias gradients come from ddptrain's kernels
+// (fused_linear.h); the same forward either way.
 torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
-  return torch::linear(x, layer->weight, layer->bias);
+  return linear_bias(x, layer->weight, layer->bias);
 }
 }  // namespace
 
@@ -103,7 +106,8 @@ GptMlpImpl::GptMlpImpl(const GptOptions& o) {
 }
 
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) {
-  auto y = linear(c_proj, torch::gelu(linear(c_fc, x)));  // the exact (erf) GELU, as nn.GELU()
+  // The exact (erf) GELU, as nn.GELU().
+  auto y = linear(c_proj, linear_gelu(x, c_fc->weight, c_fc->bias));
   return dropout->options.p() > 0 ? dropout(y) : y;
 }
 

@@ -1,0 +1,31 @@
+// A linear layer's bias gradient on CUDA: the column sums of its output's
+// gradient, in fp32, at a copy's bandwidth; and the exact GELU's backward
+// with the bias gradient of the layer before it in the same pass.
+//
+// Why by hand: autograd sums a [tokens, features] bf16 gradient over its
+// rows with at::sum, at about 1.5 TB/s on the H200: 1.76 ms of a GPT-2 124M
+// step (bench/RESULTS.md, session 11). The GELU's backward then reads and
+// writes the MLP's widest activation only for the next sum to read it again.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace ddp::cuda {
+
+/// True where the kernels apply: a CUDA, contiguous bf16 tensor whose last
+/// dimension is a multiple of 8, 16-byte aligned.
+bool column_sum_supported(const at::Tensor& g);
+
+/// The sums over every dimension but the last of a bf16 tensor, in fp32:
+/// the bias gradient of y = x W^T + b for y's gradient g. Deterministic.
+at::Tensor column_sum(const at::Tensor& g);
+
+/// The exact (erf) GELU's backward with the column sums of its result:
+/// {dh, db} for dh = dy * gelu'(h) in bf16 (as ATen's gelu_backward computes
+/// it, in fp32, then rounded) and db = column_sum(dh) in fp32. dy and h:
+/// bf16 tensors of one shape that column_sum_supported takes.
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h);
+
+}  // namespace ddp::cuda

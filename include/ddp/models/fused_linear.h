@@ -1,0 +1,33 @@
+// The GPT's linear layers with their bias gradients from ddptrain's CUDA
+// kernels (cuda/linear_bias.h) where they apply, else LibTorch's ops.
+//
+// They apply on CUDA under bf16 autocast, to a layer with an fp32 bias whose
+// output width is a multiple of 8, once use_fused_linear(true) turned them
+// on (off until then, process-wide). The forward is the same at::linear (and
+// at::gelu); the backward computes the input and weight gradients with the
+// same two matmuls autograd runs, and the bias gradient as a column sum in
+// fp32 (autograd sums in bf16 and rounds), with the GELU's backward folded
+// into that sum for the MLP's first layer.
+//
+// Not yet run on a GPU: written in session 12 (2026-12-04) after its device
+// time was spent; its _CUDA tests run in the next device call.
+#pragma once
+
+#include <torch/torch.h>
+
+namespace ddp::models {
+
+void use_fused_linear(bool on);
+bool fused_linear_enabled();
+/// True when this build has the kernels (a CUDA build).
+bool have_fused_linear();
+
+/// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
+bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+
+/// x W^T + b, as torch::linear.
+torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+/// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
+torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+
+}  // namespace ddp::models

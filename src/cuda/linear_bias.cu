@@ -1,0 +1,203 @@
+// Column sums of bf16 [rows, C] matrices (linear_bias.h).
+//
+// Each thread owns 8 adjacent columns (one 16-byte load) and walks rows; a
+// block is TX x TY threads (TX * 8 columns, TY rows at a time), and there is
+// one wave of blocks (as many as the kernel's occupancy lets the GPU hold),
+// each writing its partial sums to part[blockIdx.x][C]. A second kernel adds
+// the partials per column in a fixed order, so the result is deterministic.
+// The GELU variant computes dh = dy * gelu'(h) per element on the way,
+// writes it, and sums the bf16-rounded dh (the tensor autograd would sum).
+#include "ddp/cuda/linear_bias.h"
+#include "tensor_access.cuh"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace ddp::cuda {
+namespace {
+
+constexpr int kVec = 8;        // columns per thread: one 16-byte load
+constexpr int kThreads = 256;  // threads per block
+constexpr int kUnroll = 4;     // rows per round: four loads in flight
+constexpr int kLanes = 32;     // lanes per column in the finalising kernel
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+}
+
+// Rounds f to bf16 in place and stores it.
+__device__ __forceinline__ void round_store8(__nv_bfloat16* p, float* f) {
+  uint4 v;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    const float2 t = __bfloat1622float2(h[i]);
+    f[2 * i] = t.x;
+    f[2 * i + 1] = t.y;
+  }
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+// gelu'(h) * dy for the exact GELU, 0.5 h (1 + erf(h / sqrt 2)), in fp32.
+__device__ __forceinline__ float gelu_grad(float dy, float h) {
+  constexpr float kInvSqrt2 = 0.70710678118654752440f;
+  constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // the normal density's 1 / sqrt(2 pi)
+  const float cdf = 0.5f * (1.f + erff(h * kInvSqrt2));
+  const float pdf = expf(-0.5f * h * h) * kInvSqrt2Pi;
+  return dy * (cdf + h * pdf);
+}
+
+// kGelu: g = gelu'(h) * dy, written to dh (bf16) and summed; else g = dy.
+template <bool kGelu>
+__global__ void partial_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ h,
+                               __nv_bfloat16* __restrict__ dh, int64_t M, int C, float* __restrict__ part) {
+  extern __shared__ float sh[];
+  const int TX = blockDim.x, TY = blockDim.y, tx = threadIdx.x, ty = threadIdx.y;
+  const int c0 = (blockIdx.y * TX + tx) * kVec;
+  float acc[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) acc[k] = 0.f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * TY;
+  int64_t r = static_cast<int64_t>(blockIdx.x) * TY + ty;
+  for (; r + (kUnroll - 1) * stride < M; r += kUnroll * stride) {
+    float g[kUnroll][kVec], x[kGelu ? kUnroll : 1][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      load8(dy + (r + u * stride) * C + c0, g[u]);
+      if constexpr (kGelu) load8(h + (r + u * stride) * C + c0, x[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if constexpr (kGelu) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[u][k] = gelu_grad(g[u][k], x[u][k]);
+        round_store8(dh + (r + u * stride) * C + c0, g[u]);
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc[k] += g[u][k];
+    }
+  }
+  for (; r < M; r += stride) {
+    float g[kVec];
+    load8(dy + r * C + c0, g);
+    if constexpr (kGelu) {
+      float x[kVec];
+      load8(h + r * C + c0, x);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) g[k] = gelu_grad(g[k], x[k]);
+      round_store8(dh + r * C + c0, g);
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) acc[k] += g[k];
+  }
+  // Add the block's TY rows (a power of two), then write its partials.
+  const int W = TX * kVec;
+  const int own = ty * W + tx * kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) sh[own + k] = acc[k];
+  for (int s = TY / 2; s > 0; s >>= 1) {
+    __syncthreads();
+    if (ty < s) {
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) sh[own + k] += sh[own + s * W + k];
+    }
+  }
+  if (ty == 0) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) part[static_cast<int64_t>(blockIdx.x) * C + c0 + k] = sh[own + k];
+  }
+}
+
+// out[c] = the sum of part[0..parts)[c]: 32 columns x kLanes lanes a block.
+__global__ void finalize_kernel(const float* __restrict__ part, int parts, int C, float* __restrict__ out) {
+  __shared__ float s[kLanes][33];
+  const int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
+  float a = 0.f;
+  if (c < C) {
+    int i = ty;
+    for (; i + 3 * kLanes < parts; i += 4 * kLanes) {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = part[static_cast<int64_t>(i + u * kLanes) * C + c];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) a += v[u];
+    }
+    for (; i < parts; i += kLanes) a += part[static_cast<int64_t>(i) * C + c];
+  }
+  s[ty][tx] = a;
+  for (int k = kLanes / 2; k > 0; k >>= 1) {
+    __syncthreads();
+    if (ty < k) {
+      a += s[ty + k][tx];
+      s[ty][tx] = a;
+    }
+  }
+  if (ty == 0 && c < C) out[c] = a;
+}
+
+template <bool kGelu>
+void launch(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& dh, const at::Tensor& out) {
+  const int C = static_cast<int>(dy.size(-1));
+  const int64_t M = dy.numel() / C;
+  const int cv = C / kVec;
+  int tx = 32;
+  while (cv % tx != 0) tx /= 2;
+  const int ty = kThreads / tx, gy = cv / tx;
+  const size_t shared = sizeof(float) * ty * tx * kVec;
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, partial_kernel<kGelu>, kThreads, shared));
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) / gy);
+  const int64_t rows_per_block = static_cast<int64_t>(ty) * kUnroll;
+  const int gx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (M + rows_per_block - 1) / rows_per_block)));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto part = at::empty({static_cast<int64_t>(gx) * C}, out.options());
+  partial_kernel<kGelu><<<dim3(gx, gy), dim3(tx, ty), shared, stream>>>(
+      as<__nv_bfloat16>(dy), kGelu ? as<__nv_bfloat16>(h) : nullptr, kGelu ? as_mut<__nv_bfloat16>(dh) : nullptr, M,
+      C, as_mut<float>(part));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  finalize_kernel<<<(C + 31) / 32, dim3(32, kLanes), 0, stream>>>(as<float>(part), gx, C, as_mut<float>(out));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool column_sum_supported(const at::Tensor& g) {
+  return g.defined() && g.is_cuda() && g.scalar_type() == at::kBFloat16 && g.dim() >= 1 && g.is_contiguous() &&
+         g.size(-1) % kVec == 0 && g.numel() > 0 && aligned(g);
+}
+
+at::Tensor column_sum(const at::Tensor& g) {
+  TORCH_CHECK(column_sum_supported(g), "column_sum: unsupported input ", g.sizes(), " ", g.scalar_type());
+  c10::cuda::CUDAGuard guard(g.device());
+  auto out = at::empty({g.size(-1)}, g.options().dtype(at::kFloat));
+  launch<false>(g, at::Tensor(), at::Tensor(), out);
+  return out;
+}
+
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h) {
+  TORCH_CHECK(column_sum_supported(dy) && column_sum_supported(h) && dy.sizes() == h.sizes(),
+              "gelu_backward_column_sum: unsupported inputs ", dy.sizes(), " ", dy.scalar_type(), " and ", h.sizes(),
+              " ", h.scalar_type());
+  c10::cuda::CUDAGuard guard(dy.device());
+  auto dh = at::empty_like(h);
+  auto out = at::empty({h.size(-1)}, h.options().dtype(at::kFloat));
+  launch<true>(dy, h, dh, out);
+  return {dh, out};
+}
+
+}  // namespace ddp::cuda

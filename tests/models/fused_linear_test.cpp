@@ -1,0 +1,150 @@
+// The GPT's linear layers with kernel-made bias gradients
+// (src/models/fused_linear.cpp, src/cuda/linear_bias.cu): off by default and
+// on CPU tensors they are LibTorch's ops; on a GPU the column sums match
+// float64, the GELU's backward matches ATen's within bf16 rounding, the
+// layers' gradients match LibTorch's, and a GPT trains as with LibTorch's.
+#include "ddp/models/fused_linear.h"
+
+#include "ddp/compat.h"
+#include "ddp/models/gpt.h"
+#include "support/small_gpt.h"
+#include "support/testing.h"
+
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/linear_bias.h"
+#endif
+
+namespace ddp::models {
+namespace {
+
+struct FusedOn {
+  FusedOn() { use_fused_linear(true); }
+  ~FusedOn() { use_fused_linear(false); }
+};
+
+TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
+  EXPECT_FALSE(fused_linear_enabled());
+  FusedOn on;
+  torch::manual_seed(3);
+  auto x = torch::randn({2, 3, 8}), w = torch::randn({16, 8}), b = torch::randn({16});
+  EXPECT_FALSE(fused_linear_applies(x, w, b));
+  EXPECT_TRUE(torch::equal(linear_bias(x, w, b), torch::linear(x, w, b)));
+  EXPECT_TRUE(torch::equal(linear_gelu(x, w, b), torch::gelu(torch::linear(x, w, b))));
+}
+
+#ifdef DDP_WITH_CUDA_KERNELS
+double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
+  auto g = got.to(torch::kDouble), r = want.to(torch::kDouble);
+  return ((g - r).abs().max() / r.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+// Column sums of bf16 matrices against float64, at GPT-2's widths and odd
+// row counts, 2-D and 3-D; deterministic.
+TEST(FusedLinear, ColumnSumMatchesFloat64_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(5);
+  for (auto shape : std::vector<std::vector<int64_t>>{{16384, 768}, {4, 1024, 2304}, {37, 3072}, {1, 8}, {5, 3, 24}}) {
+    SCOPED_TRACE(::testing::PrintToString(shape));
+    auto g = torch::randn(shape, opts).to(torch::kBFloat16);
+    ASSERT_TRUE(cuda::column_sum_supported(g));
+    auto got = cuda::column_sum(g);
+    EXPECT_EQ(got.scalar_type(), torch::kFloat);
+    auto want = g.to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
+    // fp32 sums of up to 16k terms of size ~1: well within 1e-5 of the
+    // largest column sum's magnitude (~sqrt(rows)).
+    EXPECT_LE(rel_err(got, want), 1e-5);
+    EXPECT_TRUE(torch::equal(got, cuda::column_sum(g))) << "deterministic";
+  }
+  EXPECT_FALSE(cuda::column_sum_supported(torch::randn({4, 12}, opts).to(torch::kBFloat16)));  // width % 8
+  EXPECT_FALSE(cuda::column_sum_supported(torch::randn({4, 16}, opts)));                        // fp32
+}
+
+// The exact GELU's backward against ATen's, and its column sums.
+TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(6);
+  for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}}) {
+    SCOPED_TRACE(::testing::PrintToString(shape));
+    auto dy = torch::randn(shape, opts).to(torch::kBFloat16);
+    auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
+    auto r = cuda::gelu_backward_column_sum(dy, h);
+    auto want = at::gelu_backward(dy, h);
+    ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
+    // Within one unit of bf16 rounding of each element (the same formula in
+    // fp32; erf and exp may round differently in the last fp32 bit).
+    auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
+    auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
+    EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();
+    auto sums = r[0].to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
+    EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
+  }
+}
+
+// linear_bias and linear_gelu under bf16 autocast against LibTorch's ops:
+// the same forward bits (the same at::linear and at::gelu), the input and
+// weight gradients from the same matmuls, the bias gradient in fp32 within
+// the bf16 rounding of LibTorch's.
+TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  FusedOn on;
+  for (bool gelu : {false, true}) {
+    SCOPED_TRACE(gelu ? "linear_gelu" : "linear_bias");
+    torch::manual_seed(7);
+    auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
+    auto w = (torch::randn({256, 96}, opts) * 0.1).requires_grad_();
+    auto b = torch::randn({256}, opts).requires_grad_();
+    auto g = torch::randn({4, 64, 256}, opts).to(torch::kBFloat16);
+    auto rx = x.detach().clone().requires_grad_(), rw = w.detach().clone().requires_grad_(),
+         rb = b.detach().clone().requires_grad_();
+    torch::Tensor y, ry;
+    {
+      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      ASSERT_TRUE(fused_linear_applies(x, w, b));
+      y = gelu ? linear_gelu(x, w, b) : linear_bias(x, w, b);
+      use_fused_linear(false);
+      ry = gelu ? torch::gelu(torch::linear(rx, rw, rb)) : torch::linear(rx, rw, rb);
+      use_fused_linear(true);
+    }
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(y, ry));
+    (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    EXPECT_LE(rel_err(x.grad(), rx.grad()), 1.0 / 128);
+    EXPECT_LE(rel_err(w.grad(), rw.grad()), 1.0 / 128);
+    EXPECT_LE(rel_err(b.grad(), rb.grad()), 1.0 / 128);
+    EXPECT_EQ(b.grad().scalar_type(), torch::kFloat);
+  }
+}
+
+std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
+  use_fused_linear(fused);
+  auto losses = ddp::testing::small_gpt_bf16_losses(
+      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
+  use_fused_linear(false);
+  return losses;
+}
+
+using ddp::testing::max_rel_diff;
+
+// The same first loss (the forward is the same ops), then trajectories that
+// follow each other while the loss falls; graphed equals eager.
+TEST(FusedLinear, GptTrainsAsWithLibTorchsOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto fused = gpt_losses(true, false, 12);
+  auto native = gpt_losses(false, false, 12);
+  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
+  EXPECT_EQ(fused[0], native[0]);
+  EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
+                                               << ::testing::PrintToString(native);
+  auto graphed = gpt_losses(true, true, 8);
+  fused.resize(8);
+  EXPECT_LE(max_rel_diff(graphed, fused), 2e-2) << ::testing::PrintToString(graphed) << " vs "
+                                                << ::testing::PrintToString(fused);
+}
+#endif
+
+}  // namespace
+}  // namespace ddp::models
