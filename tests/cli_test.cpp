@@ -82,6 +82,14 @@ TEST(Cli, LnKernelIsAutoOrNative) {
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
 }
 
+// The fused bias gradients are off until measured on a GPU (--linear-kernel).
+TEST(Cli, LinearKernelIsAutoOrNative) {
+  EXPECT_EQ(ddp::testing::parse_args({}).linear_kernel, "native");
+  EXPECT_EQ(ddp::testing::parse_args({"--linear-kernel", "auto"}).linear_kernel, "auto");
+  auto e = error_of({"--linear-kernel", "fused"});
+  EXPECT_NE(e.find("fused"), std::string::npos) << e;
+}
+
 TEST(Cli, ImpossibleValuesNameTheFlagAndValue) {
   for (auto [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--batch", "0"}, {"--batch", "-4"}, {"--epochs", "0"}, {"--epochs", "-1"}, {"--lr", "0"}, {"--lr", "-0.1"}}) {

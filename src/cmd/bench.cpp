@@ -100,6 +100,7 @@ int run_gpt_bench(const Config& c, World& world) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.ce_kernel == "native") contender += ", LibTorch CE";
     if (c.ln_kernel == "auto") contender += ", fused LN";
+    if (c.linear_kernel == "auto") contender += ", fused bias grads";
     nlohmann::json j = {{"contender", contender},
                         {"model", c.model},
                         {"params", task.gpt()->num_params()},
@@ -111,6 +112,7 @@ int run_gpt_bench(const Config& c, World& world) {
                         {"graphed", step.graphed()},
                         {"ce_kernel", c.ce_kernel},
                         {"ln_kernel", c.ln_kernel},
+                        {"linear_kernel", c.linear_kernel},
                         {"device", dev.str()},
                         {"ms_per_step", ms},
                         {"tokens_per_s", tokens_per_rank_s * world.size()},

@@ -26,6 +26,7 @@
 #include "ddp/io/progress.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/models/fused_layer_norm.h"
+#include "ddp/models/fused_linear.h"
 #include "ddp/models/max_pool.h"
 
 namespace fs = std::filesystem;
@@ -100,6 +101,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
   use_fused_batchnorm_relu(c.bn_kernel == "auto");
   use_fused_cross_entropy(c.ce_kernel != "native");
   models::use_fused_layer_norm(c.ln_kernel == "auto");
+  models::use_fused_linear(c.linear_kernel == "auto");
   models::use_nhwc_max_pool_kernels(c.bn_kernel != "native");  // native: all ATen, for A/B timing
   return TrainStepOptions()
       .amp(c.amp)
