@@ -235,10 +235,28 @@ void GradSync::reset_step() {
   std::fill(fired_.begin(), fired_.end(), 0);
 }
 
-void GradSync::zero_grad() {
+void GradSync::zero_grad(bool set_to_none) {
   torch::NoGradGuard no_grad;
-  for (auto& f : flat_grads_) f.zero_();
+  if (set_to_none) {
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  } else {
+    for (auto& f : flat_grads_) f.zero_();
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grad_views_[i];
+  }
   std::fill(fired_.begin(), fired_.end(), 0);  // no gradient is there now
+}
+
+// A parameter whose .grad is not its view (set to none, or replaced by the
+// user) and that got no gradient this step: its slice may hold an older
+// step's gradient. Zero it before it is all-reduced or stepped.
+void GradSync::zero_slices_left_behind() {
+  torch::NoGradGuard no_grad;
+  for (size_t i : usage_.unused_here) {
+    auto& p = params_[i];
+    if (p.grad().defined() && p.grad().is_same(grad_views_[i])) continue;
+    grad_views_[i].zero_();
+    p.mutable_grad() = grad_views_[i];
+  }
 }
 
 void GradSync::abandon_step(bool wait_launched) {
@@ -310,6 +328,7 @@ void GradSync::finish() {
   for (size_t i = 0; i < fired_.size(); ++i)
     if (!fired_[i]) usage_.unused_here.push_back(i);
   usage_.used_anywhere = used_flags_;
+  zero_slices_left_behind();
   if (world_.size() == 1) {
     reset_step();
     return;

@@ -190,7 +190,10 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     if (o_.clip_grad_norm() > 0) clip_flat(sync_->flat_grads(), o_.clip_grad_norm());
     optimizer_->step(found_inf);
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
-    sync_->zero_grad();
+    // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
+    // backward's gradients are copied into the flat buffer, not added to
+    // zeros (GradSync::zero_grad).
+    sync_->zero_grad(/*set_to_none=*/true);
   }
   out.loss = out.loss.detach();
   for (auto& [name, t] : out.logs) t = t.detach().reshape({}).to(torch::kFloat);
@@ -253,6 +256,10 @@ bool TrainStep::try_capture(const data::Batch& batch) {
   for (const auto& [name, t] : batch) g.input[name] = t.clone();
   const bool cache = at::autocast::is_autocast_cache_enabled();
   at::autocast::set_autocast_cache_enabled(false);
+  // Every replay must overwrite the gradients: capture from gradients set
+  // to none, whatever the eager steps before left (a first step adds into
+  // the zeros GradSync starts with).
+  sync_->zero_grad(/*set_to_none=*/true);
   try {
     c10::cuda::CUDAStreamGuard on_side(g.stream);
     compat::begin_capture(g.graph);

@@ -251,6 +251,54 @@ TEST(GradSync, GradientsSetToNoneFlowBackIntoTheFlatBuffer) {
   }
 }
 
+// A parameter whose gradient was set to none and that gets none in the next
+// backward must not be stepped (or all-reduced) with the gradient an older
+// step left in its slice. zero_grad(set_to_none) then hands the next
+// gradients over without adding them to zeros: equal to one backward's.
+TEST(GradSync, SetToNoneLeavesNoStaleGradientBehind) {
+  DDP_SKIP_UNLESS_GLOO();
+  ddp::Placement place;
+  place.source = "test";
+  ddp::WorldOptions o;
+  o.use_cuda = false;
+  ddp::World world(place, o);
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::Linear(4, 2));
+  auto a = net[0]->as<torch::nn::Linear>(), b = net[1]->as<torch::nn::Linear>();
+  ddp::GradSync sync(*net, world);
+  const auto x = torch::randn({5, 4});
+  const auto want_a = torch::ones({3, 1}) * x.sum(0).unsqueeze(0);
+  (a->forward(x).sum() + b->forward(x).sum()).backward();
+  sync.finish();
+  ASSERT_GT(b->weight.grad().abs().sum().item<double>(), 0.0);
+
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // as a user's zero_grad(set_to_none=true)
+  a->forward(x).sum().backward();
+  sync.finish();
+  EXPECT_EQ(sync.usage().unused_here.size(), 2u) << "b's weight and bias";
+  ASSERT_TRUE(b->weight.grad().defined());
+  EXPECT_EQ(b->weight.grad().abs().sum().item<double>(), 0.0) << "b's slice kept the first step's gradient";
+  EXPECT_EQ(b->bias.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_TRUE(torch::equal(a->weight.grad(), want_a));
+
+  sync.zero_grad(/*set_to_none=*/true);
+  for (auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  (a->forward(x).sum() + b->forward(x).sum()).backward();
+  sync.finish();
+  EXPECT_TRUE(torch::equal(a->weight.grad(), want_a)) << "handed over, not added to the last step's";
+  const auto& flat = sync.flat_grads().at(0);
+  for (auto& p : net->parameters()) {
+    const auto* at = static_cast<const char*>(p.grad().data_ptr());
+    const auto* lo = static_cast<const char*>(flat.data_ptr());
+    EXPECT_TRUE(at >= lo && at < lo + flat.numel() * flat.element_size()) << ".grad left the flat buffer";
+  }
+  EXPECT_NEAR(flat.sum().item<double>(), 5 * x.sum().item<double>() + 5.0 * 5, 1e-4)  // 3 + 2 rows of x's sums, 5 per bias
+      << "the flat buffer holds the step's gradients";
+
+  sync.zero_grad();  // in place: the views again, zeroed
+  for (auto& p : net->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+}
+
 }  // namespace
 
 namespace {

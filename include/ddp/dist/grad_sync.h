@@ -77,8 +77,15 @@ class GradSync {
   GradSync(const GradSync&) = delete;
   GradSync& operator=(const GradSync&) = delete;
 
-  /// Zeroes every gradient in place (the views stay views).
-  void zero_grad();
+  /// Zeroes every gradient in place (the views stay views). With
+  /// set_to_none, as PyTorch's optimizer.zero_grad(set_to_none=True): each
+  /// .grad becomes undefined and nothing is written; the next backward then
+  /// hands each parameter its first gradient (autograd keeps the tensor it
+  /// made rather than adding it to zeros), which is copied into the flat
+  /// slice, and .grad is the view again. Slices that got no gradient are
+  /// zeroed in finish(). Fewer passes over the gradients: one copy, against
+  /// a fill and an add.
+  void zero_grad(bool set_to_none = false);
 
   /// While the returned guard lives, backward only accumulates locally; use it
   /// for every micro-step but the last of gradient accumulation.
@@ -137,6 +144,7 @@ class GradSync {
     torch::Tensor view;
   };
   void mark_ready(size_t param_index);
+  void zero_slices_left_behind();
   void launch_ready_in_order(bool from_backward);
   void write_used_flags();
   void reset_step();
