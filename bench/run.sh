@@ -125,9 +125,9 @@ if has gpt; then
     $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
       --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
-  log "config e: ddptrain cuda-graph, --ln-kernel auto (fused residual add + LayerNorm)"
+  log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)"
   $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
-    --cuda-graph --ln-kernel auto 2>"$OUT/e.ln.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+    --cuda-graph --ln-kernel native --linear-kernel native 2>"$OUT/e.native.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
 fi
 if has f; then
   F_DIR=${F_DIR:-/tmp/ddp_f_jpegs}; F_FILES=${F_FILES:-20000}

@@ -82,9 +82,11 @@ TEST(Cli, LnKernelIsAutoOrNative) {
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
 }
 
-// The fused bias gradients are off until measured on a GPU (--linear-kernel).
+// The fused bias gradients are on unless --linear-kernel native: on the H200
+// they gave config (e) the same validation loss (2.636 against 2.633), 1 ms
+// a step sooner.
 TEST(Cli, LinearKernelIsAutoOrNative) {
-  EXPECT_EQ(ddp::testing::parse_args({}).linear_kernel, "native");
+  EXPECT_EQ(ddp::testing::parse_args({}).linear_kernel, "auto");
   EXPECT_EQ(ddp::testing::parse_args({"--linear-kernel", "auto"}).linear_kernel, "auto");
   auto e = error_of({"--linear-kernel", "fused"});
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
