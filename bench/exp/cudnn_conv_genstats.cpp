@@ -38,7 +38,9 @@
 //
 // --descriptors-only finalizes the tensor and operation descriptors of every
 // graph without a GPU (it ran clean against cuDNN 9.19 on a CPU machine).
-// Not yet run on a GPU when written; see cudnn_conv_genstats.sh.
+// Measured on an H200 with cuDNN 9.14 (2026-12-04, bench/RESULTS.md
+// "Session 13"): in bf16 conv_genstats is 2.2x slower than conv plus the
+// stats pass and sbr_conv_genstats has no engine; in fp16 both fuse and win.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
