@@ -19,6 +19,7 @@
 // and the forward's scale/shift (so the forward's y need not be kept for
 // the backward), in both passes, and dz is never written.
 #include "ddp/cuda/batch_norm_nhwc.h"
+#include "bf16_vec.cuh"
 #include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
@@ -39,25 +40,6 @@ namespace {
 constexpr int kVec = 8;        // channels per thread: one 16-byte load
 constexpr int kThreads = 256;  // threads per block
 constexpr int kUnroll = 4;     // rows per round: four loads in flight
-
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ void store8(__nv_bfloat16* p, const float* f) {
-  uint4 v;
-  auto* h = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-  *reinterpret_cast<uint4*>(p) = v;
-}
 
 __device__ __forceinline__ void load8f(const float* p, float* f) {
   const float4 a = *reinterpret_cast<const float4*>(p);

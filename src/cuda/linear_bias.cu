@@ -8,6 +8,7 @@
 // The GELU variant computes dh = dy * gelu'(h) per element on the way,
 // writes it, and sums the bf16-rounded dh (the tensor autograd would sum).
 #include "ddp/cuda/linear_bias.h"
+#include "bf16_vec.cuh"
 #include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
@@ -26,17 +27,6 @@ constexpr int kVec = 8;        // columns per thread: one 16-byte load
 constexpr int kThreads = 256;  // threads per block
 constexpr int kUnroll = 4;     // rows per round: four loads in flight
 constexpr int kLanes = 32;     // lanes per column in the finalising kernel
-
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* f) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
-}
 
 // Rounds f to bf16 in place and stores it.
 __device__ __forceinline__ void round_store8(__nv_bfloat16* p, float* f) {

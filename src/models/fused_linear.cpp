@@ -71,14 +71,6 @@ torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const t
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
 bool fused_linear_enabled() { return g_fused_linear.load(); }
 
-bool have_fused_linear() {
-#ifdef DDP_WITH_CUDA_KERNELS
-  return true;
-#else
-  return false;
-#endif
-}
-
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
 #ifdef DDP_WITH_CUDA_KERNELS
   return g_fused_linear.load() && x.is_cuda() && x.dim() >= 2 && bias.defined() &&

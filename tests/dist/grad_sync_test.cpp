@@ -224,14 +224,10 @@ namespace {
 // flat buffer, which is what gets all-reduced and stepped.
 TEST(GradSync, GradientsSetToNoneFlowBackIntoTheFlatBuffer) {
   DDP_SKIP_UNLESS_GLOO();
-  ddp::Placement place;
-  place.source = "test";
-  ddp::WorldOptions o;
-  o.use_cuda = false;
-  ddp::World world(place, o);
+  auto world = ddp::testing::one_rank_world();
   torch::manual_seed(0);
   torch::nn::Linear lin(4, 3);
-  ddp::GradSync sync(*lin, world);
+  ddp::GradSync sync(*lin, *world);
   const auto x = torch::randn({5, 4});
   for (int round = 0; round < 2; ++round) {
     for (auto& p : lin->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(set_to_none=true)
@@ -257,15 +253,11 @@ TEST(GradSync, GradientsSetToNoneFlowBackIntoTheFlatBuffer) {
 // gradients over without adding them to zeros: equal to one backward's.
 TEST(GradSync, SetToNoneLeavesNoStaleGradientBehind) {
   DDP_SKIP_UNLESS_GLOO();
-  ddp::Placement place;
-  place.source = "test";
-  ddp::WorldOptions o;
-  o.use_cuda = false;
-  ddp::World world(place, o);
+  auto world = ddp::testing::one_rank_world();
   torch::manual_seed(0);
   torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::Linear(4, 2));
   auto a = net[0]->as<torch::nn::Linear>(), b = net[1]->as<torch::nn::Linear>();
-  ddp::GradSync sync(*net, world);
+  ddp::GradSync sync(*net, *world);
   const auto x = torch::randn({5, 4});
   const auto want_a = torch::ones({3, 1}) * x.sum(0).unsqueeze(0);
   (a->forward(x).sum() + b->forward(x).sum()).backward();

@@ -19,8 +19,6 @@ namespace ddp::models {
 
 void use_fused_linear(bool on);
 bool fused_linear_enabled();
-/// True when this build has the kernels (a CUDA build).
-bool have_fused_linear();
 
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
