@@ -202,9 +202,10 @@ Config with_saved_flags(const Config& c) {
 data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
   check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu" &&
-                                            !c.was_given("val-split") && !c.was_given("strict-data")),
-             "--image-size, --val-root, --val-split, --strict-data and --image-decode gpu apply to --dataset "
-             "imagefolder only.",
+                                            !c.was_given("val-split") && !c.was_given("strict-data") &&
+                                            !c.was_given("cpu-decode-share")),
+             "--image-size, --val-root, --val-split, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
+             "--dataset imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
   check_user(c.dataset != "imagefolder" || (!c.was_given("train-samples") && !c.was_given("test-samples")),
              "--train-samples and --test-samples do not apply to --dataset imagefolder: it trains on every file "
@@ -235,7 +236,8 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
                                        .augment(c.augment == "standard")
                                        .strict(c.strict_data)
-                                       .gpu_decode(gpu_decode));
+                                       .gpu_decode(gpu_decode)
+                                       .cpu_decode_share(c.cpu_decode_share));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
   // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";

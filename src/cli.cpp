@@ -51,6 +51,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
+      {"--cpu-decode-share", "imagefolder with GPU decoding: the share of each batch's images (evenly spread, the same on every run) that the loader's CPU threads decode while nvJPEG decodes the rest, so that both work on the batch; 0: nvJPEG all", &c.cpu_decode_share, {}, "data", kMayChange},
       {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
       {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
@@ -135,6 +136,9 @@ void validate(const Config& c) {
              "use 1024-65535, or omit it to pick a free one.");
   check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
              "e.g. --val-split 0.1 holds out 10% of each class.");
+  check_user(c.cpu_decode_share >= 0 && c.cpu_decode_share <= 1,
+             "--cpu-decode-share must be in [0, 1], got " + std::to_string(c.cpu_decode_share) + ".",
+             "e.g. --cpu-decode-share 0.3 decodes 3 of every 10 images on the CPU.");
   check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");

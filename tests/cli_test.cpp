@@ -92,6 +92,16 @@ TEST(Cli, LinearKernelIsAutoOrNative) {
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
 }
 
+// --cpu-decode-share is a share: outside [0, 1] it is an error naming the value.
+TEST(Cli, CpuDecodeShareIsAShare) {
+  EXPECT_EQ(ddp::testing::parse_args({}).cpu_decode_share, 0.0);
+  EXPECT_EQ(ddp::testing::parse_args({"--cpu-decode-share", "0.3"}).cpu_decode_share, 0.3);
+  for (const char* bad : {"1.5", "-0.1"}) {
+    auto e = error_of({"--cpu-decode-share", bad});
+    EXPECT_NE(e.find("--cpu-decode-share must be in [0, 1]"), std::string::npos) << e;
+  }
+}
+
 TEST(Cli, ImpossibleValuesNameTheFlagAndValue) {
   for (auto [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--batch", "0"}, {"--batch", "-4"}, {"--epochs", "0"}, {"--epochs", "-1"}, {"--lr", "0"}, {"--lr", "-0.1"}}) {

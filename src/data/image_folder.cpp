@@ -240,9 +240,18 @@ Batch ImageFolderDataset::get_keyed_batch(const std::vector<int64_t>& indices, c
   samples.reserve(indices.size());
   for (size_t j = 0; j < indices.size(); ++j) {
     check_index(indices[j]);
-    samples.push_back(encode(indices[j], key, first_position + static_cast<int64_t>(j)));
+    const int64_t position = first_position + static_cast<int64_t>(j);
+    samples.push_back(uses_cpu_decode(position, options_.cpu_decode_share()) ? decode_on_cpu(indices[j], key, position)
+                                                                             : encode(indices[j], key, position));
   }
   return encoded_batch(samples, key, first_position);
+}
+
+bool uses_cpu_decode(int64_t position, double share) {
+  if (share <= 0) return false;
+  if (share >= 1) return true;
+  const auto p = static_cast<double>(position);
+  return std::floor((p + 1) * share) > std::floor(p * share);
 }
 
 void ImageFolderDataset::check_index(int64_t i) const {
@@ -307,12 +316,12 @@ Splits load_image_folder(const ImageFolderSplitOptions& options) {
   splits.train = std::make_shared<ImageFolderDataset>(
       std::move(train),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict())
-          .gpu_decode(options.gpu_decode()),
+          .gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share()),
       "imagefolder " + options.root() + " (train)");
   splits.test = std::make_shared<ImageFolderDataset>(
       std::move(val),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict())
-          .gpu_decode(options.gpu_decode()),
+          .gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share()),
       val_name);
   return splits;
 }

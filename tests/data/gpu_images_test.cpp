@@ -138,6 +138,58 @@ TEST(GpuImages, EncodedBatchesCarryTheCpuPathsFilesCropsAndFlips) {
   }
 }
 
+// --cpu-decode-share s: the samples at evenly spread epoch positions (any
+// run of n positions holds floor(n s) or ceil(n s)) are decoded on the
+// loader's threads and travel as pixels; the pixels, crops and flips are
+// still the CPU path's, bit for bit.
+TEST(GpuImages, ACpuShareOfTheBatchTravelsDecodedAndTheBatchIsUnchanged) {
+  EXPECT_FALSE(uses_cpu_decode(0, 0.0));
+  EXPECT_TRUE(uses_cpu_decode(5, 1.0));
+  for (double share : {0.1, 0.25, 0.3, 0.5, 0.9}) {
+    for (int64_t start : {0, 7, 1000003}) {
+      for (int64_t n : {1, 10, 37}) {
+        int64_t k = 0;
+        for (int64_t p = start; p < start + n; ++p) k += uses_cpu_decode(p, share);
+        EXPECT_GE(k, static_cast<int64_t>(std::floor(n * share))) << share << " " << start << " " << n;
+        EXPECT_LE(k, static_cast<int64_t>(std::ceil(n * share))) << share << " " << start << " " << n;
+      }
+    }
+  }
+  auto cpu = dataset(false, true);
+  const auto idx = all_indices(cpu);
+  const DrawKey key{7, 3, 1};
+  const auto decoded = cpu.get_keyed_batch(idx, key, 11);
+  for (double share : {0.0, 0.5, 1.0}) {
+    SCOPED_TRACE(share);
+    ImageFolderDataset gpu(scan_image_folder(mixed_folder()),
+                           ImageFolderOptions()
+                               .transform(ImageTransformOptions().size(64).train(true))
+                               .scaled_jpeg_decode(false)
+                               .gpu_decode(true)
+                               .cpu_decode_share(share),
+                           "mixed");
+    const auto encoded = gpu.get_keyed_batch(idx, key, 11);
+    EXPECT_TRUE(torch::equal(encoded.target(), decoded.target()));
+    EXPECT_TRUE(torch::equal(decode_encoded_on_cpu(encoded, ImageTransformOptions().size(64).train(true)),
+                             decoded.input()));
+    const auto& files = gpu.files().paths;
+    const auto rows = encoded.at(kEncodedImages);
+    int64_t on_cpu = 0;
+    for (size_t i = 0; i < idx.size(); ++i) {
+      const int64_t* r = rows.data_ptr<int64_t>() + i * kEncodedColumns;
+      const std::string name = fs::path(files[i]).filename().string();
+      const bool refused = name == "picture.png" || name == "progressive.jpg" || name == "cmyk_adobe.jpg" ||
+                           name == "truncated.jpg";
+      const bool share_cpu = uses_cpu_decode(11 + static_cast<int64_t>(i), share);
+      EXPECT_EQ(r[kEcKind], refused || share_cpu ? kEncodedRgb : kEncodedJpeg) << name;
+      on_cpu += share_cpu;
+    }
+    const auto n = static_cast<double>(idx.size());
+    EXPECT_EQ(on_cpu, static_cast<int64_t>(std::floor((11 + n) * share) - std::floor(11 * share)));
+    if (share == 0.5) EXPECT_GT(on_cpu, 0);
+  }
+}
+
 TEST(GpuImages, EncodedBatchesAreAFunctionOfTheKey) {
   auto a = dataset(true, true), b = dataset(true, true);
   const auto idx = all_indices(a);

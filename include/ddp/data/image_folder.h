@@ -81,7 +81,18 @@ struct ImageFolderOptions {
   /// parses batch k+1 while the decode engine still works on batch k, so
   /// the engine does not wait for the host between batches; 1 serialises.
   TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
+  /// With gpu_decode: the share of each batch's samples decoded here, on
+  /// the loader's threads (as files nvJPEG refuses are), while nvJPEG
+  /// decodes the rest on the device, so that CPU and GPU share the work.
+  /// Which samples is a function of their position in the epoch only
+  /// (uses_cpu_decode), so batches stay a function of (seed, epoch, rank).
+  TORCH_ARG(double, cpu_decode_share) = 0;
 };
+
+/// With a CPU share s of the decoding: whether the sample at epoch position
+/// p is decoded on the CPU. Evenly spread: floor((p + 1) s) > floor(p s),
+/// so any run of n positions holds floor(n s) or ceil(n s) of them.
+bool uses_cpu_decode(int64_t position, double share);
 
 class ImageFolderDataset : public Dataset {
  public:
@@ -146,6 +157,8 @@ struct ImageFolderSplitOptions {
   TORCH_ARG(bool, strict) = false;
   /// Decode and transform on the GPU (--image-decode gpu); see gpu_images.h.
   TORCH_ARG(bool, gpu_decode) = false;
+  /// With gpu_decode: ImageFolderOptions::cpu_decode_share (--cpu-decode-share).
+  TORCH_ARG(double, cpu_decode_share) = 0;
 };
 
 /// ImageFolderDataset splits, normalised with ImageNet's statistics.
