@@ -14,8 +14,9 @@
 # and (f) ResNet-50 trained from a folder of ImageNet-like JPEGs
 # (bench/make_jpeg_folder.py, F_FILES of them), from files to weights:
 # PyTorch's DataLoader (PIL) and decode_jpeg on the GPU (bench/e2e_torch.py,
-# torch.compile reduce-overhead), ddptrain --image-decode cpu and gpu, each
-# beside its own step on a resident batch.
+# torch.compile reduce-overhead; F_TORCH=0 leaves them out), ddptrain
+# --image-decode cpu and gpu, the latter with the CPU decoding a share of each
+# batch too (F_DECODES), each beside its own step on a resident batch.
 #
 #   bash bench/run.sh            # OUT=dir for the logs (default /tmp/bench)
 #   PHASES="build step" bash bench/run.sh
@@ -134,31 +135,35 @@ if has f; then
   [[ -f $F_DIR.done ]] || { log "config f: making $F_FILES JPEGs in $F_DIR"; rm -rf "$F_DIR"
     python3 bench/make_jpeg_folder.py "$F_DIR" --files "$F_FILES" --classes 100 | tee -a "$OUT/f.data.txt" \
       && touch "$F_DIR.done"; }  # the marker: a folder left half-made by an interrupted run is made again
-  log "config f: pytorch (resident batch, DataLoader, decode_jpeg on the GPU), torch.compile ${F_COMPILE:-reduce-overhead}"
-  timeout ${COMPILE_TIMEOUT:-420} torchrun --standalone --nproc-per-node 1 bench/e2e_torch.py "$F_DIR" \
+  [[ ${F_TORCH:-1} == 1 ]] && log "config f: pytorch (resident batch, DataLoader, decode_jpeg on the GPU), torch.compile ${F_COMPILE:-reduce-overhead}" \
+  && timeout ${COMPILE_TIMEOUT:-420} torchrun --standalone --nproc-per-node 1 bench/e2e_torch.py "$F_DIR" \
     --compile "${F_COMPILE:-reduce-overhead}" --steps "${F_STEPS:-60}" --workers "${F_WORKERS:-$(nproc)}" \
     2>"$OUT/f.py.err" | grep '^{' | tee -a "$R"
   log "config f: ddptrain step on a resident batch"
   $B bench --model resnet50 --image-size 224 --batch 256 --optimizer adam --lr 1e-4 --amp bf16 --bench-steps 40 \
     --channels-last on --cuda-graph 2>"$OUT/f.resident.err" | grep '^{' \
     | sed 's/^{/{"config": "f", "data": "resident batch", /' | tee -a "$R"
-  for dec in gpu cpu; do
-    log "config f: ddptrain --image-decode $dec"
+  # F_DECODES: the ddptrain contenders, "gpu", "cpu" or "gpu:S" (GPU decoding with --cpu-decode-share S)
+  for item in ${F_DECODES:-gpu:0.5 gpu cpu}; do
+    dec=${item%%:*}; share=0; [[ $item == *:* ]] && share=${item#*:}
+    share_flag=(); [[ $share != 0 ]] && share_flag=(--cpu-decode-share "$share")
+    log "config f: ddptrain --image-decode $dec --cpu-decode-share $share"
     t0=$(date +%s.%N)
     $B --dataset imagefolder --data_root "$F_DIR" --val-split 0.02 --model resnet50 --image-size 224 --batch 256 \
       --amp bf16 --channels-last on --cuda-graph --optimizer adam --lr 1e-4 --epochs 3 --workers "${F_WORKERS:-$(nproc)}" \
-      --image-decode $dec --progress none --save_path "$OUT/f.$dec" > "$OUT/f.$dec.log" 2>&1
+      --image-decode $dec "${share_flag[@]}" --progress none --save_path "$OUT/f.$item" > "$OUT/f.$item.log" 2>&1
     rc=$?; t1=$(date +%s.%N)
-    python3 - "$OUT/f.$dec.log" "$dec" "$rc" "$t0" "$t1" <<'PY' | tee -a "$R"
+    python3 - "$OUT/f.$item.log" "$dec" "$rc" "$t0" "$t1" "$share" <<'PY' | tee -a "$R"
 import json, re, sys
-log, dec, rc, t0, t1 = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+log, dec, rc, t0, t1, share = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
+if dec == "gpu" and float(share) > 0: dec += f" --cpu-decode-share {share}"
 ep = re.findall(r"^epoch (\d+)/\d+ .*?([\d.]+) s\s+(\d+) samples/s\s+data wait (\d+)%", open(log).read(), re.M)
 last = ep[-1] if ep else ("0", "0", "0", "0")
 print(json.dumps({"config": "f", "contender": f"ddptrain --image-decode {dec}, cuda-graph", "rc": rc,
                   "epochs": len(ep), "images_per_s": float(last[2]), "data_wait": float(last[3]) / 100,
                   "per_epoch_images_per_s": [float(e[2]) for e in ep], "wall_s": t1 - t0}))
 PY
-    rm -f "$OUT/f.$dec"/*.pt
+    rm -f "$OUT/f.$item"/*.pt
   done
 fi
 if has profile; then

@@ -228,6 +228,10 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   }
   const bool gpu_decode =
       c.image_decode == "gpu" || (c.image_decode == "auto" && device.is_cuda() && data::gpu_jpeg_available());
+  check_user(gpu_decode || !c.was_given("cpu-decode-share"),
+             "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
+             "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",
+             "drop --cpu-decode-share, or decode on the GPU with --image-decode gpu.");
   if (c.dataset == "imagefolder")
     return data::load_image_folder(data::ImageFolderSplitOptions()
                                        .root(c.data_root)

@@ -12,6 +12,7 @@
 #include <cstdio>  // before jpeglib.h, which needs FILE
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <set>
 #include <vector>
@@ -60,10 +61,45 @@ unsigned jpeg_scale_denominator(int64_t height, int64_t width, int64_t min_side)
   return 1;
 }
 
-torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options) {
+// Whether the last kilobyte holds the end-of-image marker: a whole JPEG
+// ends with it, possibly followed by a few stray bytes; one cut short does
+// not. Only the tail is searched, so this costs nothing next to a decode.
+bool ends_with_end_of_image(const uint8_t* bytes, size_t size) {
+  if (size < 4) return false;
+  const size_t tail = std::min<size_t>(size, 1024);
+  for (size_t i = size - 1; i > size - tail; --i)
+    if (bytes[i - 1] == 0xFF && bytes[i] == 0xD9) return true;
+  return false;
+}
+
+// Adobe writes CMYK JPEGs inverted (0 = full ink); nearly all CMYK JPEGs
+// come from Adobe software, so PIL reads every one that way, and so does
+// this: R = C * K / 255 on the stored bytes, rounded to nearest as PIL's
+// cmyk2rgb does (a product over 255 never falls on a half).
+torch::Tensor adobe_cmyk_to_rgb(const torch::Tensor& cmyk) {
+  auto f = cmyk.to(torch::kInt);
+  auto k = f.select(2, 3).unsqueeze(2);
+  return (f.narrow(2, 0, 3) * k + 127).div(255, "floor").to(torch::kByte).contiguous();
+}
+
+CropBox checked_box(const CropBox& b, int64_t height, int64_t width) {
+  TORCH_CHECK(b.top >= 0 && b.left >= 0 && b.height > 0 && b.width > 0 && b.top + b.height <= height &&
+                  b.left + b.width <= width,
+              "decode_image_box: box (top ", b.top, ", left ", b.left, ", height ", b.height, ", width ", b.width,
+              ") is not inside the ", height, " x ", width, " image");
+  return b;
+}
+
+// Decodes a JPEG whole (box_of empty), or only the rows of box_of's box and,
+// to within a block, its columns (see decode_image_box).
+torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options,
+                          const std::function<CropBox(int64_t, int64_t)>& box_of = nullptr, CropBox* box = nullptr,
+                          CropBox* decoded = nullptr) {
   jpeg_decompress_struct cinfo;
   JpegErrors errors{};
   torch::Tensor out;
+  CropBox b;
+  JDIMENSION x = 0, columns = 0;
   cinfo.err = jpeg_std_error(&errors.mgr);
   errors.mgr.error_exit = jpeg_fail;
   errors.mgr.emit_message = jpeg_message;
@@ -80,28 +116,46 @@ torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& 
   cinfo.out_color_space = cmyk ? JCS_CMYK : JCS_RGB;
   cinfo.scale_num = 1;
   cinfo.scale_denom = jpeg_scale_denominator(cinfo.image_height, cinfo.image_width, options.min_side());
+  jpeg_calc_output_dimensions(&cinfo);
+  b = CropBox{0, 0, cinfo.output_height, cinfo.output_width};
+  if (box_of) {
+    try {
+      b = checked_box(box_of(b.height, b.width), b.height, b.width);
+    } catch (...) {
+      jpeg_destroy_decompress(&cinfo);
+      throw;
+    }
+  }
   jpeg_start_decompress(&cinfo);
-  const int64_t h = cinfo.output_height, w = cinfo.output_width, c = cinfo.output_components;
-  out = torch::empty({h, w, cmyk ? 4 : 3}, torch::kByte);
+  // The columns asked for reach kCropMargin past the box on each side:
+  // libjpeg-turbo upsamples the chroma of a cropped row as if its ends were
+  // the image's, so a box column next to either end would come out
+  // differently from a whole decode (measured on a 4:2:0 file); a margin
+  // of a chroma sample (up to 4 pixels) is enough, and 16 leaves room.
+  // jpeg_crop_scanline widens the left end further, to a block boundary.
+  constexpr int64_t kCropMargin = 16;
+  x = static_cast<JDIMENSION>(std::max<int64_t>(b.left - kCropMargin, 0));
+  columns = static_cast<JDIMENSION>(std::min<int64_t>(b.left + b.width + kCropMargin, cinfo.output_width) - x);
+  if (columns < cinfo.output_width) jpeg_crop_scanline(&cinfo, &x, &columns);
+  const int64_t c = cinfo.output_components;
+  out = torch::empty({b.height, static_cast<int64_t>(columns), c}, torch::kByte);
   uint8_t* base = out.data_ptr<uint8_t>();
-  while (cinfo.output_scanline < cinfo.output_height) {
-    JSAMPROW row = base + static_cast<int64_t>(cinfo.output_scanline) * w * c;
+  if (b.top > 0) jpeg_skip_scanlines(&cinfo, static_cast<JDIMENSION>(b.top));
+  for (int64_t r = 0; r < b.height; ++r) {
+    JSAMPROW row = base + r * static_cast<int64_t>(columns) * c;
     jpeg_read_scanlines(&cinfo, &row, 1);
   }
-  if (!errors.truncated) jpeg_finish_decompress(&cinfo);
+  if (cinfo.output_scanline < cinfo.output_height || errors.truncated)
+    jpeg_abort_decompress(&cinfo);  // the rows below the box are never decoded
+  else
+    jpeg_finish_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
   if (errors.truncated)
     throw CorruptImage(path, std::string("truncated JPEG (") + errors.message + ")");
-  if (cmyk) {
-    // Adobe writes CMYK JPEGs inverted (0 = full ink); nearly all CMYK JPEGs
-    // come from Adobe software, so PIL reads every one that way, and so does
-    // this: R = C * K / 255 on the stored bytes, rounded to nearest as PIL's
-    // cmyk2rgb does (a product over 255 never falls on a half).
-    auto f = out.to(torch::kInt);
-    auto k = f.select(2, 3).unsqueeze(2);
-    out = (f.narrow(2, 0, 3) * k + 127).div(255, "floor").to(torch::kByte).contiguous();
-  }
-  return out;
+  if (static_cast<int64_t>(columns) != b.width) out = out.narrow(1, b.left - x, b.width).contiguous();
+  if (box) *box = b;
+  if (decoded) *decoded = CropBox{b.top, static_cast<int64_t>(x), b.height, static_cast<int64_t>(columns)};
+  return cmyk ? adobe_cmyk_to_rgb(out) : out;
 }
 
 // ---- PNG --------------------------------------------------------------------
@@ -227,6 +281,24 @@ torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string&
   throw CorruptImage(path, "neither a JPEG nor a PNG (unrecognised first bytes)");
 }
 
+torch::Tensor decode_image_box(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options,
+                               const std::function<CropBox(int64_t height, int64_t width)>& box_of, CropBox* box,
+                               CropBox* decoded) {
+  if (size >= 3 && bytes[0] == 0xff && bytes[1] == 0xd8 && bytes[2] == 0xff && ends_with_end_of_image(bytes, size)) {
+    try {
+      return decode_jpeg(bytes, size, path, options, box_of, box, decoded);
+    } catch (const CorruptImage&) {
+      // Decoded whole below: that reports a damaged file as decode_image
+      // does, and decodes one whose crop libjpeg-turbo refuses.
+    }
+  }
+  const auto full = decode_image(bytes, size, path, options);
+  const CropBox b = checked_box(box_of(full.size(0), full.size(1)), full.size(0), full.size(1));
+  if (box) *box = b;
+  if (decoded) *decoded = CropBox{0, 0, full.size(0), full.size(1)};
+  return full.narrow(0, b.top, b.height).narrow(1, b.left, b.width).contiguous();
+}
+
 std::vector<uint8_t> read_image_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw CorruptImage(path, "cannot open for reading");
@@ -244,14 +316,7 @@ torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& op
 }
 
 std::optional<JpegInfo> plain_jpeg_info(const uint8_t* bytes, size_t size) {
-  if (size < 4 || bytes[0] != 0xFF || bytes[1] != 0xD8) return std::nullopt;
-  // A whole file ends with the end-of-image marker, possibly followed by a
-  // few stray bytes; one cut short does not. Only the tail is searched, so
-  // this costs nothing next to a decode.
-  const size_t tail = std::min<size_t>(size, 1024);
-  bool ends = false;
-  for (size_t i = size - 1; i > size - tail && !ends; --i) ends = bytes[i - 1] == 0xFF && bytes[i] == 0xD9;
-  if (!ends) return std::nullopt;
+  if (size < 4 || bytes[0] != 0xFF || bytes[1] != 0xD8 || !ends_with_end_of_image(bytes, size)) return std::nullopt;
   jpeg_decompress_struct cinfo;
   JpegErrors errors{};
   cinfo.err = jpeg_std_error(&errors.mgr);

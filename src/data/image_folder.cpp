@@ -159,7 +159,8 @@ std::vector<std::string> ImageFolderDataset::corrupt_files() const {
   return corrupt_order_;
 }
 
-torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* label, int64_t* used) const {
+torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* label, int64_t* used,
+                                         const std::function<CropBox(int64_t, int64_t)>& box_of) const {
   const int64_t n = size();
   for (int64_t step = 0; step < n; ++step) {
     const int64_t i = (index + step) % n;
@@ -169,7 +170,13 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
     }
     const std::string& path = files_.paths[static_cast<size_t>(i)];
     try {
-      torch::Tensor image = decode_image_file(path, decode_);
+      torch::Tensor image;
+      if (box_of) {
+        const auto bytes = read_image_file(path);
+        image = decode_image_box(bytes.data(), bytes.size(), path, decode_, box_of, nullptr);
+      } else {
+        image = decode_image_file(path, decode_);
+      }
       *label = files_.labels[static_cast<size_t>(i)];
       if (used) *used = i;
       return image;
@@ -199,11 +206,16 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
 EncodedSample ImageFolderDataset::decode_on_cpu(int64_t index, const DrawKey& key, int64_t position) const {
   EncodedSample s;
   s.kind = kEncodedRgb;
-  const torch::Tensor image = decode(index, key.rank, &s.label, &s.index).contiguous();
-  s.height = image.size(0);
-  s.width = image.size(1);
-  s.bytes.assign(image.data_ptr<uint8_t>(), image.data_ptr<uint8_t>() + image.numel());
-  s.window = transform_window(s.height, s.width, options_.transform(), key, position);
+  // Only the crop's pixels are decoded (most of a JPEG's, at least) and
+  // travel: the resample kernel reads nothing outside the window.
+  const torch::Tensor crop = decode(index, key.rank, &s.label, &s.index, [&](int64_t h, int64_t w) {
+                               s.window = transform_window(h, w, options_.transform(), key, position);
+                               return s.window.source;
+                             }).contiguous();
+  s.height = crop.size(0);
+  s.width = crop.size(1);
+  s.window.source = CropBox{0, 0, s.height, s.width};
+  s.bytes.assign(crop.data_ptr<uint8_t>(), crop.data_ptr<uint8_t>() + crop.numel());
   return s;
 }
 
@@ -265,8 +277,16 @@ Batch ImageFolderDataset::decoded_batch(const std::vector<int64_t>& indices, con
   Batch batch{torch::empty({b, 3, s, s}), torch::empty({b}, torch::kLong)};
   int64_t* labels = batch.target().data_ptr<int64_t>();
   for (int64_t j = 0; j < b; ++j) {
-    const torch::Tensor image = decode(indices[static_cast<size_t>(j)], key.rank, &labels[j]);
-    batch.input()[j].copy_(transform_image(image, options_.transform(), key, first_position + j));
+    // Only the crop is decoded (decode_image_box), then resized: the same
+    // pixels as transform_image on the whole image.
+    TransformWindow window;
+    const torch::Tensor crop = decode(indices[static_cast<size_t>(j)], key.rank, &labels[j], nullptr,
+                                      [&](int64_t h, int64_t w) {
+                                        window = transform_window(h, w, options_.transform(), key, first_position + j);
+                                        return window.source;
+                                      });
+    window.source = CropBox{0, 0, crop.size(0), crop.size(1)};
+    batch.input()[j].copy_(apply_transform_window(crop, window, options_.transform()));
   }
   return batch;
 }

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <random>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,84 @@ TEST(JpegReference, TruncatedFileIsRefusedAtEveryScale) {
       EXPECT_NE(e.reason().find("truncated JPEG"), std::string::npos) << e.what();
     }
   }
+}
+
+// decode_image_box: every variant, at full size and scaled, cut to boxes
+// on and off block boundaries, gives the whole decode's pixels exactly;
+// the plain JPEGs are decoded only around the box (fewer columns than the
+// image has), the others whole; a truncated file is refused as a whole
+// decode refuses it, whatever the box.
+TEST(JpegReference, ABoxDecodesToTheWholeDecodesPixels) {
+  using ddp::data::CropBox;
+  std::mt19937 rng(5);
+  auto boxes = [&](int64_t h, int64_t w) {
+    std::vector<CropBox> out{{0, 0, h, w}, {0, 0, 1, 1}, {h - 1, w - 1, 1, 1}, {h / 2, w / 3, h - h / 2, w - w / 3}};
+    for (int i = 0; i < 40; ++i) {
+      const int64_t top = std::uniform_int_distribution<int64_t>(0, h - 1)(rng);
+      const int64_t left = std::uniform_int_distribution<int64_t>(0, w - 1)(rng);
+      out.push_back({top, left, std::uniform_int_distribution<int64_t>(1, h - top)(rng),
+                     std::uniform_int_distribution<int64_t>(1, w - left)(rng)});
+    }
+    return out;
+  };
+  auto check = [&](const std::string& file, int64_t min_side, bool plain) {
+    const auto bytes = ddp::testing::read_file(file);
+    const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+    const auto whole = decode_image_file(file, DecodeOptions().min_side(min_side));
+    const int64_t h = whole.size(0), w = whole.size(1);
+    bool cropped = false;
+    for (const CropBox& want : boxes(h, w)) {
+      CropBox got, decoded;
+      const auto part = ddp::data::decode_image_box(
+          data, bytes.size(), file, DecodeOptions().min_side(min_side),
+          [&](int64_t bh, int64_t bw) {
+            EXPECT_EQ(bh, h);
+            EXPECT_EQ(bw, w);
+            return want;
+          },
+          &got, &decoded);
+      const std::string what = file + " min_side " + std::to_string(min_side) + " box " + std::to_string(want.top) +
+                               "," + std::to_string(want.left) + " " + std::to_string(want.height) + "x" +
+                               std::to_string(want.width);
+      EXPECT_EQ(got.top, want.top);
+      EXPECT_EQ(got.width, want.width);
+      ASSERT_TRUE(torch::equal(part, whole.narrow(0, want.top, want.height).narrow(1, want.left, want.width)))
+          << what;
+      EXPECT_LE(decoded.left, want.left) << what;
+      EXPECT_GE(decoded.left + decoded.width, want.left + want.width) << what;
+      if (!plain) EXPECT_EQ(decoded.width, w) << what << ": decoded whole";
+      cropped |= decoded.width < w;
+    }
+    if (plain) EXPECT_TRUE(cropped) << file << " min_side " << min_side << ": never decoded around a box";
+  };
+  for (const auto& image : reference()["images"]) {
+    const std::string file = image["file"];
+    // Every variant here ends with its end-of-image marker, so each is decoded around the box.
+    check(kDir + file, 0, true);
+    for (const auto& scaled : image["scaled"]) check(kDir + file, scaled["height"].get<int64_t>(), true);
+  }
+  const auto dir = ddp::testing::temp_dir("jpeg_box");
+  ddp::data::write_png(dir + "/p.png", torch::randint(0, 256, {40, 50, 3}, torch::kByte));
+  check(dir + "/p.png", 0, false);
+  // Noise: every pixel differs from its neighbours, so a column upsampled
+  // from the wrong chroma shows (it did, before the crop's margin).
+  ddp::data::write_jpeg(dir + "/big.jpg", torch::randint(0, 256, {120, 200, 3}, torch::kByte), 90);
+  for (int64_t min_side : {0, 15, 30, 60}) check(dir + "/big.jpg", min_side, true);
+  const std::string truncated = kDir + "truncated.jpg";
+  const auto bytes = ddp::testing::read_file(truncated);
+  try {
+    ddp::data::decode_image_box(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), truncated,
+                                DecodeOptions(), [](int64_t, int64_t) { return CropBox{0, 0, 1, 1}; }, nullptr);
+    ADD_FAILURE() << truncated << " decoded";
+  } catch (const CorruptImage& e) {
+    EXPECT_NE(e.reason().find("truncated JPEG"), std::string::npos) << e.what();
+  }
+  const std::string plain = kDir + "baseline_420.jpg";
+  const auto plain_bytes = ddp::testing::read_file(plain);
+  EXPECT_THROW(ddp::data::decode_image_box(reinterpret_cast<const uint8_t*>(plain_bytes.data()), plain_bytes.size(),
+                                           plain, DecodeOptions(),
+                                           [](int64_t h, int64_t) { return CropBox{0, 0, h + 1, 1}; }, nullptr),
+               c10::Error);
 }
 
 // On a picture large enough to show it: decoding at 1/4 or 1/8 gives about

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -71,6 +72,30 @@ torch::Tensor decode_image_file(const std::string& path, const DecodeOptions& op
 /// source in errors.
 torch::Tensor decode_image(const uint8_t* bytes, size_t size, const std::string& path,
                            const DecodeOptions& options = DecodeOptions());
+
+/// A rectangle of an image, in pixels: rows [top, top + height), columns
+/// [left, left + width).
+struct CropBox {
+  int64_t top = 0, left = 0, height = 0, width = 0;
+};
+
+/// decode_image cut to one box: `box_of` gets the height and width that
+/// decode_image would return (after any scaling by `options`) and returns
+/// the box, which `box` receives; the result holds the same pixels as
+/// decode_image(...) narrowed to it. A crop that is resized afterwards (the
+/// random-resized crop) only needs these, and a JPEG that ends with its
+/// end-of-image marker is decoded only as far as the box needs:
+/// libjpeg-turbo leaves out the inverse DCT and colour conversion of the
+/// rows above it (jpeg_skip_scanlines) and of the columns beside it, to
+/// within a block (jpeg_crop_scanline), and the decode stops after the
+/// box's last row. Any other file (PNG, a JPEG cut short, one that
+/// libjpeg-turbo will not crop) is decoded whole and cut, so a damaged file
+/// is still reported as decode_image reports it. `decoded`, if given,
+/// receives the part that was decoded: the box's rows and whole blocks of
+/// columns around it, or the whole image.
+torch::Tensor decode_image_box(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options,
+                               const std::function<CropBox(int64_t height, int64_t width)>& box_of, CropBox* box,
+                               CropBox* decoded = nullptr);
 
 /// The bytes of an image file. Throws CorruptImage if it cannot be read.
 std::vector<uint8_t> read_image_file(const std::string& path);

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -120,8 +121,10 @@ class ImageFolderDataset : public Dataset {
 
  private:
   // Decodes sample `index`, or the next one that decodes; sets *label and
-  // *used (the index of the file it decoded).
-  torch::Tensor decode(int64_t index, int64_t rank, int64_t* label, int64_t* used = nullptr) const;
+  // *used (the index of the file it decoded). With `box_of`, only the box it
+  // gives for the image's height and width (decode_image_box).
+  torch::Tensor decode(int64_t index, int64_t rank, int64_t* label, int64_t* used = nullptr,
+                       const std::function<CropBox(int64_t, int64_t)>& box_of = nullptr) const;
   // gpu_decode: sample `index` as it travels to the device, its bytes if
   // nvJPEG takes the file as it is, else decoded here (decode_on_cpu).
   EncodedSample encode(int64_t index, const DrawKey& key, int64_t position) const;

@@ -20,6 +20,7 @@
 #include <torch/torch.h>
 
 #include "ddp/data/counter_rng.h"
+#include "ddp/data/image_codec.h"  // CropBox
 #include "ddp/data/dataset.h"
 
 namespace ddp::data {
@@ -49,11 +50,6 @@ struct ImageTransformOptions {
   /// Per-channel mean and std on the 0..1 scale.
   TORCH_ARG(std::vector<double>, mean) = kImageNetMean;
   TORCH_ARG(std::vector<double>, std) = kImageNetStd;
-};
-
-/// A rectangle of an image, in pixels.
-struct CropBox {
-  int64_t top = 0, left = 0, height = 0, width = 0;
 };
 
 /// The random-resized-crop rectangle for an image of height x width: up to
