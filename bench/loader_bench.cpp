@@ -228,6 +228,7 @@ int gpu_bench(const Args& a) {
         ImageFolderOptions()
             .transform(ImageTransformOptions().size(a.jpeg_size))
             .gpu_decode(true)
+            .cpu_decode_share(0)  // nvJPEG decodes every file
             .gpu_decode_in_flight(in_flight),
         "gpu bench");
     std::vector<int64_t> order(static_cast<size_t>(data->size()));

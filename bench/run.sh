@@ -143,11 +143,12 @@ if has f; then
   $B bench --model resnet50 --image-size 224 --batch 256 --optimizer adam --lr 1e-4 --amp bf16 --bench-steps 40 \
     --channels-last on --cuda-graph 2>"$OUT/f.resident.err" | grep '^{' \
     | sed 's/^{/{"config": "f", "data": "resident batch", /' | tee -a "$R"
-  # F_DECODES: the ddptrain contenders, "gpu", "cpu" or "gpu:S" (GPU decoding with --cpu-decode-share S)
-  for item in ${F_DECODES:-gpu:0.5 gpu cpu}; do
-    dec=${item%%:*}; share=0; [[ $item == *:* ]] && share=${item#*:}
-    share_flag=(); [[ $share != 0 ]] && share_flag=(--cpu-decode-share "$share")
-    log "config f: ddptrain --image-decode $dec --cpu-decode-share $share"
+  # F_DECODES: the ddptrain contenders, "gpu", "cpu" or "gpu:S" (--image-decode gpu --cpu-decode-share S;
+  # "gpu" alone takes the default share, 1)
+  for item in ${F_DECODES:-gpu gpu:0.7 gpu:0 cpu}; do
+    dec=${item%%:*}; share=""; [[ $item == *:* ]] && share=${item#*:}
+    share_flag=(); [[ -n $share ]] && share_flag=(--cpu-decode-share "$share")
+    log "config f: ddptrain --image-decode $dec --cpu-decode-share ${share:-(default)}"
     t0=$(date +%s.%N)
     $B --dataset imagefolder --data_root "$F_DIR" --val-split 0.02 --model resnet50 --image-size 224 --batch 256 \
       --amp bf16 --channels-last on --cuda-graph --optimizer adam --lr 1e-4 --epochs 3 --workers "${F_WORKERS:-$(nproc)}" \
@@ -156,7 +157,7 @@ if has f; then
     python3 - "$OUT/f.$item.log" "$dec" "$rc" "$t0" "$t1" "$share" <<'PY' | tee -a "$R"
 import json, re, sys
 log, dec, rc, t0, t1, share = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), sys.argv[6]
-if dec == "gpu" and float(share) > 0: dec += f" --cpu-decode-share {share}"
+if share: dec += f" --cpu-decode-share {share}"
 ep = re.findall(r"^epoch (\d+)/\d+ .*?([\d.]+) s\s+(\d+) samples/s\s+data wait (\d+)%", open(log).read(), re.M)
 last = ep[-1] if ep else ("0", "0", "0", "0")
 print(json.dumps({"config": "f", "contender": f"ddptrain --image-decode {dec}, cuda-graph", "rc": rc,

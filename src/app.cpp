@@ -232,6 +232,11 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
              "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
              "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",
              "drop --cpu-decode-share, or decode on the GPU with --image-decode gpu.");
+  if (c.dataset == "imagefolder" && gpu_decode && verbose)
+    std::fprintf(stderr,
+                 "ddptrain: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "
+                 "nvJPEG the rest (--cpu-decode-share)\n",
+                 100 * c.cpu_decode_share);
   if (c.dataset == "imagefolder")
     return data::load_image_folder(data::ImageFolderSplitOptions()
                                        .root(c.data_root)

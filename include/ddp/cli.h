@@ -49,7 +49,7 @@ struct Config {
   int image_size = 0;               // imagefolder crops (0: 224); ddptrain bench inputs (0: 64)
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)
-  double cpu_decode_share = 0;      // imagefolder with GPU decoding: share of each batch decoded on the loader's threads
+  double cpu_decode_share = 1;        // imagefolder with GPU decoding: share of each batch decoded on the loader's threads
   std::string augment = "standard";
   int workers = 1;
   // The task, model and optimisation.

@@ -77,6 +77,7 @@ struct Decoder {
   nvjpegHandle_t single = nullptr;
   nvjpegJpegState_t single_state = nullptr;
   bool hardware = false;
+  bool announced = false;  // said which decoder it is, at its first JPEG
   std::vector<std::unique_ptr<Slot>> slots;
   size_t next_slot = 0;
   std::mutex mutex;  // one stage at a time
@@ -128,11 +129,7 @@ Decoder& decoder_for(int device) {
   static auto& decoders = *new std::map<int, std::unique_ptr<Decoder>>;
   std::lock_guard<std::mutex> lock(mutex);
   auto& d = decoders[device];
-  if (!d) {
-    d = std::make_unique<Decoder>();
-    std::fprintf(stderr, "ddptrain: decoding JPEGs on GPU %d with nvJPEG (%s)\n", device,
-                 d->hardware ? "hardware engine" : "CUDA decoder");
-  }
+  if (!d) d = std::make_unique<Decoder>();
   return *d;
 }
 
@@ -189,6 +186,11 @@ class GpuJpegStage : public DeviceStage {
       out.pitch[0] = static_cast<size_t>(r[kEcWidth] * 3);
       return out;
     };
+    if (!jpegs.empty() && !dec.announced) {
+      dec.announced = true;
+      std::fprintf(stderr, "ddptrain: decoding JPEGs on GPU %d with nvJPEG (%s)\n", static_cast<int>(device.index()),
+                   dec.hardware ? "hardware engine" : "CUDA decoder");
+    }
     if (!jpegs.empty()) {
       std::vector<const unsigned char*> data;
       std::vector<size_t> lengths;

@@ -64,7 +64,8 @@ ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64) {
                             ImageFolderOptions()
                                 .transform(ImageTransformOptions().size(size).train(train))
                                 .scaled_jpeg_decode(false)
-                                .gpu_decode(gpu),
+                                .gpu_decode(gpu)
+                                .cpu_decode_share(0),  // nvJPEG's path: files it takes travel encoded
                             "mixed");
 }
 
@@ -275,6 +276,7 @@ TEST(GpuImages, TwoBatchesInFlightGiveTheBatchesOfOne_CUDA) {
                               ImageFolderOptions()
                                   .transform(ImageTransformOptions().size(48).train(true))
                                   .gpu_decode(true)
+                                  .cpu_decode_share(0)
                                   .gpu_decode_in_flight(in_flight),
                               "mixed");
   };
@@ -292,19 +294,28 @@ TEST(GpuImages, TwoBatchesInFlightGiveTheBatchesOfOne_CUDA) {
   EXPECT_FALSE(torch::equal(a[0].cpu(), a[1].cpu()));  // other epochs, other crops
 }
 
-// ddptrain trains from a JPEG folder with --image-decode gpu, and says so.
+// ddptrain trains from a JPEG folder with --image-decode gpu, and says
+// where the decoding happens: by default on the loader's threads (crops),
+// with --cpu-decode-share 0 with nvJPEG.
 TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  const auto save = ddp::testing::temp_dir("gpu_decode_run");
-  const auto r = ddp::testing::run_process(
-      {DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(), "--image-decode", "gpu",
-       "--image-size", "32", "--model", "cnn", "--epochs", "2", "--batch", "4", "--val-split", "0.25",
-       "--save_path", save, "--progress", "plain", "--workers", "2"},
-      {}, 300);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("with nvJPEG"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("skipping corrupt image"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("test_acc"), std::string::npos) << r.output;
+  for (const std::string share : {"", "0"}) {
+    SCOPED_TRACE("--cpu-decode-share " + share);
+    const auto save = ddp::testing::temp_dir("gpu_decode_run");
+    std::vector<std::string> args{DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(),
+                                  "--image-decode", "gpu", "--image-size", "32", "--model", "cnn", "--epochs", "2",
+                                  "--batch", "4", "--val-split", "0.25", "--save_path", save, "--progress", "plain",
+                                  "--workers", "2"};
+    if (!share.empty()) args.insert(args.end(), {"--cpu-decode-share", share});
+    const auto r = ddp::testing::run_process(args, {}, 300);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(share.empty() ? "decode 100% of each batch's crops" : "decode 0% of each batch's crops"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("with nvJPEG") != std::string::npos, share == "0") << r.output;
+    EXPECT_NE(r.output.find("skipping corrupt image"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("test_acc"), std::string::npos) << r.output;
+  }
 }
 
 // nvJPEG's hardware engine does not wait for the work already queued on the
@@ -325,7 +336,10 @@ TEST(GpuImages, DecodeNeverWritesMemoryThatQueuedWorkStillReads_CUDA) {
     write_jpeg(root + "/c" + std::to_string(i % 2) + "/" + std::to_string(i) + ".jpg", textured(375, 500, i), 90);
   }
   ImageFolderDataset data(scan_image_folder(root),
-                          ImageFolderOptions().transform(ImageTransformOptions().size(224).train(true)).gpu_decode(true),
+                          ImageFolderOptions()
+                              .transform(ImageTransformOptions().size(224).train(true))
+                              .gpu_decode(true)
+                              .cpu_decode_share(0),
                           "queued");
   const torch::Device device(torch::kCUDA, 0);
   const c10::cuda::CUDAStreamGuard on_side(c10::cuda::getStreamFromPool(false, 0));

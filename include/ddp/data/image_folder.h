@@ -84,10 +84,18 @@ struct ImageFolderOptions {
   TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
   /// With gpu_decode: the share of each batch's samples decoded here, on
   /// the loader's threads (as files nvJPEG refuses are), while nvJPEG
-  /// decodes the rest on the device, so that CPU and GPU share the work.
-  /// Which samples is a function of their position in the epoch only
-  /// (uses_cpu_decode), so batches stay a function of (seed, epoch, rank).
-  TORCH_ARG(double, cpu_decode_share) = 0;
+  /// decodes the rest on the device. A sample decoded here decodes and
+  /// sends only its crop's pixels (decode_image_box); the GPU still
+  /// resizes, flips and normalises every sample. Which samples is a
+  /// function of their position in the epoch only (uses_cpu_decode), so
+  /// batches stay a function of (seed, epoch, rank).
+  /// The default, 1, leaves nvJPEG nothing: on the H200 machine (16 cores),
+  /// ResNet-50 from 20,000 JPEGs ran at 98.6% of its resident-batch step
+  /// with 1, 91% with 0.7 and 79% with 0 (bench/RESULTS.md, session 14).
+  /// nvJPEG's hardware engine waits for one conversion kernel per image,
+  /// and those kernels queue behind the step's. Lower it where the
+  /// loader's threads cannot keep up (few cores per GPU).
+  TORCH_ARG(double, cpu_decode_share) = 1;
 };
 
 /// With a CPU share s of the decoding: whether the sample at epoch position
@@ -161,7 +169,7 @@ struct ImageFolderSplitOptions {
   /// Decode and transform on the GPU (--image-decode gpu); see gpu_images.h.
   TORCH_ARG(bool, gpu_decode) = false;
   /// With gpu_decode: ImageFolderOptions::cpu_decode_share (--cpu-decode-share).
-  TORCH_ARG(double, cpu_decode_share) = 0;
+  TORCH_ARG(double, cpu_decode_share) = 1;
 };
 
 /// ImageFolderDataset splits, normalised with ImageNet's statistics.
