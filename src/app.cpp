@@ -207,6 +207,12 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
              "--image-size, --val-root, --val-split, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
              "--dataset imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
+  const bool gpu_decode =
+      c.image_decode == "gpu" || (c.image_decode == "auto" && device.is_cuda() && data::gpu_jpeg_available());
+  check_user(gpu_decode || !c.was_given("cpu-decode-share"),
+             "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
+             "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",
+             "drop --cpu-decode-share, or decode on the GPU with --image-decode gpu.");
   check_user(c.dataset != "imagefolder" || (!c.was_given("train-samples") && !c.was_given("test-samples")),
              "--train-samples and --test-samples do not apply to --dataset imagefolder: it trains on every file "
              "under --data_root.",
@@ -226,12 +232,6 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                "--image-decode gpu needs a CUDA build of ddptrain with nvJPEG, and this build has none.",
                "use --image-decode cpu (or auto), or rebuild where the CUDA toolkit provides nvjpeg.h and libnvjpeg.");
   }
-  const bool gpu_decode =
-      c.image_decode == "gpu" || (c.image_decode == "auto" && device.is_cuda() && data::gpu_jpeg_available());
-  check_user(gpu_decode || !c.was_given("cpu-decode-share"),
-             "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
-             "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",
-             "drop --cpu-decode-share, or decode on the GPU with --image-decode gpu.");
   if (c.dataset == "imagefolder" && gpu_decode && verbose)
     std::fprintf(stderr,
                  "ddptrain: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "

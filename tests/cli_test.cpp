@@ -94,7 +94,7 @@ TEST(Cli, LinearKernelIsAutoOrNative) {
 
 // --cpu-decode-share is a share: outside [0, 1] it is an error naming the value.
 TEST(Cli, CpuDecodeShareIsAShare) {
-  EXPECT_EQ(ddp::testing::parse_args({}).cpu_decode_share, 0.0);
+  EXPECT_EQ(ddp::testing::parse_args({}).cpu_decode_share, 1.0);  // the loader's threads decode every crop
   EXPECT_EQ(ddp::testing::parse_args({"--cpu-decode-share", "0.3"}).cpu_decode_share, 0.3);
   for (const char* bad : {"1.5", "-0.1"}) {
     auto e = error_of({"--cpu-decode-share", bad});
@@ -461,6 +461,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
     if (f.key() == "stop-at-acc") value = "0.5";
     if (f.key() == "val-split") value = "0.25";
     if (f.key() == "label-smoothing") value = "0.25";
+    if (f.key() == "cpu-decode-share") value = "0.5";  // a share: the default, 1, plus 3 is out of range
     if (f.key() == "nnodes" || f.key() == "node-rank" || value == std::string(saved[f.key()].dump())) continue;
     bool refused = false;
     try {
