@@ -14,9 +14,11 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "ddp/compat.h"
 #include "ddp/data/device_feeder.h"
+#include "ddp/data/gpu_images.h"  // gpu_jpeg_available
 #include "ddp/data/loader.h"
 #include "ddp/data/sampler.h"
 #include "ddp/data/transforms.h"
@@ -405,6 +407,7 @@ EpochMetrics Trainer::fit() {
       std::printf("%s%s\n", line.c_str(), tail);
       std::fflush(stdout);
     }
+    hint_if_data_bound(epoch, data_wait_seconds_ / std::max(train_seconds, 1e-9), samples);
     // ---- checkpoint, and stop if asked ----
     auto monitored = metrics.find(monitor_.metric);
     check_user(data_.test->size() == 0 || monitored != metrics.end(),
@@ -473,6 +476,38 @@ void Trainer::hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, doub
   std::printf("\nhint: on this CPU an epoch takes about %.0f min (%.2f s per batch, %lld batches per rank); "
               "faster: %s.\n",
               epoch_seconds / 60, per_batch, static_cast<long long>(batches_per_epoch), faster.c_str());
+  std::fflush(stdout);
+}
+
+// An epoch whose step waited for data a good part of the time says so,
+// once per job (as Lightning warns about too few DataLoader workers), with
+// what would feed the step faster: more loader threads while this rank's
+// share of the node's cores allows, else (GPU decoding) a share of the
+// decoding for nvJPEG, else a cheaper data path.
+void Trainer::hint_if_data_bound(int64_t epoch, double wait_share, int64_t samples) {
+  constexpr double kDataBound = 0.3;
+  constexpr int64_t kMinBatches = 8;  // fewer: the first batch's latency is most of the wait
+  if (hinted_data_ || !world_.is_main() || wait_share < kDataBound ||
+      samples < kMinBatches * config_.batch * world_.size())
+    return;
+  hinted_data_ = true;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int ranks = std::max(1, world_.placement().local_world_size);
+  const int per_rank = std::max(1, cores / ranks);
+  const bool gpu_decode = config_.dataset == "imagefolder" && world_.device().is_cuda() &&
+                          (config_.image_decode == "gpu" || (config_.image_decode == "auto" && data::gpu_jpeg_available()));
+  char faster[256];
+  if (config_.workers + 1 < per_rank)
+    std::snprintf(faster, sizeof faster, "--workers %d (now %lld; %d cores for %d rank(s) on this node)", per_rank - 1,
+                  static_cast<long long>(config_.workers), cores, ranks);
+  else if (gpu_decode && config_.cpu_decode_share > 0)
+    std::snprintf(faster, sizeof faster, "--cpu-decode-share %.2g (now %.2g), so that nvJPEG decodes the rest on the GPU",
+                  config_.cpu_decode_share / 2, config_.cpu_decode_share);
+  else
+    std::snprintf(faster, sizeof faster, "data that costs less per sample (smaller files, or decoded ahead), or fewer "
+                  "ranks per node");
+  std::printf("hint: the training step waited for data %.0f%% of epoch %lld; faster: %s.\n", 100 * wait_share,
+              static_cast<long long>(epoch), faster);
   std::fflush(stdout);
 }
 

@@ -67,6 +67,7 @@ class Trainer {
   void resume(const std::string& path);
   void keep_global_batch(const CheckpointMeta& saved);
   void hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, double seconds);
+  void hint_if_data_bound(int64_t epoch, double wait_share, int64_t samples);
   void warn_if_not_finite(int64_t epoch, const Metrics& metrics);
   void check_schedule_length(const CheckpointMeta& saved, const LrScheduleOptions& now) const;
   Config job_config() const;
@@ -90,6 +91,7 @@ class Trainer {
   bool is_bar_ = false;
   bool stop_after_epoch_ = false;
   bool hinted_slow_ = false;
+  bool hinted_data_ = false;
   bool warned_not_finite_ = false;  // a non-finite validation metric, said once a job
   std::vector<std::string> log_names_;  // training_step()'s logs, fixed at the first step
   std::unique_ptr<EpochFeed> next_feed_;  // the next epoch's, already loading during validation
