@@ -307,7 +307,17 @@ std::string builtin_task_of(std::vector<char*>& args) {
     if (a.rfind("--task=", 0) == 0) named = a.substr(7);
   }
   if (help) return named.empty() ? "classification" : named;
-  return parse_cli(static_cast<int>(args.size()), args.data(), builtin_task_flags()).task;
+  const Config c = parse_cli(static_cast<int>(args.size()), args.data(), builtin_task_flags());
+  if (named.empty() && !c.resume.empty()) {
+    // --resume without --task: the run's own task, from its checkpoint, as
+    // with_saved_flags restores the rest of its flags.
+    const std::string path = resume_checkpoint(c.resume, c.save_path);
+    if (!path.empty()) {
+      const auto saved = read_checkpoint_meta(path).config;
+      if (saved.contains("task") && saved["task"].is_string()) return saved["task"].get<std::string>();
+    }
+  }
+  return c.task;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -157,6 +158,30 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
     EXPECT_NEAR(ma[e]["train_loss"].get<double>(), mb[e]["train_loss"].get<double>(), 1e-12);
     EXPECT_EQ(ma[e]["test_loss"], mb[e]["test_loss"]);
   }
+}
+
+// The resume command a finished lm run prints (no --task on it) continues
+// that run as a language model: the task comes from the checkpoint, as
+// every other flag does. It used to build the default image task, which
+// then looked for images in the fortunes folder.
+TEST(LmTask, ThePrintedResumeCommandContinuesTheLmRun) {
+  DDP_SKIP_UNLESS_GLOO();
+  if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  const auto dir = ddp::testing::temp_dir("lm_resume_cmd");
+  auto first = run_process(lm_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "256", "--test-samples", "64"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto at = first.output.find("resume:   ");
+  ASSERT_NE(at, std::string::npos) << first.output;
+  std::istringstream line(first.output.substr(at + 10, first.output.find('\n', at) - at - 10));
+  std::vector<std::string> command;
+  for (std::string word; line >> word;) command.push_back(word);
+  ASSERT_EQ(command.size(), 3u) << "binary --resume DIR";
+  EXPECT_EQ(command[1], "--resume");
+  command.insert(command.end(), {"--epochs", "2", "--reschedule", "--backend", "gloo", "--progress", "plain"});
+  auto again = run_process(command);
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("epoch 2/2  train_loss"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("test_perplexity"), std::string::npos) << again.output;
 }
 
 TEST(LmTask, TokenFilesTrainAndBadOnesAreOneLineErrors) {
