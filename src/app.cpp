@@ -207,8 +207,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
              "--image-size, --val-root, --val-split, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
              "--dataset imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
-  const bool gpu_decode =
-      c.image_decode == "gpu" || (c.image_decode == "auto" && device.is_cuda() && data::gpu_jpeg_available());
+  const bool gpu_decode = data::gpu_decode_chosen(c.image_decode, device);
   check_user(gpu_decode || !c.was_given("cpu-decode-share"),
              "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
              "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",

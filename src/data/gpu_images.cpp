@@ -33,6 +33,10 @@ TensorDict encoded_batch(const std::vector<EncodedSample>& samples, const DrawKe
   return TensorDict{{kEncodedBytes, bytes}, {kEncodedImages, images}, {"target", target}};
 }
 
+bool gpu_decode_chosen(const std::string& mode, const torch::Device& device) {
+  return mode == "gpu" || (mode == "auto" && device.is_cuda() && gpu_jpeg_available());
+}
+
 #ifndef DDP_WITH_NVJPEG
 bool gpu_jpeg_available() { return false; }
 

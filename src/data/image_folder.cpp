@@ -203,18 +203,24 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
                   "check that the files are JPEG or PNG images.");
 }
 
+torch::Tensor ImageFolderDataset::decode_crop(int64_t index, const DrawKey& key, int64_t position, int64_t* label,
+                                              int64_t* used, TransformWindow* window) const {
+  const torch::Tensor crop = decode(index, key.rank, label, used, [&](int64_t h, int64_t w) {
+    *window = transform_window(h, w, options_.transform(), key, position);
+    return window->source;
+  });
+  window->source = CropBox{0, 0, crop.size(0), crop.size(1)};
+  return crop;
+}
+
 EncodedSample ImageFolderDataset::decode_on_cpu(int64_t index, const DrawKey& key, int64_t position) const {
   EncodedSample s;
   s.kind = kEncodedRgb;
   // Only the crop's pixels are decoded (most of a JPEG's, at least) and
   // travel: the resample kernel reads nothing outside the window.
-  const torch::Tensor crop = decode(index, key.rank, &s.label, &s.index, [&](int64_t h, int64_t w) {
-                               s.window = transform_window(h, w, options_.transform(), key, position);
-                               return s.window.source;
-                             }).contiguous();
+  const torch::Tensor crop = decode_crop(index, key, position, &s.label, &s.index, &s.window).contiguous();
   s.height = crop.size(0);
   s.width = crop.size(1);
-  s.window.source = CropBox{0, 0, s.height, s.width};
   s.bytes.assign(crop.data_ptr<uint8_t>(), crop.data_ptr<uint8_t>() + crop.numel());
   return s;
 }
@@ -277,15 +283,11 @@ Batch ImageFolderDataset::decoded_batch(const std::vector<int64_t>& indices, con
   Batch batch{torch::empty({b, 3, s, s}), torch::empty({b}, torch::kLong)};
   int64_t* labels = batch.target().data_ptr<int64_t>();
   for (int64_t j = 0; j < b; ++j) {
-    // Only the crop is decoded (decode_image_box), then resized: the same
-    // pixels as transform_image on the whole image.
+    // Only the crop is decoded, then resized: the same pixels as
+    // transform_image on the whole image.
     TransformWindow window;
-    const torch::Tensor crop = decode(indices[static_cast<size_t>(j)], key.rank, &labels[j], nullptr,
-                                      [&](int64_t h, int64_t w) {
-                                        window = transform_window(h, w, options_.transform(), key, first_position + j);
-                                        return window.source;
-                                      });
-    window.source = CropBox{0, 0, crop.size(0), crop.size(1)};
+    const torch::Tensor crop =
+        decode_crop(indices[static_cast<size_t>(j)], key, first_position + j, &labels[j], nullptr, &window);
     batch.input()[j].copy_(apply_transform_window(crop, window, options_.transform()));
   }
   return batch;

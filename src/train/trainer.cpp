@@ -18,7 +18,7 @@
 
 #include "ddp/compat.h"
 #include "ddp/data/device_feeder.h"
-#include "ddp/data/gpu_images.h"  // gpu_jpeg_available
+#include "ddp/data/gpu_images.h"  // gpu_decode_chosen
 #include "ddp/data/loader.h"
 #include "ddp/data/sampler.h"
 #include "ddp/data/transforms.h"
@@ -495,7 +495,7 @@ void Trainer::hint_if_data_bound(int64_t epoch, double wait_share, int64_t sampl
   const int ranks = std::max(1, world_.placement().local_world_size);
   const int per_rank = std::max(1, cores / ranks);
   const bool gpu_decode = config_.dataset == "imagefolder" && world_.device().is_cuda() &&
-                          (config_.image_decode == "gpu" || (config_.image_decode == "auto" && data::gpu_jpeg_available()));
+                          data::gpu_decode_chosen(config_.image_decode, world_.device());
   char faster[256];
   if (config_.workers + 1 < per_rank)
     std::snprintf(faster, sizeof faster, "--workers %d (now %lld; %d cores for %d rank(s) on this node)", per_rank - 1,

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 
 #include "ddp/data/dataset.h"
 #include "ddp/data/image_transforms.h"
@@ -78,6 +79,11 @@ using CpuDecode = std::function<EncodedSample(int64_t index, const DrawKey& key,
 
 /// True when this build decodes JPEGs with nvJPEG and a CUDA device is present.
 bool gpu_jpeg_available();
+
+/// Whether --image-decode `mode` (auto, cpu or gpu) takes the GPU stage for
+/// training on `device`: gpu always (checked elsewhere), auto on a CUDA
+/// device of a build with nvJPEG.
+bool gpu_decode_chosen(const std::string& mode, const torch::Device& device);
 
 /// The device stage of an image folder with GPU decoding: turns
 /// {encoded_bytes, encoded_images, target} into {input, target}, input

@@ -133,6 +133,12 @@ class ImageFolderDataset : public Dataset {
   // gives for the image's height and width (decode_image_box).
   torch::Tensor decode(int64_t index, int64_t rank, int64_t* label, int64_t* used = nullptr,
                        const std::function<CropBox(int64_t, int64_t)>& box_of = nullptr) const;
+  // The crop of sample `index` (or of the next that decodes) that the
+  // transform window for (key, position) reads, decoded alone
+  // (decode_image_box); *window receives that window, its source rebased
+  // onto the crop.
+  torch::Tensor decode_crop(int64_t index, const DrawKey& key, int64_t position, int64_t* label, int64_t* used,
+                            TransformWindow* window) const;
   // gpu_decode: sample `index` as it travels to the device, its bytes if
   // nvJPEG takes the file as it is, else decoded here (decode_on_cpu).
   EncodedSample encode(int64_t index, const DrawKey& key, int64_t position) const;
