@@ -278,6 +278,7 @@ TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {
 // ddptrain itself: a short run on a folder with one corrupt file trains and
 // warns; with --strict-data it stops with exit code 2 and the file's path.
 TEST(ImageFolder, DdptrainTrainsOnAFolderAndStrictDataStops) {
+  DDP_SKIP_UNLESS_GLOO();
   const auto root = ddp::testing::temp_dir("imgfolder_run");
   fs::copy(mixed_folder(), root, fs::copy_options::recursive);
   touch(root + "/class1/broken.png", "not a png");
