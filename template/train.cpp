@@ -16,8 +16,9 @@ namespace F = torch::nn::functional;
 // ---------------------------------------------------------------------------
 // 1. My dataset: a size, and one example per index, as named tensors.
 //    This one is learnable on purpose: class k draws a bright square at a
-//    place that depends on k, on a noisy background. Read your own files
-//    here (config.data_root is --data_root).
+//    place that depends on k, on a noisy background. For your own files,
+//    give the constructor their folder and read one in get(): MyTask's
+//    make_data below has config.data_root (--data_root) to pass.
 // ---------------------------------------------------------------------------
 class MyDataset : public ddp::data::Dataset {
  public:
