@@ -351,6 +351,7 @@ constexpr const char* kHelpFooter =
     "  cosine     warm-up as above, then peak * (1 + cos(pi * (s-W)/(S-W))) / 2 (CosineAnnealingLR)\n"
     "  onecycle   PyTorch OneCycleLR: cosine from peak/25 up to peak over W = 30% of S (or --warmup-epochs),\n"
     "             then cosine down to peak/25/1e4 at the last step (the learning rate only; no momentum cycling)\n"
+    "\nA task may add flags and defaults of its own: ddptrain --task lm --help lists the GPT's.\n"
     "\nSubcommands:\n"
     "  ddptrain report RUN_DIR              metrics, plots and the best epoch of a run\n"
     "  ddptrain export CHECKPOINT OUT.pt    a checkpoint's weights as a PyTorch state_dict\n"

@@ -294,6 +294,12 @@ TEST(Cli, HelpIsGroupedAndListsSubcommandsAndSchedules) {
     EXPECT_TRUE(contains(r.output, sub)) << sub;
   for (const char* formula : {"constant ", "step ", "cosine ", "onecycle ", "OneCycleLR", "peak/25/1e4", "(1 + cos(pi"})
     EXPECT_TRUE(contains(r.output, formula)) << formula;
+  // A task's own flags are listed with the task, and the plain help says how.
+  EXPECT_TRUE(contains(r.output, "ddptrain --task lm --help")) << r.output;
+  EXPECT_FALSE(contains(r.output, "--layers"));
+  const auto lm = ddp::testing::run_process({DDPTRAIN_EXE, "--task", "lm", "--help"});
+  EXPECT_EQ(lm.exit_code, 0);
+  EXPECT_TRUE(contains(lm.output, "--layers")) << lm.output;
 }
 
 TEST(Cli, VersionNamesDdptrainLibTorchCudaAndNccl) {
