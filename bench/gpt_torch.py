@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -240,6 +241,8 @@ def main():
     raw = model
     opt, fused = make_optimizer(model, args.lr, args.weight_decay)
     if args.compile:
+        if not hasattr(torch, "compile"):
+            sys.exit(f"gpt_torch.py: --compile needs PyTorch 2.x, this is {torch.__version__}. Hint: leave --compile out")
         model = torch.compile(model)
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -187,7 +187,9 @@ TEST(GpuImages, ACpuShareOfTheBatchTravelsDecodedAndTheBatchIsUnchanged) {
     }
     const auto n = static_cast<double>(idx.size());
     EXPECT_EQ(on_cpu, static_cast<int64_t>(std::floor((11 + n) * share) - std::floor(11 * share)));
-    if (share == 0.5) EXPECT_GT(on_cpu, 0);
+    if (share == 0.5) {
+      EXPECT_GT(on_cpu, 0);
+    }
   }
 }
 

@@ -140,10 +140,14 @@ TEST(JpegReference, ABoxDecodesToTheWholeDecodesPixels) {
           << what;
       EXPECT_LE(decoded.left, want.left) << what;
       EXPECT_GE(decoded.left + decoded.width, want.left + want.width) << what;
-      if (!plain) EXPECT_EQ(decoded.width, w) << what << ": decoded whole";
+      if (!plain) {
+        EXPECT_EQ(decoded.width, w) << what << ": decoded whole";
+      }
       cropped |= decoded.width < w;
     }
-    if (plain) EXPECT_TRUE(cropped) << file << " min_side " << min_side << ": never decoded around a box";
+    if (plain) {
+      EXPECT_TRUE(cropped) << file << " min_side " << min_side << ": never decoded around a box";
+    }
   };
   for (const auto& image : reference()["images"]) {
     const std::string file = image["file"];
