@@ -27,11 +27,7 @@ std::vector<std::string> train_args(const std::string& save_path, std::vector<st
   return a;
 }
 
-std::string find_file(const std::string& dir, const std::string& name) {
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.path().filename() == name) return e.path().string();
-  return "";
-}
+using ddp::testing::find_file;
 
 // The processes whose parent is `pid` (read from /proc).
 std::vector<pid_t> children_of(pid_t pid) {

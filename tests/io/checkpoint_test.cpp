@@ -37,20 +37,8 @@ std::vector<std::string> run_args(const std::string& save_path, std::vector<std:
   return a;
 }
 
-std::string find_file(const std::string& dir, const std::string& name) {
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.path().filename() == name) return e.path().string();
-  return "";
-}
-
-std::vector<nlohmann::json> metrics(const std::string& dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(find_file(dir, "metrics.jsonl"));
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using ddp::testing::find_file;
+using ddp::testing::metrics_jsonl;
 
 // metrics.csv's step rows as (step, train loss).
 std::vector<std::pair<int64_t, double>> step_rows(const std::string& dir) {
@@ -122,7 +110,7 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("resume: "), std::string::npos);
   expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(split, "epoch_2.pt"));
-  auto ma = metrics(straight), mb = metrics(split);
+  auto ma = metrics_jsonl(straight), mb = metrics_jsonl(split);
   ASSERT_EQ(ma.size(), 2u);
   ASSERT_EQ(mb.size(), 2u);
   for (size_t e = 0; e < 2; ++e) {
@@ -181,7 +169,7 @@ TEST(Resume, ChangedJobIsRefusedAndLongerScheduleNeedsReschedule) {
 
   auto rescheduled = with({"--epochs", "2", "--reschedule", "--progress", "none"});
   ASSERT_EQ(rescheduled.exit_code, 0) << rescheduled.output;
-  auto m = metrics(dir);
+  auto m = metrics_jsonl(dir);
   ASSERT_EQ(m.size(), 2u);
   // The last step (15) of a cosine over 2 epochs of 8 steps.
   EXPECT_NEAR(m[1]["lr"].get<double>(), 0.002 * (1 + std::cos(M_PI * 15 / 16)) / 2, 1e-12);
@@ -210,7 +198,7 @@ TEST(Resume, OnAnotherNumberOfRanksEqualsTheStraightRun) {
   auto straight = ddp::testing::temp_dir("ranks_straight");
   auto s = run_process(run_args(straight, with({"--size", "2", "--batch", "32"})));
   ASSERT_EQ(s.exit_code, 0) << s.output;
-  const auto want = metrics(straight);
+  const auto want = metrics_jsonl(straight);
   ASSERT_EQ(want.size(), 2u);
   // 2048 samples / global batch 64 = 32 steps per epoch: fail in epoch 2,
   // after epoch_1.pt, then resume on the other number of ranks.
@@ -225,7 +213,7 @@ TEST(Resume, OnAnotherNumberOfRanksEqualsTheStraightRun) {
     EXPECT_NE(second.output.find(std::string("resume: ") + to + " rank(s) instead of " + from + "; --batch " +
                                  (to == std::string("2") ? "32" : "64") + " per rank keeps the global batch 64"),
               std::string::npos) << second.output;
-    auto got = metrics(dir);
+    auto got = metrics_jsonl(dir);
     ASSERT_EQ(got.size(), 2u) << from << " -> " << to;
     for (const char* key : {"train_loss", "test_loss", "test_acc"})
       EXPECT_NEAR(got[1][key].get<double>(), want[1][key].get<double>(), 1e-4) << key << ", " << from << " -> " << to;
@@ -301,7 +289,7 @@ TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
   EXPECT_NE(r.output.find("rank 1 exited with code 1; restart 1 of 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("injected failure"), std::string::npos);
   expect_bit_equal(find_file(straight, "epoch_2.pt"), find_file(restarted, "epoch_2.pt"));
-  EXPECT_EQ(metrics(restarted).size(), 2u);
+  EXPECT_EQ(metrics_jsonl(restarted).size(), 2u);
 }
 
 // A restart resumes this job's own checkpoints, never another run's under
@@ -331,8 +319,8 @@ TEST(Resume, RestartNeverResumesAnotherRunsCheckpoint) {
   ASSERT_EQ(runs.size(), 2u) << "B's two attempts should share one run directory";
   const std::string b_dir = runs[0] == a_dir ? runs[1] : runs[0];
   EXPECT_TRUE(fs::exists(b_dir + "/epoch_1.pt"));
-  EXPECT_EQ(metrics(b_dir).size(), 1u);
-  EXPECT_EQ(metrics(a_dir).size(), 1u);
+  EXPECT_EQ(metrics_jsonl(b_dir).size(), 1u);
+  EXPECT_EQ(metrics_jsonl(a_dir).size(), 1u);
 }
 
 // --max-restarts restarts a single process too (restarts live in the
@@ -369,7 +357,7 @@ TEST(Resume, ResumeOnOneGpuContinuesTheRun_CUDA) {
   EXPECT_NE(r2.output.find("resume: "), std::string::npos) << r2.output;
   EXPECT_NE(r2.output.find("epoch 2/2"), std::string::npos) << r2.output;
   EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator()), 1) << "resume made a new run dir";
-  auto m = metrics(dir);
+  auto m = metrics_jsonl(dir);
   ASSERT_EQ(m.size(), 2u);
   EXPECT_EQ(m[1]["epoch"].get<int>(), 2);
 }

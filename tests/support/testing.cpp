@@ -4,6 +4,8 @@
 #include "ddp/dist/world.h"
 #include "ddp/error.h"
 
+#include <nlohmann/json.hpp>
+
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -138,6 +140,20 @@ std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+std::string find_file(const std::string& dir, const std::string& name) {
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+    if (e.path().filename() == name) return e.path().string();
+  return "";
+}
+
+std::vector<nlohmann::json> metrics_jsonl(const std::string& dir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(find_file(dir, "metrics.jsonl"));
+  for (std::string line; std::getline(f, line);)
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
 }
 
 std::unique_ptr<ddp::World> one_rank_world(bool cuda) {

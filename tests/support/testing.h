@@ -9,6 +9,8 @@
 #include "ddp/cli.h"
 #include "ddp/compat.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <functional>
 #include <map>
 #include <memory>
@@ -46,6 +48,13 @@ bool wait_for_output(const Child& child, const std::string& text, double timeout
 
 /// A fresh empty directory under the system temp dir, removed at exit.
 std::string temp_dir(const std::string& tag);
+
+/// The first file named `name` under `dir`, searched recursively, or "".
+std::string find_file(const std::string& dir, const std::string& name);
+
+/// The records of the first metrics.jsonl under `dir` (a run directory, or
+/// a --save_path holding one), one JSON object per line.
+std::vector<nlohmann::json> metrics_jsonl(const std::string& dir);
 
 /// Where the real Fashion-MNIST lives, or "" if it is not installed.
 std::string fashion_mnist_root();

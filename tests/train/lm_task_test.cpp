@@ -22,20 +22,8 @@ namespace {
 
 using ddp::testing::run_process;
 
-std::string find_file(const std::string& dir, const std::string& name) {
-  for (const auto& e : fs::recursive_directory_iterator(dir))
-    if (e.path().filename() == name) return e.path().string();
-  return "";
-}
-
-std::vector<nlohmann::json> metrics(const std::string& dir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(find_file(dir, "metrics.jsonl"));
-  std::string line;
-  while (std::getline(f, line))
-    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using ddp::testing::find_file;
+using ddp::testing::metrics_jsonl;
 
 // gpt-nano (2 blocks of width 64, context 64) on the fortunes bytes.
 std::vector<std::string> lm_args(const std::string& save_path, std::vector<std::string> extra) {
@@ -67,7 +55,7 @@ TEST(LmTask, GptNanoLearnsFortunesAndGeneratesText) {
   auto r = run_process(lm_args(dir, {"--size", "2", "--epochs", "1", "--batch", "8", "--train-samples", "4800", "--lr", "3e-3",
                                      "--log-every", "100"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto m = metrics(dir);
+  auto m = metrics_jsonl(dir);
   ASSERT_EQ(m.size(), 1u) << r.output;
   const double loss = m[0]["test_loss"].get<double>();
   // Measured 2.633 (README); chance is ln 256 = 5.55, and English letter
@@ -109,7 +97,7 @@ TEST(LmTask, TwoRanksOfBatch8EqualOneRankOfBatch16) {
   auto ra = run_process(a), rb = run_process(b);
   ASSERT_EQ(ra.exit_code, 0) << ra.output;
   ASSERT_EQ(rb.exit_code, 0) << rb.output;
-  auto ma = metrics(one), mb = metrics(two);
+  auto ma = metrics_jsonl(one), mb = metrics_jsonl(two);
   ASSERT_EQ(ma.size(), 1u);
   ASSERT_EQ(mb.size(), 1u);
   EXPECT_NEAR(ma[0]["train_loss"].get<double>(), mb[0]["train_loss"].get<double>(), 1e-5);
@@ -121,7 +109,7 @@ TEST(LmTask, TwoRanksOfBatch8EqualOneRankOfBatch16) {
   c.insert(c.end(), {"--size", "2", "--batch", "8", "--seed", "6"});
   auto rc = run_process(c);
   ASSERT_EQ(rc.exit_code, 0) << rc.output;
-  EXPECT_GT(std::abs(metrics(other)[0]["train_loss"].get<double>() - ma[0]["train_loss"].get<double>()), 1e-4);
+  EXPECT_GT(std::abs(metrics_jsonl(other)[0]["train_loss"].get<double>() - ma[0]["train_loss"].get<double>()), 1e-4);
 }
 
 // SIGTERM in the middle of training, then --resume auto: the same weights,
@@ -151,7 +139,7 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
   const auto wa = weights(find_file(straight, "epoch_2.pt"), arch), wb = weights(find_file(split, "epoch_2.pt"), arch);
   ASSERT_EQ(wa.size(), wb.size());
   for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(torch::equal(wa[i], wb[i])) << "tensor " << i;
-  auto ma = metrics(straight), mb = metrics(split);
+  auto ma = metrics_jsonl(straight), mb = metrics_jsonl(split);
   ASSERT_EQ(ma.size(), 2u);
   ASSERT_EQ(mb.size(), 2u);
   for (size_t e = 0; e < 2; ++e) {
@@ -206,7 +194,7 @@ TEST(LmTask, TokenFilesTrainAndBadOnesAreOneLineErrors) {
                                       "--train-samples", "8", "--test-samples", "8", "--context", "32"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tokens " + root + " train"), std::string::npos) << r.output;
-  auto m = metrics(save);
+  auto m = metrics_jsonl(save);
   ASSERT_EQ(m.size(), 1u);
   EXPECT_NEAR(m[0]["test_loss"].get<double>(), std::log(50304.0), 0.5);  // barely trained: about chance
   // Its samples are token ids.
