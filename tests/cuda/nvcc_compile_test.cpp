@@ -32,13 +32,12 @@ std::vector<std::string> split(const std::string& s, char sep) {
   return out;
 }
 
-// The lines of `text` that contain `needle`, at most `limit` of them.
-std::string lines_with(const std::string& text, const std::string& needle, int limit) {
-  std::stringstream in(text), out;
-  int n = 0;
-  for (std::string line; std::getline(in, line) && n < limit;)
-    if (line.find(needle) != std::string::npos) out << "  " << line << "\n", ++n;
-  return out.str();
+// The lines of `text` that contain `needle`.
+std::vector<std::string> lines_with(const std::string& text, const std::string& needle) {
+  std::vector<std::string> out;
+  for (const auto& line : split(text, '\n'))
+    if (line.find(needle) != std::string::npos) out.push_back(line);
+  return out;
 }
 #endif
 
@@ -76,14 +75,14 @@ TEST(CudaSources, CompileForSm90WithNvccInACpuBuild) {
   auto finish = [&](std::pair<std::string, Child>& job) {
     ProcessResult r = ddp::testing::finish_process(job.second, 600);
     const std::string name = fs::path(job.first).filename().string();
-    EXPECT_EQ(r.exit_code, 0) << "nvcc failed on src/cuda/" << name << ":\n"
-                              << lines_with(r.output, "error", 20);
-    const std::string spills = lines_with(r.output, "bytes spill stores", 1000);
-    int spilling = 0;
-    for (const auto& line : split(spills, '\n'))
-      if (line.find(" 0 bytes spill stores") == std::string::npos) ++spilling;
-    std::cout << "[ nvcc     ] src/cuda/" << name << ": "
-              << spilling << " kernel(s) spilling registers\n";
+    std::string errors;
+    for (const auto& line : lines_with(r.output, "error")) errors += "  " + line + "\n";
+    EXPECT_EQ(r.exit_code, 0) << "nvcc failed on src/cuda/" << name << ":\n" << errors;
+    const auto spill_lines = lines_with(r.output, "bytes spill stores");
+    const auto spilling = std::count_if(spill_lines.begin(), spill_lines.end(), [](const std::string& line) {
+      return line.find(" 0 bytes spill stores") == std::string::npos;
+    });
+    std::cout << "[ nvcc     ] src/cuda/" << name << ": " << spilling << " kernel(s) spilling registers\n";
   };
   for (const auto& src : sources) {
     if (running.size() == 2) {
