@@ -114,7 +114,8 @@ int launch(const Config& c, int argc, char** argv) {
 
 // Fault injection for tests of restarts and crash reports:
 // DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws on that rank after that optimizer
-// step (first attempt only); RANK:STEP:segv crashes there with SIGSEGV. It
+// step (first attempt only); RANK:STEP:segv crashes there with SIGSEGV, and
+// RANK:STEP:user throws a bad-input error (as a corrupt sample would). It
 // hooks the trainer from outside; the loop knows nothing of it.
 void install_fault_injection_from_env() {
   const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
@@ -123,10 +124,13 @@ void install_fault_injection_from_env() {
   long step = -1;
   char how[8] = "";
   if (!fail || (attempt && std::atoi(attempt) > 0) || std::sscanf(fail, "%d:%ld:%7s", &rank, &step, how) < 2) return;
-  const bool segv = std::string(how) == "segv";
-  Trainer::after_step_hook() = [rank, step, segv](const World& world, int64_t done) {
+  const bool segv = std::string(how) == "segv", user = std::string(how) == "user";
+  Trainer::after_step_hook() = [rank, step, segv, user](const World& world, int64_t done) {
     if (world.rank() != rank || done != step) return;
     if (segv) std::raise(SIGSEGV);
+    if (user)
+      throw UserError("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank " + std::to_string(rank) + " at step " +
+                      std::to_string(step) + ".");
     throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(step));
   };
 }
@@ -289,7 +293,20 @@ void defer_to_rank_0(const char* rank) {
   if (!rank || std::string(rank) == "0" || !std::getenv("DDPTRAIN_LAUNCHER")) return;
   std::signal(SIGTERM, SIG_DFL);
   std::signal(SIGINT, SIG_DFL);
-  std::this_thread::sleep_for(std::chrono::seconds(2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(kRankErrorDeferSeconds * 1000)));
+}
+
+// A collective that failed is nearly always the consequence of another
+// rank's failure, which that rank reports itself (or the launcher does, for
+// a crash). Under ddptrain's launcher a rank holds such a line back longer
+// than a bad-input error is held back: the launcher stops it in that time
+// once the cause is known, and it is printed only when no rank failed for
+// its own reasons (one stalled, say).
+void defer_to_the_cause() {
+  if (!std::getenv("DDPTRAIN_LAUNCHER")) return;
+  std::signal(SIGTERM, SIG_DFL);
+  std::signal(SIGINT, SIG_DFL);
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>((kRankErrorDeferSeconds + 1) * 1000)));
 }
 
 // The --task that picks the built-in task, from the command line or a
@@ -368,6 +385,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kNonFinite;
   } catch (const CollectiveError& e) {
+    defer_to_the_cause();
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kPeerFailed;
   } catch (const c10::Error& e) {

@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -122,10 +123,19 @@ bool own_fault(const Worker& w) {
 
 // When one rank dies, its peers fail in their collectives a moment later
 // (exit code kPeerFailed). Wait briefly for the dust to settle, then blame a
-// rank that failed for its own reasons if there is one.
+// rank that failed for its own reasons if there is one. While only peers
+// have failed, the cause may be a rank still holding back its bad-input
+// error (kRankErrorDeferSeconds): wait for it that long, and a second more.
+// (Workers hold back a failed collective's line longer still, so that the
+// cause's exit usually comes first.)
 int root_cause(std::vector<Worker>& ws, int first) {
-  auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
-  while (any_running(ws) && std::chrono::steady_clock::now() < until) {
+  auto any_own_fault = [&] { return std::any_of(ws.begin(), ws.end(), own_fault); };
+  const auto start = std::chrono::steady_clock::now();
+  const auto settle = start + std::chrono::milliseconds(500);
+  const auto deferred = start + std::chrono::milliseconds(static_cast<int64_t>((kRankErrorDeferSeconds + 1) * 1000));
+  while (any_running(ws)) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deferred || (now >= settle && any_own_fault())) break;
     reap(ws);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -134,6 +144,8 @@ int root_cause(std::vector<Worker>& ws, int first) {
     if (own_fault(ws[i]) && (best < 0 || ws[i].exited_at < ws[best].exited_at)) best = static_cast<int>(i);
   return best < 0 ? first : best;
 }
+
+bool bad_input(int wait_status) { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == exit_code::kUsage; }
 
 void stop_survivors(std::vector<Worker>& ws, double grace_seconds) {
   signal_all(ws, SIGTERM);
@@ -403,7 +415,8 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
         else link->post(attempt, "fail:" + why);  // early, so the other nodes stop now
       }
       if (any_running(ws)) {
-        std::fprintf(stderr, "ddptrain: %s; stopping the other ranks.\n", why.c_str());
+        if (!bad_input(ws[failed].status))
+          std::fprintf(stderr, "ddptrain: %s; stopping the other ranks.\n", why.c_str());
         stop_survivors(ws, o.grace_seconds);
       }
       const int st = ws[failed].status;
@@ -551,6 +564,7 @@ int launch_workers(const LaunchOptions& o) {
     int code = run_once(o, link.get(), port, attempt, why, interrupted);
     if (code == 0) return 0;
     if (code == exit_code::kPreempted) return code;  // rank 0 said where it saved
+    if (code == exit_code::kUsage) return code;      // the rank said what was wrong; a restart fails alike
     if (interrupted) {
       std::fprintf(stderr, "ddptrain: stopped by signal (%s).\n", why.c_str());
       return code;

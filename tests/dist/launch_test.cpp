@@ -59,6 +59,29 @@ TEST(Launcher, PreemptedRankLetsTheOthersFinish) {
   EXPECT_EQ(r.output.find("stopping the other ranks"), std::string::npos) << r.output;
 }
 
+// Bad input that only rank 1 meets (a corrupt sample in its shard, say):
+// rank 0 fails first, in the collective rank 1 left, while rank 1 holds its
+// message back for rank 0's. The user must read rank 1's error, once, and
+// nothing of rank 0's failure, a mere consequence; exit 2; no launcher line
+// blames rank 0, and no restart runs (it would fail alike; the injected
+// failure would not, so a restart shows as exit 0).
+TEST(Launcher, BadInputOnOneRankIsTheErrorPrinted) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("rank1_bad_input");
+  auto r = run_process(train_args(dir, {"--model", "cnn", "--epochs", "1", "--train-samples", "640", "--test-samples",
+                                        "64", "--max-restarts", "1"}),
+                       {{"DDPTRAIN_FAIL_AT_STEP", "1:2:user"}}, 120);
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  const std::string error = "injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank 1 at step 2";
+  const auto at = r.output.find(error);
+  EXPECT_NE(at, std::string::npos) << r.output;
+  if (at != std::string::npos) EXPECT_EQ(r.output.find(error, at + 1), std::string::npos) << "printed twice:\n" << r.output;
+  EXPECT_EQ(r.output.find("rank 0 exited"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("worker failed"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("collective"), std::string::npos) << "rank 0's consequence was printed:\n" << r.output;
+  EXPECT_EQ(r.output.find("restart 1 of"), std::string::npos) << r.output;
+}
+
 // SIGTERM mid-epoch with no log point before the epoch's end: the ranks stop
 // after the epoch, and that epoch's checkpoint is complete and loadable.
 TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {

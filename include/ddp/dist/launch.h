@@ -36,7 +36,15 @@ struct LaunchOptions {
   double rendezvous_timeout = 300;  // seconds a node waits to reach node 0 (multi-node)
 };
 
+/// Under this launcher a rank other than 0 waits this long before printing
+/// a bad-input error (exit 2), so that when every rank meets the same error
+/// only rank 0's line is printed; the launcher waits as long (and a little
+/// more) for such a rank before blaming one whose peer merely went away.
+constexpr double kRankErrorDeferSeconds = 2.0;
+
 /// Runs the workers to completion; returns the exit code for the launcher.
+/// A bad-input exit (2) is not restarted (it would fail the same way) and
+/// adds no line of the launcher's: the rank has said what was wrong.
 int launch_workers(const LaunchOptions& options);
 
 /// A TCP port on this machine that nothing listens on right now (racy: the
