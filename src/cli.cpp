@@ -117,11 +117,19 @@ void check_profile_trace_flag(const Config& c) {
 
 namespace {
 
+constexpr int64_t kMaxTimeoutSeconds = 30 * 24 * 3600;
+
 void validate(const Config& c) {
-  auto positive = [](const std::string& flag, double v, const std::string& hint) {
+  auto finite = [](const std::string& flag, double v, const std::string& hint) {
+    std::ostringstream os;
+    os << flag << " must be finite, got " << v << ".";
+    check_user(!std::isinf(v), os.str(), hint);
+  };
+  auto positive = [&](const std::string& flag, double v, const std::string& hint) {
     std::ostringstream os;
     os << flag << " must be positive, got " << v << ".";
     check_user(v > 0, os.str(), hint);
+    finite(flag, v, hint);
   };
   positive("--epochs", c.epochs, "train for at least one epoch, e.g. --epochs 3.");
   positive("--batch", c.batch, "give the per-rank batch size, e.g. --batch 64.");
@@ -129,6 +137,21 @@ void validate(const Config& c) {
   positive("--save_epoch", c.save_epoch, "e.g. --save_epoch 1 to save every epoch.");
   positive("--accum-steps", c.accum_steps, "1 means no accumulation.");
   positive("--timeout", c.timeout, "seconds, e.g. --timeout 300.");
+  check_user(c.timeout <= kMaxTimeoutSeconds, "--timeout must be at most " + std::to_string(kMaxTimeoutSeconds) +
+                                                  " seconds (30 days), got " + std::to_string(c.timeout) + ".",
+             "e.g. --timeout 300.");
+  finite("--clip-grad-norm", c.clip_grad_norm, "e.g. --clip-grad-norm 1.0, or 0 for none.");
+  if (c.was_given("weight-decay")) {
+    std::ostringstream os;
+    os << "--weight-decay must be 0 or positive, got " << c.weight_decay << ".";
+    check_user(c.weight_decay >= 0, os.str(), "e.g. --weight-decay 0.1 for adamw, or 0 for none.");
+    finite("--weight-decay", c.weight_decay, "e.g. --weight-decay 0.1 for adamw, or 0 for none.");
+  }
+  if (c.was_given("momentum")) {
+    std::ostringstream os;
+    os << "--momentum must be in [0, 1), got " << c.momentum << ".";
+    check_user(c.momentum >= 0 && c.momentum < 1, os.str(), "SGD momentum is a fraction such as 0.9; 0 turns it off.");
+  }
   positive("--bucket-cap-mb", c.bucket_cap_mb, "PyTorch's default is 25.");
   positive("--log-every", c.log_every, "e.g. --log-every 50.");
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");

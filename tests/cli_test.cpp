@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 #include <map>
 #include <regex>
 #include <set>
@@ -109,6 +110,29 @@ TEST(Cli, ImpossibleValuesNameTheFlagAndValue) {
     EXPECT_NE(e.find(flag + " must be positive, got " + value + "."), std::string::npos) << e;
     EXPECT_NE(e.find("Hint"), std::string::npos) << e;
   }
+}
+
+// Values that pass a sign check but cannot be meant: infinities (--lr inf
+// trained NaN weights into best.pt), a timeout no collective layer takes,
+// and negative weight decay or momentum (accepted silently before).
+TEST(Cli, InfiniteAndNegativeValuesAreRefused) {
+  for (auto [flag, value, what] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--lr", "inf", "--lr must be finite, got inf."},
+           {"--timeout", "inf", "--timeout must be finite, got inf."},
+           {"--timeout", "1e300", "--timeout must be at most"},
+           {"--clip-grad-norm", "inf", "--clip-grad-norm must be finite"},
+           {"--weight-decay", "-5", "--weight-decay must be 0 or positive, got -5"},
+           {"--weight-decay", "-1", "--weight-decay must be 0 or positive, got -1"},
+           {"--weight-decay", "inf", "--weight-decay must be finite"}}) {
+    auto e = error_of({flag, value});
+    EXPECT_NE(e.find(what), std::string::npos) << flag << " " << value << ": " << e;
+  }
+  auto e = error_of({"--optimizer", "sgd", "--momentum", "-3"});
+  EXPECT_NE(e.find("--momentum must be in [0, 1), got -3"), std::string::npos) << e;
+  e = error_of({"--optimizer", "sgd", "--momentum", "1"});
+  EXPECT_NE(e.find("--momentum must be in [0, 1), got 1"), std::string::npos) << e;
+  EXPECT_EQ(ddp::testing::parse_args({"--weight-decay", "0"}).weight_decay, 0.0);
+  EXPECT_EQ(ddp::testing::parse_args({"--optimizer", "sgd", "--momentum", "0"}).momentum, 0.0);
 }
 
 TEST(Cli, HelpListsEveryFlagOfTheTable) {

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -22,7 +23,9 @@ namespace ddp {
 
 std::vector<int64_t> sample_tokens(models::Gpt& model, const std::vector<int64_t>& prompt, const SampleOptions& o) {
   check_user(!prompt.empty(), "the prompt has no tokens.", "pass --prompt with some text.");
-  check_user(o.temperature() >= 0, "--temperature must not be negative.", "e.g. --temperature 0.8 (0: greedy).");
+  check_user(o.temperature() >= 0 && std::isfinite(o.temperature()),
+             "--temperature must be 0 or a positive finite number, not " + std::to_string(o.temperature()) + ".",
+             "e.g. --temperature 0.8 (0: greedy).");
   check_user(o.top_k() >= 0, "--top-k must be 0 (all tokens) or positive.");
   torch::NoGradGuard no_grad;
   model->eval();
@@ -41,7 +44,9 @@ std::vector<int64_t> sample_tokens(models::Gpt& model, const std::vector<int64_t
     if (o.temperature() == 0) {
       next = logits.argmax().item<int64_t>();
     } else {
-      logits = logits / o.temperature();
+      // Less the largest first: a tiny temperature then sends the others
+      // to -inf (probability 0), not every logit to +-inf (NaN).
+      logits = (logits - logits.max()) / o.temperature();
       if (o.top_k() > 0 && o.top_k() < vocab) {
         const auto kth = std::get<0>(logits.topk(o.top_k())).min();
         logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
@@ -61,8 +66,13 @@ constexpr const char* kUsage =
 // The architecture string in a ddptrain checkpoint's header.
 std::string checkpoint_arch(const std::string& path) {
   check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "pass a file such as <run>/best.pt.");
-  for (const auto& [name, t] : read_state_dict(path))
-    if (name == "ddptrain") return nlohmann::json::parse(tensor_string(t)).value("arch", "");
+  for (const auto& [name, t] : read_state_dict(path)) {
+    if (name != "ddptrain") continue;
+    const auto header = nlohmann::json::parse(tensor_string(t), nullptr, /*allow_exceptions=*/false);
+    check_user(header.is_object(), "checkpoint " + path + " has a damaged header.",
+               "use another checkpoint of the run (epoch_*.pt).");
+    return header.value("arch", "");
+  }
   throw UserError(path + " is not a ddptrain checkpoint (no header).",
                   "pass a checkpoint that ddptrain --task lm wrote, e.g. <run>/best.pt.");
 }
@@ -115,11 +125,17 @@ int generate_command(const std::vector<std::string>& args) {
       check_user(word.find_first_not_of("0123456789") == std::string::npos,
                  "this model was trained on token files, so its prompt is token ids; '" + word + "' is not one.",
                  "pass ids separated by spaces, e.g. --prompt \"464 3290 318\" (GPT-2's tokenizer makes them).");
+      // Longer than 18 digits would overflow; no vocabulary is that large.
+      check_user(word.size() <= 18 && std::stoll(word) < model->options.vocab_size(),
+                 "prompt token " + word + " is outside the model's vocabulary of " +
+                     std::to_string(model->options.vocab_size()) + ".",
+                 "pass token ids below " + std::to_string(model->options.vocab_size()) + ".");
       ids.push_back(std::stoll(word));
     }
     if (ids.empty()) ids.push_back(model->options.vocab_size() > 50256 ? 50256 : 0);  // GPT-2's <|endoftext|>
   }
   if (!logits_out.empty()) {
+    check_output_is_no_checkpoint(logits_out, checkpoint);
     torch::NoGradGuard no_grad;
     model->eval();
     auto idx = torch::tensor(ids, torch::kLong).unsqueeze(0);

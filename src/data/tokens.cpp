@@ -44,6 +44,15 @@ TokenBuffer::~TokenBuffer() {
   if (map_ && map_ != MAP_FAILED) ::munmap(map_, map_bytes_);
 }
 
+uint16_t TokenBuffer::largest() const {
+  std::call_once(largest_once_, [this] {
+    uint16_t m = 0;
+    for (int64_t i = 0; i < size_; ++i) m = std::max(m, data_[i]);  // vectorised; page-cache speed
+    largest_ = m;
+  });
+  return largest_;
+}
+
 // ---- token files ---------------------------------------------------------------
 
 TokenBufferPtr read_token_file(const std::string& path) {
@@ -60,6 +69,15 @@ TokenBufferPtr read_token_file(const std::string& path) {
     in.read(reinterpret_cast<char*>(header), sizeof(header));
     check_user(static_cast<bool>(in), "cannot read " + path + ".", "check its permissions.");
   }
+  // llm.c's layout (version, and a count that the size agrees with) with
+  // another magic: a damaged header, or a format not ddptrain's, whose 512
+  // header tokens must not be trained on.
+  check_user(header[0] == kLlmcMagic || !(header[1] == kLlmcVersion && header[2] > 0 &&
+                                          kLlmcHeaderBytes + 2 * static_cast<int64_t>(header[2]) == bytes),
+             path + " is laid out as llm.c's token files are, but its magic " + std::to_string(header[0]) +
+                 " is not llm.c's " + std::to_string(kLlmcMagic) + ".",
+             "the header is damaged or the file is in another format: write it again with llm.c's GPT-2 data "
+             "scripts, or as raw uint16 tokens.");
   if (header[0] == kLlmcMagic) {
     // A raw uint16 file cannot start like this: the low half of the magic is
     // token 54632, beyond GPT-2's vocabulary.
@@ -134,6 +152,12 @@ TokenWindows::TokenWindows(TokenBufferPtr tokens, TokenWindowsOptions options)
   check_user(n > o_.context(), tokens_->source() + " holds " + std::to_string(n) + " tokens, too few for one window of " +
                                    std::to_string(o_.context() + 1) + ".",
              "use more data or a smaller --context.");
+  // Every token, once, before training: a bad id deep in the file would
+  // otherwise stop the run whenever a batch first drew it.
+  const uint16_t largest = tokens_->largest();
+  check_user(largest < o_.vocab_size(), tokens_->source() + " holds token id " + std::to_string(largest) +
+                                            ", beyond the model's vocabulary of " + std::to_string(o_.vocab_size()) + ".",
+             "pass --vocab-size " + std::to_string(largest + 1) + " or more (GPT-2 tokens need 50257).");
   if (o_.random()) {
     size_ = o_.windows() > 0 ? o_.windows() : std::max<int64_t>(1, n / o_.context());
   } else {
@@ -155,19 +179,14 @@ Batch TokenWindows::gather(const std::vector<int64_t>& starts) const {
   int64_t* x = input.data_ptr<int64_t>();
   int64_t* y = target.data_ptr<int64_t>();
   const uint16_t* tok = tokens_->data();
-  uint16_t largest = 0;
   for (int64_t i = 0; i < b; ++i) {
     const uint16_t* w = tok + starts[static_cast<size_t>(i)];
     for (int64_t j = 0; j < t; ++j) {
       x[i * t + j] = w[j];
       y[i * t + j] = w[j + 1];
-      largest = std::max({largest, w[j], w[j + 1]});
     }
   }
-  check_user(largest < o_.vocab_size(), tokens_->source() + " holds token id " + std::to_string(largest) +
-                                            ", beyond the model's vocabulary of " + std::to_string(o_.vocab_size()) + ".",
-             "pass --vocab-size " + std::to_string(largest + 1) + " or more (GPT-2 tokens need 50257).");
-  return Batch(input, target);
+  return Batch(input, target);  // every id is below the vocabulary (the constructor checked)
 }
 
 Example TokenWindows::get(int64_t index) const {

@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <tuple>
 #include <cerrno>
 #include <cstring>
 #include <cmath>
@@ -300,8 +301,19 @@ void export_state_dict(const torch::nn::Module& model, const std::string& path) 
   write_state_dict(path, named);
 }
 
+void check_output_is_no_checkpoint(const std::string& out, const std::string& input) {
+  if (!fs::exists(out)) return;
+  std::error_code ec;
+  check_user(!fs::equivalent(out, input, ec),
+             "the output " + out + " is the checkpoint being read; writing it would destroy that checkpoint.",
+             "name another output file, e.g. weights.pt.");
+  check_user(!is_checkpoint(out), "the output " + out + " is a ddptrain checkpoint; writing over it would lose it.",
+             "name another output file, e.g. weights.pt.");
+}
+
 void export_weights(const std::string& checkpoint, const std::string& path) {
   check_user(fs::exists(checkpoint), "checkpoint " + checkpoint + " does not exist.", "pass a file such as <run>/best.pt.");
+  check_output_is_no_checkpoint(path, checkpoint);
   write_state_dict(path, read_weights(checkpoint));
 }
 
@@ -386,24 +398,37 @@ void remove_old_checkpoints(const std::string& dir, int64_t keep) {
 
 std::string find_latest_checkpoint(const std::string& dir) {
   if (!fs::exists(dir)) return "";
-  std::string best;
-  fs::file_time_type best_time;
-  int64_t best_epoch = -1;
+  struct Found {
+    fs::path path;
+    fs::file_time_type time;
+    int64_t step, epoch;
+  };
+  std::vector<Found> found;
   for (const auto& e : fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied)) {
     if (!e.is_regular_file()) continue;
     const std::string fname = e.path().filename().string();
     const auto epoch = epoch_of(fname);
     if (!epoch && fname != "preempt.pt") continue;
-    if (!is_checkpoint(e.path().string())) continue;  // skip damaged files
-    auto t = e.last_write_time();
-    const int64_t ep = epoch.value_or(0);
-    if (best.empty() || t > best_time || (t == best_time && ep > best_epoch)) {
-      best = e.path().string();
-      best_time = t;
-      best_epoch = ep;
+    try {
+      const auto meta = read_checkpoint_meta(e.path().string());
+      found.push_back({e.path(), e.last_write_time(), meta.state.step, meta.state.epoch});
+    } catch (const std::exception&) {
+      continue;  // damaged or foreign: not a place to resume from
     }
   }
-  return best;
+  if (found.empty()) return "";
+  // The run written to last (a directory may hold several runs' folders),
+  // then in it the checkpoint furthest along: file times do not say that
+  // (a copy or a touch reorders them).
+  const auto last = std::max_element(found.begin(), found.end(), [](const Found& x, const Found& y) {
+                      return x.time < y.time;
+                    })->path.parent_path();
+  const Found* best = nullptr;
+  for (const auto& f : found)
+    if (f.path.parent_path() == last &&
+        (!best || std::tie(f.step, f.epoch, f.time) > std::tie(best->step, best->epoch, best->time)))
+      best = &f;
+  return best->path.string();
 }
 
 }  // namespace ddp

@@ -354,6 +354,15 @@ void Trainer::print_start() const {
 
 // The whole run: epochs of training and validation, logs and checkpoints.
 EpochMetrics Trainer::fit() {
+  if (state_.epoch >= config_.epochs) {
+    // A finished run resumed (by a job script that always resumes, say):
+    // nothing to train, and no error, so that such a script ends cleanly.
+    DDP_PRINT0(world_,
+               "resume: the run in %s already trained all its %d epoch(s); nothing to do. To train on, resume it with "
+               "--epochs N (more than %d) --reschedule.\n",
+               run_dir_.c_str(), config_.epochs, config_.epochs);
+    return {};
+  }
   print_start();
   const auto started = Clock::now();
   EpochMetrics last;

@@ -86,4 +86,34 @@ TEST(Generate, AFileThatIsNoCheckpointIsAnError) {
   EXPECT_EQ(usage.exit_code, ddp::exit_code::kUsage) << usage.output;
 }
 
+// Bad values get one line and exit 2, not an internal error or garbage: a
+// temperature so small that dividing by it overflows is still (nearly)
+// greedy; an infinite one is refused; a prompt id too long for int64; a
+// header that does not parse; --logits-out naming the checkpoint itself.
+TEST(Generate, BadValuesAreOneLineErrors) {
+  const auto ck = tiny_checkpoint();
+  auto one_line_usage = [](const ddp::testing::ProcessResult& r, const std::string& what) {
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+    EXPECT_NE(r.output.find(what), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
+  };
+  auto tiny = run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "1 2", "--tokens", "3", "--temperature", "1e-40"});
+  auto greedy = run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "1 2", "--tokens", "3", "--temperature", "0"});
+  EXPECT_EQ(tiny.exit_code, 0) << tiny.output;
+  EXPECT_EQ(tiny.output, greedy.output);
+  one_line_usage(run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "1", "--temperature", "inf"}), "--temperature");
+  one_line_usage(run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "99999999999999999999999"}),
+                 "prompt token 99999999999999999999999 is outside the model's vocabulary of 32");
+  one_line_usage(run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "1", "--logits-out", ck}),
+                 "is the checkpoint being read");
+  EXPECT_TRUE(ddp::is_checkpoint(ck)) << "--logits-out wrote over the checkpoint";
+  // The header entry, damaged: the JSON no longer parses.
+  auto tensors = ddp::read_state_dict(ck);
+  for (auto& [name, t] : tensors)
+    if (name == "ddptrain") t = t.narrow(0, 0, t.numel() / 2).clone();
+  const auto damaged = ddp::testing::temp_dir("generate_damaged") + "/damaged.pt";
+  ddp::write_state_dict(damaged, tensors);
+  one_line_usage(run_process({DDPTRAIN_EXE, "generate", damaged, "--prompt", "1"}), "has a damaged header");
+}
+
 }  // namespace

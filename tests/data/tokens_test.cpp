@@ -99,13 +99,43 @@ TEST(Tokens, WindowsAreTheTokensAndTheNextOnes) {
   EXPECT_EQ(TokenWindows(buf, TokenWindowsOptions().context(16).vocab_size(200)).size(), 1000 / 16);
 }
 
-TEST(Tokens, TokenBeyondTheVocabularyIsAnError) {
-  auto buf = std::make_shared<TokenBuffer>(ramp(1000), "ramp file");
-  TokenWindows w(buf, TokenWindowsOptions().context(16).vocab_size(256).random(false));
-  const auto msg = testing::user_error([&] { w.get_batch({20}); });
-  EXPECT_NE(msg.find("ramp file holds token id"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("beyond the model's vocabulary of 256"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("--vocab-size"), std::string::npos) << msg;
+// Every token is checked when the windows are made, not only those a batch
+// happens to draw: one bad id deep in the file once failed a run epochs in
+// (or never, with few samples).
+TEST(Tokens, TokenBeyondTheVocabularyIsAnErrorBeforeTraining) {
+  auto tokens = ramp(10000, 100);
+  tokens[9000] = 65000;
+  auto buf = std::make_shared<TokenBuffer>(std::move(tokens), "ramp file");
+  for (const bool random : {true, false}) {
+    const auto msg = testing::user_error(
+        [&] { TokenWindows(buf, TokenWindowsOptions().context(16).vocab_size(256).windows(2).random(random)); });
+    EXPECT_NE(msg.find("ramp file holds token id 65000"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("beyond the model's vocabulary of 256"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--vocab-size 65001"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(buf->largest(), 65000);
+  EXPECT_NO_THROW(TokenWindows(buf, TokenWindowsOptions().context(16).vocab_size(65001)));
+}
+
+// A file laid out as llm.c's (version and count agree with its size) whose
+// magic is not llm.c's is damaged or another format: refused, not trained on
+// with its header read as 512 tokens.
+TEST(Tokens, LlmcLayoutWithAnotherMagicIsAnError) {
+  const auto dir = testing::temp_dir("tok_magic");
+  std::vector<int32_t> header(256, 0);
+  header[0] = kLlmcMagic + 1;
+  header[1] = kLlmcVersion;
+  header[2] = 100;
+  const auto tokens = ramp(100, 50257);
+  {
+    std::ofstream f(dir + "/train.bin", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(header.data()), 1024);
+    f.write(reinterpret_cast<const char*>(tokens.data()), 200);
+  }
+  const auto msg = testing::user_error([&] { read_token_file(dir + "/train.bin"); });
+  EXPECT_NE(msg.find(dir + "/train.bin"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("magic " + std::to_string(kLlmcMagic + 1)), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
 }
 
 // A window depends on (seed, epoch, sample index) only: not on the rank,

@@ -19,6 +19,7 @@
 
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
@@ -286,4 +287,57 @@ TEST(CheckpointFormat, OldTorchScriptCheckpointIsRefusedWithOneLine) {
   EXPECT_FALSE(ddp::is_checkpoint(old));
   EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");
   EXPECT_FALSE(fs::exists(dir + "/w.pt"));
+}
+
+// `export CK OUT` must not destroy a checkpoint: neither its own input
+// (export best.pt best.pt once replaced the checkpoint with its weights) nor
+// another checkpoint; it refuses in one line and leaves both as they were.
+// Over any other file (an earlier export) it writes as torch.save would.
+TEST(Export, RefusesToWriteOverACheckpoint) {
+  const auto dir = ddp::testing::temp_dir("export_over");
+  torch::nn::Linear model(3, 2);
+  ddp::CheckpointMeta meta;
+  ddp::save_checkpoint(dir + "/best.pt", *model, nullptr, meta);
+  ddp::save_checkpoint(dir + "/epoch_1.pt", *model, nullptr, meta);
+  const auto best = ddp::testing::read_file(dir + "/best.pt"), epoch = ddp::testing::read_file(dir + "/epoch_1.pt");
+  for (const std::string out : {dir + "/best.pt", dir + "/./best.pt", dir + "/epoch_1.pt"}) {
+    SCOPED_TRACE(out);
+    const auto msg = ddp::testing::user_error([&] { ddp::export_weights(dir + "/best.pt", out); });
+    EXPECT_NE(msg.find(out), std::string::npos) << msg;
+    EXPECT_NE(msg.find("checkpoint"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+  EXPECT_EQ(ddp::testing::read_file(dir + "/best.pt"), best);
+  EXPECT_EQ(ddp::testing::read_file(dir + "/epoch_1.pt"), epoch);
+  ddp::export_weights(dir + "/best.pt", dir + "/w.pt");
+  ddp::export_weights(dir + "/best.pt", dir + "/w.pt");  // over its own earlier export: fine
+  EXPECT_EQ(ddp::read_state_dict(dir + "/w.pt").size(), 2u);
+}
+
+// Within a run, --resume picks the checkpoint furthest along (the step in
+// its header), not the newest file: a `cp -r` or a `touch` reorders the
+// times, and resuming epoch 1's checkpoint once retrained epoch 2 over the
+// finished run. Across runs (--resume auto over a --save_path) the run
+// written last wins, and within it again the furthest step.
+TEST(RunDir, ResumePicksTheFurthestStepNotTheNewestFile) {
+  const auto save_path = ddp::testing::temp_dir("furthest");
+  torch::nn::Linear model(2, 2);
+  auto save = [&](const std::string& path, int64_t epoch, int64_t step, int minutes_ago) {
+    fs::create_directories(fs::path(path).parent_path());
+    ddp::CheckpointMeta meta;
+    meta.state.epoch = epoch;
+    meta.state.step = step;
+    ddp::save_checkpoint(path, *model, nullptr, meta);
+    fs::last_write_time(path, fs::file_time_type::clock::now() - std::chrono::minutes(minutes_ago));
+  };
+  const std::string a = save_path + "/train_a", b = save_path + "/train_b";
+  save(a + "/epoch_1.pt", 1, 10, 60);
+  save(a + "/epoch_2.pt", 2, 20, 90);  // older file, further along
+  save(a + "/preempt.pt", 2, 15, 30);  // newest file, behind epoch 2
+  EXPECT_EQ(ddp::find_latest_checkpoint(a), a + "/epoch_2.pt");
+  EXPECT_EQ(ddp::resume_checkpoint(a, save_path), a + "/epoch_2.pt");
+  // Run b was written after run a: auto resumes b, though a got further.
+  save(b + "/epoch_1.pt", 1, 5, 10);
+  save(b + "/preempt.pt", 1, 7, 20);
+  EXPECT_EQ(ddp::resume_checkpoint("auto", save_path), b + "/preempt.pt");
 }

@@ -337,6 +337,25 @@ TEST(Resume, MaxRestartsRestartsASingleProcess) {
   EXPECT_NE(r.output.find("epoch 1/1"), std::string::npos) << r.output;
 }
 
+// Resuming a run that already trained all its epochs (a requeued job script
+// that always resumes, say) says so in one line and ends with 0: no
+// "done: 0 epoch(s) ... nan" summary, no metrics row, the checkpoints as
+// they were.
+TEST(Resume, FinishedRunSaysSoAndTrainsNothing) {
+  const auto dir = ddp::testing::temp_dir("resume_finished");
+  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "256", "--test-samples", "64"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string run_dir = fs::path(find_file(dir, "epoch_1.pt")).parent_path().string();
+  const auto before = ddp::testing::read_file(run_dir + "/metrics.jsonl");
+  auto again = run_process({DDPTRAIN_EXE, "--resume", run_dir, "--progress", "plain"});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("already trained all its 1 epoch(s)"), std::string::npos) << again.output;
+  EXPECT_NE(again.output.find("--epochs"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("done:"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("nan"), std::string::npos) << again.output;
+  EXPECT_EQ(ddp::testing::read_file(run_dir + "/metrics.jsonl"), before);
+}
+
 // On one GPU: a run stopped after epoch 1 and resumed continues in its own
 // run directory (the CUDA wheel's libtorch.so once crashed this path through
 // its broken std::filesystem::remove_all) with every epoch in metrics.jsonl.

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -47,8 +48,12 @@ class TokenBuffer {
   int64_t size() const { return size_; }
   /// Where the tokens come from, for messages.
   const std::string& source() const { return source_; }
+  /// The largest token id: one pass over the tokens, on first use.
+  uint16_t largest() const;
 
  private:
+  mutable std::once_flag largest_once_;
+  mutable uint16_t largest_ = 0;
   std::vector<uint16_t> owned_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;

@@ -109,7 +109,13 @@ PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model
 void export_state_dict(const torch::nn::Module& model, const std::string& path);
 
 /// The same for the weights in a ddptrain checkpoint (or a state_dict file).
+/// Refuses (UserError) to write over a checkpoint: check_output_is_no_checkpoint.
 void export_weights(const std::string& checkpoint, const std::string& path);
+
+/// Throws UserError if `out` exists and is the file `input` or any ddptrain
+/// checkpoint: a command that writes `out` would destroy it. Other files may
+/// be written over, as torch.save would.
+void check_output_is_no_checkpoint(const std::string& out, const std::string& input);
 
 /// True if `path` opens as a ddptrain checkpoint (format header present).
 bool is_checkpoint(const std::string& path);
