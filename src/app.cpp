@@ -144,6 +144,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   // SIGPIPE, which the launcher would blame on it. Python ignores it too.
   std::signal(SIGPIPE, SIG_IGN);
   install_stop_handlers(where.launched() ? getppid() : 0);
+  set_stop_can_checkpoint(false);  // until the training loop runs (Trainer::fit)
   // After a failure the launcher restarts the group (--max-restarts); the
   // trainer picks up from this job's newest checkpoint, as torchrun's
   // elastic agent would (Trainer::find_resume_checkpoint).
@@ -309,6 +310,29 @@ void defer_to_the_cause() {
   std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>((kRankErrorDeferSeconds + 1) * 1000)));
 }
 
+// Under torchrun, Slurm or mpirun the ranks exist already: ddptrain's own
+// launcher flags would be ignored, then saved with the run and obeyed by a
+// later plain `ddptrain --resume` (which waited for a second node that
+// never came). Refused on the command line, before anything is saved.
+void refuse_launcher_flags_under(const Placement& where, const Config& c) {
+  if (!where.launched() || where.source == "ddptrain") return;
+  const std::string by = where.source + " (rank " + std::to_string(where.rank) + " of " +
+                         std::to_string(where.world_size) + ", " + std::to_string(where.local_world_size) + " here)";
+  check_user(!c.was_given("size") || c.size == 0 || c.size == where.local_world_size,
+             "--size " + std::to_string(c.size) + " asks ddptrain to start its own ranks, but this process was started by " +
+                 by + ".",
+             "drop --size (the launcher sets the ranks: torchrun's --nproc-per-node), or run ddptrain without it.");
+  check_user(!c.was_given("nnodes") || c.nnodes == where.world_size / std::max(1, where.local_world_size),
+             "--nnodes " + std::to_string(c.nnodes) + " does not apply: this process was started by " + by + ".",
+             "drop --nnodes (the launcher sets the nodes: torchrun's --nnodes).");
+  check_user(!c.was_given("max-restarts") || c.max_restarts == 0,
+             "--max-restarts restarts ddptrain's own ranks, but this process was started by " + by + ".",
+             "drop it and ask the launcher to restart (torchrun's --max-restarts, or a Slurm requeue).");
+  check_user(c.visible.empty(),
+             "--visible picks the GPUs of ddptrain's own ranks, but this process was started by " + by + ".",
+             "drop it and set CUDA_VISIBLE_DEVICES for the launcher instead.");
+}
+
 // The --task that picks the built-in task, from the command line or a
 // config file. Every built-in task's flags join this first parse, so that
 // theirs are not unknown yet (the second parse knows only the chosen
@@ -367,8 +391,9 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     if (!task) task = make_builtin_task(builtin_task_of(args));
     task->add_flags(defaults);
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
-    if (command.empty()) c = with_saved_flags(c);
     Placement where = placement_from_env();
+    refuse_launcher_flags_under(where, c);
+    if (command.empty()) c = with_saved_flags(c);
     // Restarts live in the launcher, so --max-restarts starts one even for
     // a single process.
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty() || c.max_restarts > 0))

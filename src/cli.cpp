@@ -500,6 +500,8 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
     const Flag& f = table[i];
     const std::string key = f.key();
     if (key == "resume" || !saved.contains(key)) continue;  // a flag newer than the checkpoint keeps its value
+    // One node: any free port will do, and the run's may be taken now.
+    if (key == "port" && saved.value("nnodes", 1) == 1) continue;
     const bool ok = std::visit([&](auto* p) { return assign(p, saved[key]); }, saved_table[i].target);
     check_user(ok, "checkpoint " + checkpoint + " saved '" + key + "' as " + saved[key].dump() + ", not a value of that flag.",
                "it was written by another program; start without --resume.");

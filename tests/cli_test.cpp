@@ -438,6 +438,22 @@ TEST(CliResume, RestoresTheSavedFlags) {
   EXPECT_FALSE(c.was_given("model"));  // the default, in the run too
 }
 
+// A one-node run's --port is not restored: the port it used may be taken
+// now, and any free one will do (a review's resume failed on the old port,
+// with a hint to "omit --port", which it had). A multi-node run keeps its
+// port: every node's launcher must meet on the same one.
+TEST(CliResume, PortIsRestoredForSeveralNodesOnly) {
+  auto one = ddp::config_to_json(parse({"--port", "29611", "--epochs", "2"}));
+  auto c = ddp::resumed_config(parse({"--resume", "auto"}), one, "run/epoch_1.pt");
+  EXPECT_EQ(c.port, 0);
+  EXPECT_FALSE(c.was_given("port"));
+  EXPECT_EQ(ddp::resumed_config(parse({"--resume", "auto", "--port", "29700"}), one, "run/epoch_1.pt").port, 29700);
+  auto two = ddp::config_to_json(parse({"--port", "29611", "--nnodes", "2", "--address", "10.0.0.1"}));
+  c = ddp::resumed_config(parse({"--resume", "auto"}), two, "run/epoch_1.pt");
+  EXPECT_EQ(c.port, 29611);
+  EXPECT_EQ(c.nnodes, 2);
+}
+
 TEST(CliResume, FlagsThatKeepTheJobMayBeGiven) {
   auto c = ddp::resumed_config(
       parse({"--resume", "auto", "--save_epoch", "5", "--progress", "none", "--size", "1", "--keep-last", "1",

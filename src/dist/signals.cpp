@@ -23,6 +23,7 @@ namespace {
 // launcher never counts as a second request (it escalates with SIGKILL
 // itself), nor does any signal within a second of the first.
 std::atomic<int> g_stop{0};
+std::atomic<bool> g_can_checkpoint{true};
 std::atomic<int> g_signals{0};
 std::atomic<int64_t> g_first_signal_ns{0};
 pid_t g_launcher_pid = 0;
@@ -32,6 +33,8 @@ int64_t monotonic_ns() {  // clock_gettime is async-signal-safe
   return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec;
 }
 void on_stop_signal(int sig, siginfo_t* info, void*) {
+  // Nothing to save yet (set-up, rendezvous): nothing would read the flag.
+  if (!g_can_checkpoint.load()) _exit(128 + sig);
   const int64_t now = monotonic_ns();
   if (g_signals.fetch_add(1) == 0) {
     g_first_signal_ns.store(now);
@@ -98,6 +101,10 @@ void install_crash_handler() {
 }
 
 void request_stop() { g_stop.store(1); }
+void set_stop_can_checkpoint(bool can) {
+  g_can_checkpoint.store(can);
+  // A signal that came before (and found the flag true) still counts.
+}
 bool stop_requested() { return g_stop.load() != 0; }
 
 void install_stop_handlers(int launcher_pid) {

@@ -60,6 +60,8 @@ std::shared_ptr<Net> make_model(const ModelSpec& spec) {
   const int64_t side = std::min(spec.input_hw[0], spec.input_hw[1]);
 
   if (spec.name == "cnn") {
+    check_user(spec.stem == "auto", "--stem " + spec.stem + " applies to the ResNets; the cnn has no stem to choose.",
+               "drop --stem, or pick a ResNet, e.g. --model resnet18 --stem " + spec.stem + ".");
     check_user(side >= kMinCnnInput,
                "Model cnn needs inputs of at least " + std::to_string(kMinCnnInput) + "x" +
                    std::to_string(kMinCnnInput) + " pixels, got " + hw_text(spec.input_hw) + ".",

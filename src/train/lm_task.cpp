@@ -52,7 +52,7 @@ data::Splits LmTask::make_data(const Config& c, World& world) {
              "pass --model gpt-nano, gpt2 or gpt.");
   note_ignored_flags(c);
   const auto o = model_options(c);
-  tokens_per_step_ = static_cast<int64_t>(c.batch) * world.size() * c.accum_steps * o.block_size();
+  context_ = o.block_size();
   const fs::path root(c.data_root);
   std::error_code ec;
   data::TokenBufferPtr train, val;
@@ -143,15 +143,23 @@ Metrics LmTask::validation_metrics(const Totals& t) {
   return {{"test_loss", loss}, {"test_perplexity", std::exp(loss)}};
 }
 
-void LmTask::on_step_end(const StepEnd&) {
+// The steps' own sample counts, not --batch x ranks from the flags: a run
+// resumed on another number of ranks changes --batch after make_data (and
+// tokens_per_s was halved).
+void LmTask::on_step_end(const StepEnd& step) {
   last_step_end_ = std::chrono::steady_clock::now();
-  if (steps_in_epoch_++ == 0) first_step_end_ = last_step_end_;
+  if (steps_in_epoch_++ == 0) {
+    first_step_end_ = last_step_end_;
+    samples_after_first_ = 0;
+  } else {
+    samples_after_first_ += step.samples;
+  }
 }
 
 void LmTask::on_epoch_end(EpochEnd& epoch) {
   const double seconds = std::chrono::duration<double>(last_step_end_ - first_step_end_).count();
   if (steps_in_epoch_ > 1 && seconds > 0)
-    epoch.metrics["tokens_per_s"] = static_cast<double>((steps_in_epoch_ - 1) * tokens_per_step_) / seconds;
+    epoch.metrics["tokens_per_s"] = static_cast<double>(samples_after_first_ * context_) / seconds;
   steps_in_epoch_ = 0;
 }
 

@@ -140,6 +140,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && data_.test, "make_data() returned no train or no test dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
+  note_fewer_samples_than_asked();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
   check_flags_apply(config_, task_);
@@ -147,8 +148,13 @@ Trainer::Trainer(Config config, World& world, Task& task)
   auto& model = *model_;
   model.to(world_.device());
   // 2. Initial weights: every rank reads onto its own device (never all
-  //    onto GPU 0); GradSync then broadcasts rank 0's copy.
-  if (!config_.pretrain.empty()) {
+  //    onto GPU 0); GradSync then broadcasts rank 0's copy. A resumed run
+  //    has its weights in the checkpoint (which went on from --pretrain's).
+  const std::string resume_from = find_resume_checkpoint();
+  if (!config_.pretrain.empty() && !resume_from.empty()) {
+    DDP_PRINT0(world_, "pretrain: %s not loaded: the run resumes from %s, which holds its weights\n",
+               config_.pretrain.c_str(), resume_from.c_str());
+  } else if (!config_.pretrain.empty()) {
     auto report = load_pretrained(config_.pretrain, model, world_.device(), config_.pretrain_skip);
     DDP_PRINT0(world_, "pretrain: %s: %s\n", config_.pretrain.c_str(), report.summary().c_str());
   }
@@ -158,7 +164,6 @@ Trainer::Trainer(Config config, World& world, Task& task)
   // 4. The optimizer and schedule the flags ask for, as the task adjusts
   //    them. A resumed run keeps its global batch on any number of ranks,
   //    and its schedule's length unless --reschedule.
-  const std::string resume_from = find_resume_checkpoint();
   const CheckpointMeta saved = resume_from.empty() ? CheckpointMeta{} : read_checkpoint_meta(resume_from);
   keep_global_batch(saved);
   const int64_t per_rank = DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
@@ -352,6 +357,19 @@ void Trainer::print_start() const {
   std::fflush(stdout);
 }
 
+// --train-samples / --test-samples above what the data holds take all of
+// it; said once, so that a typo or a wrong folder does not pass unnoticed.
+void Trainer::note_fewer_samples_than_asked() const {
+  auto note = [&](const char* flag, int64_t asked, const data::Dataset& d) {
+    if (asked > d.size())
+      DDP_PRINT0(world_, "note: %s %lld is more than the %lld samples of %s; all %lld are used.\n", flag,
+                 static_cast<long long>(asked), static_cast<long long>(d.size()), d.name().c_str(),
+                 static_cast<long long>(d.size()));
+  };
+  note("--train-samples", config_.train_samples, *data_.train);
+  note("--test-samples", config_.test_samples, *data_.test);
+}
+
 // The whole run: epochs of training and validation, logs and checkpoints.
 EpochMetrics Trainer::fit() {
   if (state_.epoch >= config_.epochs) {
@@ -363,6 +381,7 @@ EpochMetrics Trainer::fit() {
                run_dir_.c_str(), config_.epochs, config_.epochs);
     return {};
   }
+  set_stop_can_checkpoint(true);  // a stop signal now checkpoints (signals.h); before "world: " is printed
   print_start();
   const auto started = Clock::now();
   EpochMetrics last;
@@ -557,11 +576,13 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
                     static_cast<int>(epoch), config_.epochs, micro_batches);
   const auto dev = world_.device();
   // Running sums stay on the device: no host sync per step. [loss sum,
-  // loss count, stop flag, then one sum per logged name]; a resumed epoch
-  // starts from the saved global sums (held by rank 0 alone, so the
-  // all-reduce counts them once).
+  // loss count, stop flag, seconds, then one sum per logged name]; a resumed
+  // epoch starts from the saved global sums (held by rank 0 alone, so the
+  // all-reduce counts them once). The stop flag and the seconds are filled
+  // in for each all-reduce.
+  constexpr int64_t kStop = 2, kSeconds = 3, kFirstLog = 4;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(dev);
-  auto sums = torch::zeros({3 + static_cast<int64_t>(log_names_.size())}, f64);
+  auto sums = torch::zeros({kFirstLog + static_cast<int64_t>(log_names_.size())}, f64);
   if (state_.batch_in_epoch > 0 && world_.is_main()) {
     sums[0] = state_.epoch_loss_sum;
     sums[1] = state_.epoch_loss_count;
@@ -573,6 +594,16 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
   const int accum = config_.accum_steps;
+  // A stop (SIGTERM, SIGINT) is agreed on at the loss all-reduces, which
+  // every rank makes at the same micro-batches. Display points alone may be
+  // minutes apart (--log-every 50 of 3-s steps), past Slurm's KillWait of
+  // 30 s: so there is one more at the first micro-batch, and then every
+  // micro-batches that take about kStopCheckSeconds, by the time the last
+  // all-reduce measured (the same number on every rank).
+  constexpr double kStopCheckSeconds = 2.0;
+  int64_t next_stop_check = micro + 1;
+  bool stop_agreed = false;
+  int64_t samples_before_step = samples_seen;
 
   while (auto batch = feeder.next()) {
     // Gradient accumulation: each optimizer step averages the micro-batches
@@ -594,7 +625,7 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
     sums[1] += 1;
     for (size_t i = 0; i < log_names_.size(); ++i) {
       auto it = out.logs.find(log_names_[i]);
-      if (it != out.logs.end()) sums[3 + static_cast<int64_t>(i)] += it->second.to(torch::kDouble);
+      if (it != out.logs.end()) sums[kFirstLog + static_cast<int64_t>(i)] += it->second.to(torch::kDouble);
     }
     ++micro;
     samples_seen += batch->batch_size() * world_.size();
@@ -602,33 +633,47 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
       throw NonFiniteLoss(epoch, state_.step, out.loss.item<double>(), run_dir_);
     if (last_micro) {
       ++state_.step;
-      task_.on_step_end(StepEnd{state_.step, epoch, lr});
+      task_.on_step_end(StepEnd{state_.step, epoch, lr, samples_seen - samples_before_step});
+      samples_before_step = samples_seen;
       if (after_step_hook()) after_step_hook()(world_, state_.step);
     }
     const bool log_point = micro % config_.log_every == 0 || micro == micro_batches;
-    if (micro % display_every == 0 || log_point) {
-      // The stop flag rides on the loss all-reduce, so every rank stops at
-      // the same step boundary.
-      auto mean = sums.clone();
-      mean[2] = stop_requested() ? 1.0 : 0.0;
-      world_.all_reduce(mean, "train loss");
+    const bool display_point = micro % display_every == 0 || log_point;
+    torch::Tensor mean;  // the sums over all ranks, where they were reduced
+    auto reduce = [&](const char* what) {
+      mean = sums.clone();
+      mean[kStop] = stop_requested() ? 1.0 : 0.0;
+      mean[kSeconds] = seconds_since(t0);
+      world_.all_reduce(mean, what);
+      if (mean[kStop].item<double>() > 0) stop_agreed = true;
+      const double per_micro = mean[kSeconds].item<double>() / world_.size() / static_cast<double>(micro - first_micro);
+      next_stop_check =
+          micro + std::clamp<int64_t>(std::llround(kStopCheckSeconds / std::max(per_micro, 1e-9)), 1, display_every);
+    };
+    if (display_point) {
+      reduce("train loss");
       const double avg = mean[0].item<double>() / std::max(1.0, mean[1].item<double>());
       if (!std::isfinite(avg)) throw NonFiniteLoss(epoch, state_.step, avg, run_dir_);
       const double samples_per_second = static_cast<double>(samples_seen) / std::max(seconds_since(t0), 1e-9);
       progress.update(micro, avg, lr, samples_per_second);
       if (!dev.is_cuda() && !hinted_slow_) hint_if_slow(micro - first_micro, micro_batches, seconds_since(t0));
       if (log_point) metrics_->log_step({state_.step, epoch, avg, lr, samples_per_second});
-      if (mean[2].item<double>() > 0 && last_micro) {
-        if (micro < micro_batches) {
-          progress.close();
-          state_.batch_in_epoch = micro;
-          state_.epoch_loss_sum = mean[0].item<double>();
-          state_.epoch_loss_count = mean[1].item<double>();
-          state_.epoch = epoch - 1;
-          save_and_stop(run_dir_ + "/preempt.pt");
-        }
-        stop_after_epoch_ = true;
+    } else if (micro >= next_stop_check && !stop_agreed) {
+      reduce("stop check");
+    }
+    // Every rank agreed at the same micro-batch, so every rank stops at the
+    // same optimizer step: the first that ends at or after it.
+    if (stop_agreed && last_micro) {
+      if (micro < micro_batches) {
+        if (!mean.defined()) reduce("train loss at the stop");  // the sums now, for the resumed epoch's mean
+        progress.close();
+        state_.batch_in_epoch = micro;
+        state_.epoch_loss_sum = mean[0].item<double>();
+        state_.epoch_loss_count = mean[1].item<double>();
+        state_.epoch = epoch - 1;
+        save_and_stop(run_dir_ + "/preempt.pt");
       }
+      stop_after_epoch_ = true;
     }
   }
   progress.close();
@@ -636,7 +681,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   auto total = sums.clone();
   world_.all_reduce(total, "epoch train loss");
   const double count = std::max(1.0, total[1].item<double>());
-  for (size_t i = 0; i < log_names_.size(); ++i) logs[log_names_[i]] = total[3 + static_cast<int64_t>(i)].item<double>() / count;
+  for (size_t i = 0; i < log_names_.size(); ++i)
+    logs[log_names_[i]] = total[kFirstLog + static_cast<int64_t>(i)].item<double>() / count;
   return total[0].item<double>() / count;
 }
 

@@ -81,4 +81,19 @@ TEST(DataFlags, LoadDataBuildsTheNamedDataset) {
   }
 }
 
+// --train-samples / --test-samples above what the data holds take all of
+// it, with a note that says so (before, nothing was said).
+TEST(DataFlags, MoreSamplesThanTheDataHoldIsNoted) {
+  const auto root = ddp::testing::fashion_mnist_root();
+  if (root.empty()) GTEST_SKIP() << "Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist)";
+  const auto dir = ddp::testing::temp_dir("more_samples");
+  auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--data_root", root, "--model", "cnn", "--epochs", "1",
+                                      "--train-samples", "64", "--test-samples", "999999", "--save_path", dir,
+                                      "--progress", "plain"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("note: --test-samples 999999 is more than the 10000 samples of"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("note: --train-samples"), std::string::npos) << r.output;
+}
+
 }  // namespace

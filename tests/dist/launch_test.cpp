@@ -6,7 +6,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
+#include <thread>
 
 #include "ddp/dist/launch.h"
 #include "ddp/error.h"
@@ -84,23 +86,55 @@ TEST(Launcher, BadInputOnOneRankIsTheErrorPrinted) {
   EXPECT_EQ(r.output.find("restart 1 of"), std::string::npos) << r.output;
 }
 
-// SIGTERM mid-epoch with no log point before the epoch's end: the ranks stop
-// after the epoch, and that epoch's checkpoint is complete and loadable.
+// Under torchrun's variables the ranks exist already: ddptrain's launcher
+// flags were ignored, saved with the run, and obeyed by a later plain
+// --resume (which waited for a node that never came). Refused at once.
+TEST(Launcher, OwnLauncherFlagsUnderTorchrunAreRefused) {
+  const std::string port = std::to_string(ddp::find_free_port());
+  const std::map<std::string, std::string> torchrun{{"RANK", "0"},          {"WORLD_SIZE", "1"},
+                                                    {"LOCAL_RANK", "0"},    {"LOCAL_WORLD_SIZE", "1"},
+                                                    {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}};
+  for (const auto& [flags, what] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--size", "4"}, "--size 4 asks ddptrain to start its own ranks"},
+           {{"--nnodes", "2"}, "--nnodes 2 does not apply"},
+           {{"--max-restarts", "3"}, "--max-restarts restarts ddptrain's own ranks"}}) {
+    auto dir = ddp::testing::temp_dir("torchrun_flags");
+    std::vector<std::string> args{DDPTRAIN_EXE, "--save_path", dir, "--dataset", "synthetic", "--epochs", "1",
+                                  "--train-samples", "64", "--test-samples", "64", "--backend", "gloo"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto r = run_process(args, torchrun, 60);
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+    EXPECT_NE(r.output.find(what), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("torchrun (rank 0 of 1"), std::string::npos) << r.output;
+    EXPECT_TRUE(fs::is_empty(dir)) << "a run was started";
+  }
+}
+
+// A stop agreed at an epoch's last step: the ranks stop after that epoch,
+// and its checkpoint is complete and loadable. Epochs of one step make every
+// stop land there (the first agreement is at the first micro-batch).
 TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("epoch_stop");
   // resnet18 makes rank 0's save take long enough that a peer which does not
   // wait for it exits first.
   auto child = ddp::testing::start_process(train_args(
-      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "3", "--batch", "16", "--train-samples",
-            "192", "--test-samples", "32"}));
+      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "20", "--batch", "16", "--train-samples",
+            "32", "--test-samples", "32"}));
   ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
+  // Every rank in its loop (a rank still setting up has nothing to save and
+  // would end at once: Preempt.SignalDuringRendezvousStopsAtOnce).
+  std::this_thread::sleep_for(std::chrono::seconds(2));
   kill(child.pid, SIGTERM);
   auto r = ddp::testing::finish_process(child, 240);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
-  EXPECT_NE(r.output.find("stopped by a signal after epoch 1"), std::string::npos) << r.output;
-  const auto path = find_file(dir, "epoch_1.pt");
+  const std::string said = "stopped by a signal after epoch ";
+  const auto at = r.output.find(said);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string epoch = std::to_string(std::stoi(r.output.substr(at + said.size())));
+  const auto path = find_file(dir, "epoch_" + epoch + ".pt");
   ASSERT_FALSE(path.empty()) << r.output;
+  EXPECT_TRUE(find_file(dir, "preempt.pt").empty()) << r.output;
   ddp::models::ModelSpec spec;
   spec.name = "resnet18";
   spec.in_channels = 1;
@@ -108,6 +142,48 @@ TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
   spec.num_classes = 10;
   auto model = ddp::models::make_model(spec);
   EXPECT_NO_THROW(ddp::load_checkpoint(path, *model, nullptr, torch::kCPU, "")) << path;
+}
+
+// Before training there is nothing to save, so a stop signal ends the
+// process at once: a rank waiting in the rendezvous for a peer that never
+// comes once ignored SIGTERM and Ctrl-C until --timeout (here 120 s) passed.
+TEST(Preempt, SignalDuringRendezvousStopsAtOnce) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("stop_rendezvous");
+  const std::map<std::string, std::string> torchrun{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"},
+      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(ddp::find_free_port())}};
+  auto child = ddp::testing::start_process({DDPTRAIN_EXE, "--save_path", dir, "--dataset", "synthetic", "--backend",
+                                            "gloo", "--timeout", "120", "--progress", "plain"},
+                                           torchrun);
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // now waiting for rank 1
+  kill(child.pid, SIGTERM);
+  auto r = ddp::testing::finish_process(child, 30);  // far below --timeout
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir)) << r.output;
+}
+
+// Between display points a stop still comes within seconds: with
+// --log-every far past the epoch's end, SIGTERM once waited for the epoch
+// to end (165 s in a review's run; Slurm's KillWait is 30 s). The ranks
+// agree on it at checks about 2 s of steps apart, stop mid-epoch, and save.
+// (No clock here: stopping mid-epoch is the observable difference.)
+TEST(Preempt, StopComesWithinSecondsBetweenDisplayPoints) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("stop_between");
+  // resnet18 at batch 16: a few steps a second per rank here, 60 steps an epoch.
+  auto child = ddp::testing::start_process(train_args(
+      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "1", "--batch", "16", "--train-samples",
+            "1920", "--test-samples", "32"}));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
+  std::this_thread::sleep_for(std::chrono::seconds(4));
+  kill(child.pid, SIGTERM);
+  auto r = ddp::testing::finish_process(child, 240);
+  // Mid-epoch, not at its end (which, the epoch being the run's last, would
+  // have finished the run with exit 0).
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  EXPECT_NE(r.output.find("stopped by a signal at step"), std::string::npos) << r.output;
+  EXPECT_FALSE(find_file(dir, "preempt.pt").empty()) << r.output;
 }
 
 // `pkill -TERM ddptrain`, `systemctl stop` or Slurm signal the launcher and

@@ -356,6 +356,33 @@ TEST(Resume, FinishedRunSaysSoAndTrainsNothing) {
   EXPECT_EQ(ddp::testing::read_file(run_dir + "/metrics.jsonl"), before);
 }
 
+// --pretrain with a resume: the checkpoint's weights are the run's (they
+// went on from the pretrained ones), so the pretrained file is not loaded
+// (it was, and then overwritten: a silent no-op), and the run says so. The
+// resumed run ends as the straight run does. (--resume auto with no
+// checkpoint yet, a job's first start, loads it: Pretrain.* tests.)
+TEST(Resume, PretrainIsNotLoadedOverAResumedRun) {
+  const auto dir = ddp::testing::temp_dir("resume_pretrain");
+  const std::vector<std::string> run{"--size", "1", "--epochs", "2", "--train-samples", "256", "--test-samples", "64",
+                                     "--save_epoch", "1", "--augment", "none"};
+  auto first = run_process(run_args(dir, run));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string run_dir = fs::path(find_file(dir, "epoch_2.pt")).parent_path().string();
+  const auto straight = metrics_jsonl(run_dir);
+  ASSERT_EQ(straight.size(), 2u);
+  auto export_run = run_process({DDPTRAIN_EXE, "export", run_dir + "/epoch_2.pt", dir + "/w.pt"});
+  ASSERT_EQ(export_run.exit_code, 0) << export_run.output;
+  auto again = run_process({DDPTRAIN_EXE, "--resume", run_dir + "/epoch_1.pt", "--pretrain", dir + "/w.pt",
+                            "--progress", "plain"});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("pretrain: " + dir + "/w.pt not loaded: the run resumes from"), std::string::npos)
+      << again.output;
+  EXPECT_EQ(again.output.find("tensors loaded"), std::string::npos) << again.output;
+  const auto resumed = metrics_jsonl(run_dir);
+  ASSERT_EQ(resumed.size(), 2u);
+  EXPECT_EQ(resumed[1].at("test_loss"), straight[1].at("test_loss"));
+}
+
 // On one GPU: a run stopped after epoch 1 and resumed continues in its own
 // run directory (the CUDA wheel's libtorch.so once crashed this path through
 // its broken std::filesystem::remove_all) with every epoch in metrics.jsonl.

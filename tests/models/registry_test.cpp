@@ -72,6 +72,17 @@ TEST(ModelRegistryTest, UnknownNamesAreUserErrors) {
   EXPECT_NE(msg.find("auto, small, imagenet"), std::string::npos) << msg;
 }
 
+// The cnn has no stem to choose: --stem small or imagenet with it was
+// accepted and did nothing.
+TEST(ModelRegistryTest, StemWithTheCnnIsAUserError) {
+  for (const char* stem : {"small", "imagenet"}) {
+    auto msg = user_error(spec("cnn", stem, 1, {28, 28}));
+    EXPECT_NE(msg.find(std::string("--stem ") + stem), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Hint:"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(user_error(spec("cnn", "auto", 1, {28, 28})), "");
+}
+
 TEST(ModelRegistryTest, InputsTooSmallAreUserErrors) {
   auto msg = user_error(spec("resnet18", "imagenet", 1, {28, 28}));
   EXPECT_NE(msg.find("28x28"), std::string::npos) << msg;

@@ -152,6 +152,28 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
 // that run as a language model: the task comes from the checkpoint, as
 // every other flag does. It used to build the default image task, which
 // then looked for images in the fortunes folder.
+// tokens_per_s counts the tokens the steps trained on: a 2-rank run resumed
+// on 1 rank (whose --batch doubles after the task was set up) reported half
+// of them. Its ratio to samples_per_second is then about the context (64),
+// both taken over the same epoch (tokens_per_s leaves out its first step).
+TEST(LmTask, TokensPerSecondFollowsAResumeOnAnotherNumberOfRanks) {
+  DDP_SKIP_UNLESS_GLOO();
+  if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  const auto dir = ddp::testing::temp_dir("lm_tokens_per_s");
+  auto first = run_process(lm_args(dir, {"--size", "2", "--batch", "8", "--epochs", "2", "--train-samples", "320",
+                                         "--test-samples", "32", "--save_epoch", "1"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string run_dir = fs::path(find_file(dir, "epoch_1.pt")).parent_path().string();
+  auto again = run_process({DDPTRAIN_EXE, "--resume", run_dir + "/epoch_1.pt", "--size", "1", "--backend", "gloo",
+                            "--progress", "plain"});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  const auto rows = metrics_jsonl(run_dir);
+  ASSERT_EQ(rows.size(), 2u);
+  const double ratio = rows[1].at("tokens_per_s").get<double>() / rows[1].at("samples_per_second").get<double>();
+  EXPECT_GT(ratio, 64 * 0.75) << rows[1].dump();
+  EXPECT_LT(ratio, 64 * 1.5) << rows[1].dump();
+}
+
 TEST(LmTask, ThePrintedResumeCommandContinuesTheLmRun) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";

@@ -176,12 +176,13 @@ TEST(Trainer, MissingDataIsAnErrorNotSyntheticData) {
   EXPECT_TRUE(read_metrics(dir).empty());
 }
 
-// (f) Under torchrun's variables the process is that worker and spawns nothing.
+// (f) Under torchrun's variables the process is that worker and spawns
+// nothing (its own --size is refused there: Launcher.OwnLauncherFlagsUnderTorchrunAreRefused).
 TEST(Trainer, TorchrunVariablesMeanNoSpawn) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("env1");
   const std::string port = std::to_string(ddp::find_free_port());
-  auto r = run_process(small_run(dir, {"--size", "2", "--train-samples", "256", "--test-samples", "64"}),
+  auto r = run_process(small_run(dir, {"--train-samples", "256", "--test-samples", "64"}),
                        {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "1"},
                         {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -22,5 +22,11 @@ void install_crash_handler();
 bool stop_requested();
 /// Asks the training loop to checkpoint and stop at the next agreed step.
 void request_stop();
+/// Whether a first stop signal waits for the loop to checkpoint (true, the
+/// default) or ends the process at once with 128 + the signal (false).
+/// ddptrain's workers say false until their training loop runs: set-up and a
+/// rendezvous that waits for a rank that never comes hold nothing to save,
+/// and there Ctrl-C once did nothing until --timeout passed.
+void set_stop_can_checkpoint(bool can);
 
 }  // namespace ddp

@@ -58,8 +58,9 @@ class LmTask : public Task {
   std::string tokenizer_ = "bytes";
   std::vector<std::string> ignored_;
   void note_ignored_flags(const Config& config);
-  int64_t tokens_per_step_ = 0;
+  int64_t context_ = 0;          // tokens per sample
   int64_t steps_in_epoch_ = 0;
+  int64_t samples_after_first_ = 0;  // over all ranks, in the steps after the epoch's first
   std::chrono::steady_clock::time_point first_step_end_, last_step_end_;
 };
 

@@ -78,9 +78,10 @@ struct Monitor {
 
 /// Where training stands, for the hooks.
 struct StepEnd {
-  int64_t step = 0;   // optimizer steps done
-  int64_t epoch = 0;  // 1-based
+  int64_t step = 0;     // optimizer steps done
+  int64_t epoch = 0;    // 1-based
   double lr = 0;
+  int64_t samples = 0;  // samples this step trained on, over all ranks and micro-batches
 };
 struct EpochEnd {
   int64_t epoch = 0;

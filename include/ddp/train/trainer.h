@@ -60,6 +60,7 @@ class Trainer {
   void check_flags_match_rank_0();
   int64_t warmup_steps() const;
   void print_start() const;
+  void note_fewer_samples_than_asked() const;
   void print_summary(const EpochMetrics& last, double seconds) const;
   [[noreturn]] void save_and_stop(const std::string& path);
   std::string find_resume_checkpoint();
