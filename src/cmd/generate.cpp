@@ -66,8 +66,7 @@ constexpr const char* kUsage =
 // The architecture string in a ddptrain checkpoint's header.
 std::string checkpoint_arch(const std::string& path) {
   check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "pass a file such as <run>/best.pt.");
-  for (const auto& [name, t] : read_state_dict(path)) {
-    if (name != "ddptrain") continue;
+  for (const auto& [name, t] : read_state_dict(path, [](const std::string& n) { return n == "ddptrain"; })) {
     const auto header = nlohmann::json::parse(tensor_string(t), nullptr, /*allow_exceptions=*/false);
     check_user(header.is_object(), "checkpoint " + path + " has a damaged header.",
                "use another checkpoint of the run (epoch_*.pt).");

@@ -112,12 +112,16 @@ bool is_zip(const std::string& path) {
 // The name of the JSON header among a checkpoint's tensors.
 const char* const kHeader = "ddptrain";
 
-std::map<std::string, torch::Tensor> read_checkpoint_file(const std::string& path) {
+// With header_only, the header entry alone is read (see read_state_dict):
+// finding and checking the checkpoint to resume from reads kilobytes of
+// each candidate, not its gigabytes.
+std::map<std::string, torch::Tensor> read_checkpoint_file(const std::string& path, bool header_only = false) {
   check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path given to --resume/--pretrain.");
   check_user(is_zip(path), "checkpoint " + path + " is corrupt or not a ddptrain file (not a zip archive).",
              "use another checkpoint (the previous epoch's, or best.pt).");
   std::map<std::string, torch::Tensor> out;
-  for (auto& [name, t] : read_state_dict(path)) out[name] = t;
+  auto header = [](const std::string& name) { return name == kHeader; };
+  for (auto& [name, t] : header_only ? read_state_dict(path, header) : read_state_dict(path)) out[name] = t;
   return out;
 }
 
@@ -183,7 +187,7 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
 
 bool is_checkpoint(const std::string& path) {
   try {
-    return header_of(path, read_checkpoint_file(path)).value("format", 0) == kCheckpointFormat;
+    return header_of(path, read_checkpoint_file(path)).value("format", 0) == kCheckpointFormat;  // every record's CRC
   } catch (const std::exception&) {
     return false;
   }
@@ -208,7 +212,9 @@ CheckpointMeta meta_of(const std::string& path, const std::map<std::string, torc
 
 }  // namespace
 
-CheckpointMeta read_checkpoint_meta(const std::string& path) { return meta_of(path, read_checkpoint_file(path)); }
+CheckpointMeta read_checkpoint_meta(const std::string& path) {
+  return meta_of(path, read_checkpoint_file(path, /*header_only=*/true));
+}
 
 std::string resume_checkpoint(const std::string& resume, const std::string& save_path) {
   if (resume.empty()) return "";
@@ -307,7 +313,12 @@ void check_output_is_no_checkpoint(const std::string& out, const std::string& in
   check_user(!fs::equivalent(out, input, ec),
              "the output " + out + " is the checkpoint being read; writing it would destroy that checkpoint.",
              "name another output file, e.g. weights.pt.");
-  check_user(!is_checkpoint(out), "the output " + out + " is a ddptrain checkpoint; writing over it would lose it.",
+  bool checkpoint = false;
+  try {
+    checkpoint = header_of(out, read_checkpoint_file(out, /*header_only=*/true)).contains("format");
+  } catch (const std::exception&) {
+  }
+  check_user(!checkpoint, "the output " + out + " is a ddptrain checkpoint; writing over it would lose it.",
              "name another output file, e.g. weights.pt.");
 }
 

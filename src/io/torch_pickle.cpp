@@ -10,6 +10,10 @@
 
 #include <caffe2/serialize/inline_container.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -465,14 +469,34 @@ class Pickler {
 // fields, which large files need, are understood.
 class ZipArchive {
  public:
+  // Mapped, not read: a reader that needs one record (a checkpoint's header)
+  // pages in kilobytes of a checkpoint of gigabytes. ddptrain replaces
+  // files by rename, so a mapped file is not truncated under the reader.
   explicit ZipArchive(const std::string& path) : path_(path) {
-    std::ifstream f(path, std::ios::binary);
-    check_user(static_cast<bool>(f), "cannot read " + path + ": " + std::strerror(errno) + ".", "check the path.");
-    bytes_.assign(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    check_user(fd >= 0, "cannot read " + path + ": " + std::strerror(errno) + ".", "check the path.");
+    struct stat st {};
+    const bool stat_ok = ::fstat(fd, &st) == 0;
+    const int stat_errno = errno;
+    if (stat_ok && S_ISREG(st.st_mode) && st.st_size > 0) {
+      void* m = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+      if (m != MAP_FAILED) {
+        map_ = m;
+        bytes_ = std::string_view(static_cast<const char*>(m), static_cast<size_t>(st.st_size));
+      }
+    }
+    ::close(fd);
+    check_user(stat_ok, "cannot read " + path + ": " + std::strerror(stat_errno) + ".", "check the path.");
     read_directory();
   }
+  ~ZipArchive() {
+    if (map_) ::munmap(map_, bytes_.size());
+  }
+  ZipArchive(const ZipArchive&) = delete;
+  ZipArchive& operator=(const ZipArchive&) = delete;
 
   bool has(const std::string& name) const { return records_.count(name) != 0; }
+  uint64_t size(const std::string& name) const { return records_.at(name).size; }
 
   // The record's bytes, checked against its CRC-32.
   std::string_view get(const std::string& name) const {
@@ -570,11 +594,16 @@ class ZipArchive {
   }
 
   const std::string path_;
-  std::string bytes_;
+  void* map_ = nullptr;
+  std::string_view bytes_;  // the mapped file (empty: an empty or unmappable file)
   std::map<std::string, Record> records_;
 };
 
-NamedTensors read_zip(const std::string& path) {
+// `wanted` (null: all) picks the entries whose storages are read; the
+// others are left out. Storages are allocated as the pickle names them and
+// filled afterwards, only for the entries wanted (a storage shared by two
+// names once).
+NamedTensors read_zip(const std::string& path, const std::function<bool(const std::string&)>& wanted) {
   const ZipArchive zip(path);
   check_user(!zip.is_torchscript(),
              "cannot read " + path + ": it is a TorchScript archive (an older ddptrain checkpoint, format 2 or "
@@ -586,19 +615,34 @@ NamedTensors read_zip(const std::string& path) {
   if (zip.has("byteorder"))
     check_user(zip.get("byteorder") == "little", "cannot read " + path + ": it was saved on a big-endian machine.",
                "load and save it again on a little-endian machine.");
+  struct Pending {
+    std::string record;
+    torch::Tensor storage;
+    bool filled = false;
+  };
+  std::vector<Pending> storages;
   auto load_storage = [&](const std::string& key, c10::ScalarType dtype, int64_t numel) {
     const std::string record = "data/" + key;
     check_user(zip.has(record), "cannot read " + path + ": storage record " + record + " is missing.", kHint);
-    const auto data = zip.get(record);
+    check_user(numel >= 0, "cannot read " + path + ": storage " + record + " has a negative size.",
+               "the file is damaged; save it again.");
+    const uint64_t bytes = zip.size(record);
     const size_t item = c10::elementSize(dtype);
     // numel is compared by division first: a product could wrap around.
-    check_user(numel >= 0 && static_cast<uint64_t>(numel) <= data.size() / item && numel * item == data.size(),
-               "cannot read " + path + ": storage " + record + " has " + std::to_string(data.size()) +
-                   " bytes, expected " + std::to_string(numel) + " x " + c10::toString(dtype) + ".",
+    check_user(static_cast<uint64_t>(numel) <= bytes / item && numel * item == bytes,
+               "cannot read " + path + ": storage " + record + " has " + std::to_string(bytes) + " bytes, expected " +
+                   std::to_string(numel) + " x " + c10::toString(dtype) + ".",
                "the file is damaged; save it again.");
-    auto storage = torch::empty({numel}, torch::TensorOptions().dtype(dtype));
-    if (!data.empty()) std::memcpy(storage.data_ptr(), data.data(), data.size());
-    return storage;
+    storages.push_back({record, torch::empty({numel}, torch::TensorOptions().dtype(dtype))});
+    return storages.back().storage;
+  };
+  auto fill = [&](const torch::Tensor& t) {
+    for (auto& p : storages) {
+      if (p.filled || p.storage.storage().data() != t.storage().data()) continue;
+      const auto data = zip.get(p.record);
+      if (!data.empty()) std::memcpy(p.storage.data_ptr(), data.data(), data.size());
+      p.filled = true;
+    }
   };
   const auto pkl = zip.get("data.pkl");
   Unpickler unpickler(path, reinterpret_cast<const uint8_t*>(pkl.data()), pkl.size(), load_storage);
@@ -614,6 +658,8 @@ NamedTensors read_zip(const std::string& path) {
     check_user(value.kind == Value::kTensor,
                "cannot read " + path + ": '" + key.s() + "' holds a " + value.kind_name() + ", not a tensor.",
                "save only the model's state_dict, e.g. torch.save(checkpoint['model'], path).");
+    if (wanted && !wanted(key.s())) continue;
+    fill(value.tensor);
     out.emplace_back(key.s(), value.tensor);
   }
   return out;
@@ -621,7 +667,11 @@ NamedTensors read_zip(const std::string& path) {
 
 }  // namespace
 
-NamedTensors read_state_dict(const std::string& path) { return read_zip(path); }
+NamedTensors read_state_dict(const std::string& path) { return read_zip(path, nullptr); }
+
+NamedTensors read_state_dict(const std::string& path, const std::function<bool(const std::string&)>& wanted) {
+  return read_zip(path, wanted);
+}
 
 void write_state_dict(const std::string& path, const NamedTensors& tensors) {
   Pickler p;

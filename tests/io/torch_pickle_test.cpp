@@ -238,6 +238,31 @@ void expect_user_error(const std::string& path, const std::string& what) {
   }
 }
 
+// Reading some entries reads only their storages: a damaged record of
+// another entry goes unnoticed (it is not even paged in), while a full read
+// refuses the file. So finding the checkpoint to resume from, which reads
+// each candidate's header, costs kilobytes per file, not its gigabytes.
+TEST(TorchPickle, ReadingSomeEntriesReadsOnlyTheirStorages) {
+  const auto dir = ddp::testing::temp_dir("pickle_some");
+  const auto header = torch::arange(16, torch::kUInt8), big = torch::randn({1000, 100}),
+             tied = torch::arange(10, torch::kFloat);
+  ddp::write_state_dict(dir + "/f.pt", {{"head", header}, {"big", big}, {"a", tied}, {"b", tied}});
+  // Damage the middle of big's record (400,000 bytes: the file's bulk).
+  auto bytes = ddp::testing::read_file(dir + "/f.pt");
+  const auto at = bytes.size() / 2;
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x55);
+  std::ofstream(dir + "/f.pt", std::ios::binary | std::ios::trunc) << bytes;
+  const auto some = ddp::read_state_dict(dir + "/f.pt", [](const std::string& n) { return n != "big"; });
+  ASSERT_EQ(some.size(), 3u);
+  EXPECT_EQ(some[0].first, "head");
+  EXPECT_TRUE(torch::equal(some[0].second, header));
+  EXPECT_TRUE(torch::equal(some[1].second, tied));
+  EXPECT_TRUE(torch::equal(some[2].second, tied));
+  EXPECT_EQ(some[1].second.data_ptr(), some[2].second.data_ptr()) << "a shared storage is still shared";
+  const auto msg = ddp::testing::user_error([&] { ddp::read_state_dict(dir + "/f.pt"); });
+  EXPECT_NE(msg.find("damaged (CRC mismatch)"), std::string::npos) << msg;
+}
+
 TEST(TorchPickle, TruncatedZipIsAUserError) {
   const auto path = ddp::testing::temp_dir("pickle_bad") + "/truncated.pt";
   const auto bytes = ddp::testing::read_file(kData + "/pickle_bn.pt");

@@ -117,7 +117,8 @@ void export_weights(const std::string& checkpoint, const std::string& path);
 /// be written over, as torch.save would.
 void check_output_is_no_checkpoint(const std::string& out, const std::string& input);
 
-/// True if `path` opens as a ddptrain checkpoint (format header present).
+/// True if `path` opens as a ddptrain checkpoint: a format header, and every
+/// record whole (its CRC checked). read_checkpoint_meta reads the header only.
 bool is_checkpoint(const std::string& path);
 
 /// The newest complete checkpoint (epoch_*.pt) under `dir` and its run

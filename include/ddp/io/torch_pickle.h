@@ -29,6 +29,7 @@
 // check this under an address-space cap).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,6 +47,11 @@ using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 /// TorchScript archives (torch.jit.save files, ddptrain checkpoints of
 /// format 2 and older) without opening them.
 NamedTensors read_state_dict(const std::string& path);
+
+/// The same for the entries whose names `wanted` accepts; the storages of
+/// the others are not read (the file is mapped, so they are not even paged
+/// in): a checkpoint's header alone costs kilobytes.
+NamedTensors read_state_dict(const std::string& path, const std::function<bool(const std::string&)>& wanted);
 
 /// Writes `tensors` the way torch.save(OrderedDict) does, one contiguous
 /// storage per tensor, so that torch.load(path, weights_only=True) reads it
