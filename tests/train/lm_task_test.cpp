@@ -148,10 +148,6 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
   }
 }
 
-// The resume command a finished lm run prints (no --task on it) continues
-// that run as a language model: the task comes from the checkpoint, as
-// every other flag does. It used to build the default image task, which
-// then looked for images in the fortunes folder.
 // tokens_per_s counts the tokens the steps trained on: a 2-rank run resumed
 // on 1 rank (whose --batch doubles after the task was set up) reported half
 // of them. Its ratio to samples_per_second is then about the context (64),
@@ -174,6 +170,10 @@ TEST(LmTask, TokensPerSecondFollowsAResumeOnAnotherNumberOfRanks) {
   EXPECT_LT(ratio, 64 * 1.5) << rows[1].dump();
 }
 
+// The resume command a finished lm run prints (no --task on it) continues
+// that run as a language model: the task comes from the checkpoint, as
+// every other flag does. It used to build the default image task, which
+// then looked for images in the fortunes folder.
 TEST(LmTask, ThePrintedResumeCommandContinuesTheLmRun) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
