@@ -110,6 +110,18 @@ TEST(Launcher, OwnLauncherFlagsUnderTorchrunAreRefused) {
   }
 }
 
+// Starts a 2-rank job, sends its launcher SIGTERM `seconds` after the job
+// printed its start (by then every rank is in its loop: a rank still setting
+// up has nothing to save and would end at once), and waits for its end.
+ddp::testing::ProcessResult sigterm_while_training(const std::string& dir, std::vector<std::string> flags,
+                                                   int seconds) {
+  auto child = ddp::testing::start_process(train_args(dir, std::move(flags)));
+  if (!ddp::testing::wait_for_output(child, "world: ")) ADD_FAILURE() << "training never started";
+  std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  kill(child.pid, SIGTERM);
+  return ddp::testing::finish_process(child, 240);
+}
+
 // A stop agreed at an epoch's last step: the ranks stop after that epoch,
 // and its checkpoint is complete and loadable. Epochs of one step make every
 // stop land there (the first agreement is at the first micro-batch).
@@ -118,15 +130,9 @@ TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
   auto dir = ddp::testing::temp_dir("epoch_stop");
   // resnet18 makes rank 0's save take long enough that a peer which does not
   // wait for it exits first.
-  auto child = ddp::testing::start_process(train_args(
-      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "20", "--batch", "16", "--train-samples",
-            "32", "--test-samples", "32"}));
-  ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
-  // Every rank in its loop (a rank still setting up has nothing to save and
-  // would end at once: Preempt.SignalDuringRendezvousStopsAtOnce).
-  std::this_thread::sleep_for(std::chrono::seconds(2));
-  kill(child.pid, SIGTERM);
-  auto r = ddp::testing::finish_process(child, 240);
+  auto r = sigterm_while_training(dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "20", "--batch",
+                                        "16", "--train-samples", "32", "--test-samples", "32"},
+                                  2);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
   const std::string said = "stopped by a signal after epoch ";
   const auto at = r.output.find(said);
@@ -172,13 +178,9 @@ TEST(Preempt, StopComesWithinSecondsBetweenDisplayPoints) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("stop_between");
   // resnet18 at batch 16: a few steps a second per rank here, 60 steps an epoch.
-  auto child = ddp::testing::start_process(train_args(
-      dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "1", "--batch", "16", "--train-samples",
-            "1920", "--test-samples", "32"}));
-  ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
-  std::this_thread::sleep_for(std::chrono::seconds(4));
-  kill(child.pid, SIGTERM);
-  auto r = ddp::testing::finish_process(child, 240);
+  auto r = sigterm_while_training(dir, {"--model", "resnet18", "--log-every", "100000", "--epochs", "1", "--batch",
+                                        "16", "--train-samples", "1920", "--test-samples", "32"},
+                                  4);
   // Mid-epoch, not at its end (which, the epoch being the run's last, would
   // have finished the run with exit 0).
   EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
