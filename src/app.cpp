@@ -285,29 +285,45 @@ void keep_freed_memory_in_heap() {
 
 namespace {
 
-// Bad flags or data fail every rank of a job alike; the user should read the
-// error once, not once per rank. Under ddptrain's launcher, ranks other than
-// 0 wait before printing: when rank 0 fails too, the launcher stops them in
-// that time (SIGTERM, which now ends them quietly) and rank 0's line is the
-// only one. An error that only this rank meets is still printed, 2 s later.
-void defer_to_rank_0(const char* rank) {
-  if (!rank || std::string(rank) == "0" || !std::getenv("DDPTRAIN_LAUNCHER")) return;
+// How long a rank holds back its error line, so that a peer's report of the
+// same cause comes first and alone (0: print at once). Under ddptrain's
+// launcher, kRankErrorDeferSeconds (launch.h). Under torchrun's agent, which
+// polls its workers every --monitor-interval (5 s in torch 1.13, 0.1 s in
+// 2.x) and then stops the rest of the group, a little more than 5 s.
+constexpr double kTorchrunErrorDeferSeconds = 6.0;
+double error_defer_seconds() {
+  if (std::getenv("DDPTRAIN_LAUNCHER")) return kRankErrorDeferSeconds;
+  if (std::getenv("TORCHELASTIC_RESTART_COUNT")) return kTorchrunErrorDeferSeconds;  // set by torchrun's agent only
+  return 0;
+}
+
+// Waits `seconds` before the line is printed; a stop signal in that time
+// (the launcher's or the agent's, once the cause is known) ends the process
+// quietly.
+void defer_error(double seconds) {
+  if (seconds <= 0) return;
   std::signal(SIGTERM, SIG_DFL);
   std::signal(SIGINT, SIG_DFL);
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(kRankErrorDeferSeconds * 1000)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000)));
+}
+
+// Bad flags or data fail every rank of a job alike; the user should read the
+// error once, not once per rank. Under ddptrain's launcher or torchrun, ranks
+// other than 0 wait before printing: when rank 0 fails too, the launcher
+// stops them in that time and rank 0's line is the only one. An error that
+// only this rank meets is still printed, a few seconds later.
+void defer_to_rank_0(const char* rank) {
+  if (rank && std::string(rank) != "0") defer_error(error_defer_seconds());
 }
 
 // A collective that failed is nearly always the consequence of another
 // rank's failure, which that rank reports itself (or the launcher does, for
-// a crash). Under ddptrain's launcher a rank holds such a line back longer
-// than a bad-input error is held back: the launcher stops it in that time
-// once the cause is known, and it is printed only when no rank failed for
-// its own reasons (one stalled, say).
+// a crash). Under a launcher a rank holds such a line back longer than a
+// bad-input error is held back: the launcher stops it in that time once the
+// cause is known, and it is printed only when no rank failed for its own
+// reasons (one stalled, say).
 void defer_to_the_cause() {
-  if (!std::getenv("DDPTRAIN_LAUNCHER")) return;
-  std::signal(SIGTERM, SIG_DFL);
-  std::signal(SIGINT, SIG_DFL);
-  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>((kRankErrorDeferSeconds + 1) * 1000)));
+  if (const double s = error_defer_seconds(); s > 0) defer_error(s + 1);
 }
 
 // Under torchrun, Slurm or mpirun the ranks exist already: ddptrain's own

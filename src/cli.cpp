@@ -92,6 +92,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--linear-kernel", "--task lm's linear layers on CUDA under --amp bf16: the bias gradients as fp32 column sums from ddptrain's kernels, with the MLP's GELU backward in the same pass (auto), or LibTorch's bf16 sums (native); the same forward either way", &c.linear_kernel, {"auto", "native"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC>=V or METRIC<=V, or MONITOR=V for the task's monitor (reached in the direction it prefers)", &c.stop_at, {}, "train", kMayChange},
+      {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
 
@@ -171,6 +172,8 @@ void validate(const Config& c) {
   check_user(c.warmup_epochs >= 0, "--warmup-epochs must not be negative.");
   check_user(c.keep_last >= 0, "--keep-last must be 0 (keep all) or positive.");
   check_user(c.max_restarts >= 0, "--max-restarts must be 0 or positive.");
+  check_user(c.sanity_val_steps >= 0, "--sanity-val-steps must be 0 (off) or positive, got " +
+                                          std::to_string(c.sanity_val_steps) + ".");
   check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
              "e.g. --stop-at-acc 0.93.");
   positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");

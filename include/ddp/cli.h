@@ -93,6 +93,7 @@ struct Config {
   std::string ce_kernel = "auto";      // auto: ddptrain's fused cross-entropy kernels (--task lm, CUDA)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
+  int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's
   int bench_steps = 100;            // `ddptrain bench`
   std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps
 

@@ -4,6 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -95,19 +96,29 @@ int generate_command(const std::vector<std::string>& args) {
   app.add_option("--logits-out", logits_out,
                  "also write the prompt's logits (1 x T x vocab, float32) and ids to this file in torch.save format, "
                  "to compare with another implementation (bench/gpt_interop.py)");
-  std::vector<std::string> reversed(args.rbegin(), args.rend());
+  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes a vector last argument first
   try {
     app.parse(reversed);
   } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return exit_code::kOk;
+  } catch (const CLI::ExtrasError&) {
+    // CLI11 2.1 lists the extras last first; name them as they were given.
+    for (const auto& a : args)
+      if (a.size() > 1 && a[0] == '-' && app.get_option_no_throw(a.substr(0, a.find('='))) == nullptr)
+        throw UserError("unknown flag '" + a + "'.", kUsage);
+    auto extras = app.remaining();
+    std::string given;
+    for (const auto& a : args)
+      if (std::find(extras.begin(), extras.end(), a) != extras.end()) given += (given.empty() ? "" : " ") + a;
+    throw UserError("generate reads one checkpoint; also given: " + given + ".", kUsage);
   } catch (const CLI::ParseError& e) {
     throw UserError(std::string(e.what()) + ".", kUsage);
   }
   check_user(tokens >= 0, "--tokens must not be negative.", kUsage);
   const std::string arch = checkpoint_arch(checkpoint);
   auto model = models::Gpt(models::gpt_from_arch(arch));
-  load_pretrained(checkpoint, *model, torch::kCPU);
+  load_model_weights(checkpoint, *model, torch::kCPU);
   // One token at a time through a small model is a chain of tiny ops, which
   // extra threads only slow down (measured 7x slower with 2 threads for
   // gpt-nano on a busy 2-core machine).

@@ -60,6 +60,7 @@ TokenBufferPtr read_token_file(const std::string& path) {
       "--data_root needs train.bin and val.bin as nanoGPT's prepare.py or llm.c's data scripts write them "
       "(uint16 tokens, optionally after llm.c's 1024-byte header).";
   std::error_code ec;
+  check_user(!fs::is_directory(path, ec), path + " is a directory, not a token file.", fix);
   check_user(fs::is_regular_file(path, ec), "token file " + path + " does not exist.", fix);
   const auto bytes = static_cast<int64_t>(fs::file_size(path, ec));
   check_user(!ec, "cannot read the size of " + path + ".", "check its permissions.");
@@ -135,8 +136,13 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction) {
     for (int64_t i = 0; i < n; ++i) (i < cut ? train : val).push_back(static_cast<unsigned char>(text[static_cast<size_t>(i)]));
     ++out.files;
   }
-  check_user(!train.empty() && !val.empty(), "the text corpus " + path + " is empty.",
+  const size_t bytes = train.size() + val.size();
+  check_user(bytes > 0, "the text corpus " + path + " is empty.",
              "pass --data_root with text files, or train.bin and val.bin.");
+  check_user(!val.empty(),
+             "the text corpus " + path + " holds only " + std::to_string(bytes) +
+                 " bytes, too few to hold back a part for validation.",
+             "give it more text (training needs a few kilobytes at least), or train.bin and val.bin.");
   out.train = std::make_shared<TokenBuffer>(std::move(train), path + " (train)");
   out.val = std::make_shared<TokenBuffer>(std::move(val), path + " (val)");
   return out;

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -35,7 +36,7 @@ std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_
 [[noreturn]] void write_failed(const std::string& path, const std::string& tmp, int err) {
   if (!tmp.empty()) ::unlink(tmp.c_str());
   throw UserError("cannot write " + path + ": " + std::strerror(err) + ".",
-                  "free space on that file system, or pass a writable --save_path.");
+                  "free space on that file system, or choose a path on another one.");
 }
 
 // The rename is durable only once the directory is synced. File systems
@@ -343,9 +344,12 @@ std::string PretrainReport::summary() const {
   return s;
 }
 
-PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
-                               const std::string& skip) {
-  check_user(fs::exists(path), "--pretrain " + path + " does not exist.", "check the path.");
+namespace {
+
+// The weights of `path` matched against `model` by name and shape (names
+// matching the glob `skip` left out); loaded only if `fits` accepts the match.
+PretrainReport load_matching(const std::string& path, torch::nn::Module& model, const torch::Device& device,
+                             const std::string& skip, const std::function<void(const PretrainReport&)>& fits) {
   std::map<std::string, torch::Tensor> weights;
   for (auto& [name, t] : read_weights(path)) weights[name] = t;
   PretrainReport r;
@@ -366,11 +370,30 @@ PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model
   }
   for (const auto& [name, t] : weights)
     if (!targets.count(name) && !skipped(name)) r.unexpected.push_back(name);
-  check_user(r.missing.empty() && r.unexpected.empty() && r.mismatched.empty(),
-             "--pretrain " + path + " does not fit the model: " + r.summary() + ".",
-             "pass --pretrain-skip 'fc.*' to keep a new head, or the --model/--stem/data that made the weights.");
+  fits(r);
   for (const auto& name : r.loaded) targets[name].copy_(weights[name].to(device));
   return r;
+}
+
+bool complete(const PretrainReport& r) { return r.missing.empty() && r.unexpected.empty() && r.mismatched.empty(); }
+
+}  // namespace
+
+PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
+                               const std::string& skip) {
+  check_user(fs::exists(path), "--pretrain " + path + " does not exist.", "check the path.");
+  return load_matching(path, model, device, skip, [&](const PretrainReport& r) {
+    check_user(complete(r), "--pretrain " + path + " does not fit the model: " + r.summary() + ".",
+               "pass --pretrain-skip 'fc.*' to keep a new head, or the --model/--stem/data that made the weights.");
+  });
+}
+
+void load_model_weights(const std::string& path, torch::nn::Module& model, const torch::Device& device) {
+  check_user(fs::exists(path), "checkpoint " + path + " does not exist.", "check the path.");
+  load_matching(path, model, device, "", [&](const PretrainReport& r) {
+    check_user(complete(r), "checkpoint " + path + " does not hold the weights of the model it names: " + r.summary() + ".",
+               "the file is damaged or was changed after training; use another checkpoint of the run, or train again.");
+  });
 }
 
 std::string make_run_dir(const std::string& save_path, const std::string& stem) {

@@ -220,15 +220,25 @@ int restart_attempt() {
   return attempt ? std::atoi(attempt) : 0;
 }
 
-// The run directory under `save_path` whose job_id file names `id`, or "".
-std::string job_run_dir(const std::string& save_path, const std::string& id) {
-  std::error_code ec;
-  if (id.empty() || !std::filesystem::is_directory(save_path, ec)) return "";
-  for (const auto& e : std::filesystem::directory_iterator(save_path, ec)) {
-    std::ifstream f(e.path() / "job_id");
+// The run directory whose job_id file names `id`, or "": the one --resume
+// names (a run resumed where it was moved to, out of --save_path), else one
+// under `save_path`.
+std::string job_run_dir(const std::string& save_path, const std::string& resume, const std::string& id) {
+  namespace fs = std::filesystem;
+  auto is_jobs = [&](const fs::path& dir) {
+    std::ifstream f(dir / "job_id");
     std::string got;
-    if (f && std::getline(f, got) && got == id) return e.path().string();
+    return f && std::getline(f, got) && got == id;
+  };
+  std::error_code ec;
+  if (id.empty()) return "";
+  if (!resume.empty() && resume != "auto") {
+    const fs::path dir = fs::is_directory(resume, ec) ? fs::path(resume) : fs::path(run_dir_of(resume));
+    if (is_jobs(dir)) return dir.string();
   }
+  if (!fs::is_directory(save_path, ec)) return "";
+  for (const auto& e : fs::directory_iterator(save_path, ec))
+    if (is_jobs(e.path())) return e.path().string();
   return "";
 }
 
@@ -243,7 +253,7 @@ std::string Trainer::find_resume_checkpoint() {
     std::string dir, path;
     if (world_.is_main()) {
       const std::string id = job_id();
-      dir = job_run_dir(config_.save_path, id);
+      dir = job_run_dir(config_.save_path, config_.resume, id);
       if (!dir.empty()) {
         path = find_latest_checkpoint(dir);
       } else if (id.empty() && config_.resume.empty()) {
@@ -383,6 +393,7 @@ EpochMetrics Trainer::fit() {
   }
   set_stop_can_checkpoint(true);  // a stop signal now checkpoints (signals.h); before "world: " is printed
   print_start();
+  sanity_validation();
   const auto started = Clock::now();
   EpochMetrics last;
   for (int64_t epoch = state_.epoch + 1; epoch <= config_.epochs; ++epoch) {
@@ -725,7 +736,7 @@ void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
                  static_cast<long long>(epoch), bad.c_str());
 }
 
-Metrics Trainer::evaluate() {
+Metrics Trainer::evaluate(int64_t max_batches) {
   const auto& test = data_.test;
   if (test->size() == 0) return {};
   check_user(test->size() >= world_.size(), "the test set has " + std::to_string(test->size()) +
@@ -742,7 +753,9 @@ Metrics Trainer::evaluate() {
   const auto dev = world_.device();
   Totals totals;
   const auto stage = test->device_stage();
-  while (auto batch = loader.next()) {
+  for (int64_t b = 0; max_batches < 0 || b < max_batches; ++b) {
+    auto batch = loader.next();
+    if (!batch) break;
     if (stage) stage->run(*batch, dev);
     for (auto& [name, t] : *batch) t = t.to(dev, true);
     if (batch->contains("input")) batch->input() = step_->prepare(batch->input());
@@ -821,6 +834,27 @@ void Trainer::check_stop_rule() const {
 int64_t Trainer::warmup_steps() const {
   const int64_t steps = std::llround(config_.warmup_epochs * static_cast<double>(steps_per_epoch_));
   return config_.warmup_epochs > 0 ? std::max<int64_t>(1, steps) : steps;
+}
+
+// A few validation batches before training (--sanity-val-steps), as
+// Lightning runs them: a validation_step() that fails, or a --stop-at metric
+// that validation does not report, shows now rather than after an epoch.
+// The metric may still come from a training log or on_epoch_end(), so an
+// unknown name is a warning here; after the first epoch it is an error.
+void Trainer::sanity_validation() {
+  if (config_.sanity_val_steps == 0 || data_.test->size() == 0) return;
+  const Metrics metrics = evaluate(config_.sanity_val_steps);
+  const std::string rule = config_.stop_at.empty() && config_.stop_at_acc > 0 ? "test_acc>=" : config_.stop_at;
+  const std::string name = rule.substr(0, rule.find_first_of("<>="));
+  if (name.empty() || metrics.count(name)) return;
+  std::string names;
+  for (const auto& [n, v] : metrics) names += (names.empty() ? "" : ", ") + n;
+  if (world_.is_main())
+    std::fprintf(stderr,
+                 "ddptrain: warning: --stop-at names '%s', which validation does not report (it reports %s); unless a "
+                 "training log or on_epoch_end() adds it, the run stops with an error after epoch 1. Hint: e.g. "
+                 "--stop-at %s=VALUE.\n",
+                 name.c_str(), names.c_str(), monitor_.metric.c_str());
 }
 
 bool Trainer::reached_stop_at(const Metrics& metrics) const {

@@ -2,6 +2,7 @@
 // GPT whose logits PyTorch wrote (tests/testdata/make_gpt_reference.py):
 // the logits it writes and its greedy token are PyTorch's, the context
 // slides over long prompts, and files that are not checkpoints are errors.
+#include <algorithm>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -114,6 +115,43 @@ TEST(Generate, BadValuesAreOneLineErrors) {
   const auto damaged = ddp::testing::temp_dir("generate_damaged") + "/damaged.pt";
   ddp::write_state_dict(damaged, tensors);
   one_line_usage(run_process({DDPTRAIN_EXE, "generate", damaged, "--prompt", "1"}), "has a damaged header");
+}
+
+// generate's errors speak of generate, not of training: flags in the order
+// given, a checkpoint whose weights do not fit the model its header names
+// (no --pretrain-skip hint), an output that cannot be written (no
+// --save_path hint).
+TEST(Generate, ErrorsNameGeneratesOwnArguments) {
+  const auto ck = tiny_checkpoint();
+  auto unknown = run_process({DDPTRAIN_EXE, "generate", ck, "--foo", "1", "--bar", "2"});
+  EXPECT_EQ(unknown.exit_code, ddp::exit_code::kUsage) << unknown.output;
+  EXPECT_NE(unknown.output.find("unknown flag '--foo'"), std::string::npos) << unknown.output;
+  auto extra = run_process({DDPTRAIN_EXE, "generate", ck, "b.pt", "c.pt"});
+  EXPECT_EQ(extra.exit_code, ddp::exit_code::kUsage) << extra.output;
+  EXPECT_NE(extra.output.find("b.pt c.pt"), std::string::npos) << extra.output;
+
+  auto tensors = ddp::read_state_dict(ck);
+  tensors.erase(std::remove_if(tensors.begin(), tensors.end(), [](const auto& e) {
+                                 const std::string name = "transformer.ln_f.weight";  // under "model/"
+                                 return e.first.size() >= name.size() &&
+                                        e.first.compare(e.first.size() - name.size(), name.size(), name) == 0;
+                               }),
+                tensors.end());
+  const auto short_of_one = ddp::testing::temp_dir("generate_short") + "/short.pt";
+  ddp::write_state_dict(short_of_one, tensors);
+  auto unfit = run_process({DDPTRAIN_EXE, "generate", short_of_one, "--prompt", "1"});
+  EXPECT_EQ(unfit.exit_code, ddp::exit_code::kUsage) << unfit.output;
+  EXPECT_NE(unfit.output.find("checkpoint " + short_of_one + " does not hold the weights of the model it names"),
+            std::string::npos) << unfit.output;
+  EXPECT_NE(unfit.output.find("missing: transformer.ln_f.weight"), std::string::npos) << unfit.output;
+  EXPECT_EQ(unfit.output.find("--pretrain"), std::string::npos) << unfit.output;
+
+  auto unwritable = run_process({DDPTRAIN_EXE, "generate", ck, "--prompt", "1", "--tokens", "1", "--logits-out",
+                                 "/proc/ddp_forbidden/logits.pt"});
+  EXPECT_EQ(unwritable.exit_code, ddp::exit_code::kUsage) << unwritable.output;
+  EXPECT_NE(unwritable.output.find("cannot write /proc/ddp_forbidden/logits.pt"), std::string::npos)
+      << unwritable.output;
+  EXPECT_EQ(unwritable.output.find("--save_path"), std::string::npos) << unwritable.output;
 }
 
 }  // namespace

@@ -64,6 +64,9 @@ TEST(Tokens, BadFilesAreErrorsThatNameThePathAndTheFix) {
   auto missing = error_for("train.bin");
   EXPECT_NE(missing.find(dir + "/train.bin does not exist"), std::string::npos) << missing;
   EXPECT_NE(missing.find("Hint: --data_root needs train.bin and val.bin"), std::string::npos) << missing;
+  fs::create_directory(dir + "/folder.bin");  // there, but not a file: not "does not exist"
+  const auto folder = error_for("folder.bin");
+  EXPECT_NE(folder.find(dir + "/folder.bin is a directory, not a token file"), std::string::npos) << folder;
 
   const char odd[3] = {1, 2, 3};
   write_bytes(dir + "/odd.bin", odd, 3);
@@ -217,6 +220,19 @@ TEST(Tokens, TextCorpusIsBytesWithTheLastTenthOfEachFileHeldOut) {
   EXPECT_EQ(corpus.val->data()[100], 'b');
   const auto msg = testing::user_error([&] { read_text_corpus(dir + "/none"); });
   EXPECT_NE(msg.find("no text corpus at " + dir + "/none"), std::string::npos) << msg;
+}
+
+// A corpus too small to hold back a validation part is said to be small, not
+// empty; an empty one is empty.
+TEST(Tokens, TinyTextCorpusIsNamedTooSmallNotEmpty) {
+  const auto dir = testing::temp_dir("corpus_tiny");
+  write_bytes(dir + "/three", "abc", 3);
+  const auto tiny = testing::user_error([&] { read_text_corpus(dir + "/three"); });
+  EXPECT_NE(tiny.find("the text corpus " + dir + "/three holds only 3 bytes"), std::string::npos) << tiny;
+  EXPECT_EQ(tiny.find("is empty"), std::string::npos) << tiny;
+  write_bytes(dir + "/none", "", 0);
+  const auto empty = testing::user_error([&] { read_text_corpus(dir + "/none"); });
+  EXPECT_NE(empty.find("the text corpus " + dir + "/none is empty"), std::string::npos) << empty;
 }
 
 // A folder read as text must hold text: a binary file (NUL bytes; e.g. the

@@ -323,6 +323,32 @@ TEST(Resume, RestartNeverResumesAnotherRunsCheckpoint) {
   EXPECT_EQ(metrics_jsonl(a_dir).size(), 1u);
 }
 
+// A run resumed from a checkpoint in a run directory moved out of
+// --save_path, that fails and restarts, goes on from the newest checkpoint
+// the failed attempt wrote there, not from the file --resume named: that
+// would train the epochs since then again.
+TEST(Resume, RestartOfAMovedRunGoesOnFromItsNewestCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto first = ddp::testing::temp_dir("restart_moved_a"), moved = ddp::testing::temp_dir("restart_moved_b");
+  const std::vector<std::string> small{"--size", "1", "--train-samples", "512", "--test-samples", "128", "--save_epoch", "1"};
+  auto args = small;
+  args.insert(args.end(), {"--epochs", "1"});
+  auto a = run_process(run_args(first, args));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string run = fs::path(find_file(first, "epoch_1.pt")).parent_path().string();
+  const std::string to = moved + "/run";
+  fs::rename(run, to);
+  // 512 samples / batch 64 = 8 steps an epoch: fail at step 20, in epoch 3,
+  // after this attempt saved epoch_2.pt in the moved directory.
+  args = small;
+  args.insert(args.end(), {"--epochs", "3", "--reschedule", "--resume", to + "/epoch_1.pt", "--max-restarts", "1"});
+  auto b = run_process(run_args(first, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:20"}});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
+  EXPECT_NE(b.output.find("resume: " + to + "/epoch_2.pt"), std::string::npos) << b.output;
+  EXPECT_EQ(metrics_jsonl(to).size(), 3u);
+}
+
 // --max-restarts restarts a single process too (restarts live in the
 // launcher, which a one-process run once skipped: the flag did nothing).
 TEST(Resume, MaxRestartsRestartsASingleProcess) {

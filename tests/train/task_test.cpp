@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
 #include "ddp/models/registry.h"
 #include "ddp/train/task.h"
@@ -246,10 +247,33 @@ TEST(Task, StopAtAnUnknownMetricKeepsTheEpoch) {
   const auto dir = ddp::testing::temp_dir("stop_at_unknown");
   auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "1", "--epochs", "2",
                                                    "--train-samples", "512", "--test-samples", "128",
-                                                   "--stop-at", "test_acc>=0.9"}));
+                                                   "--stop-at", "test_acc>=0.9", "--log-every", "1"}));
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("--stop-at names 'test_acc', which this task does not report"), std::string::npos) << r.output;
   EXPECT_TRUE(fs::exists(run_dir_of(dir) + "/epoch_1.pt")) << r.output;
+  // Warned of before training, by the validation batches that run first.
+  const auto warned = r.output.find("warning: --stop-at names 'test_acc', which validation does not report (it reports "
+                                    "test_loss, test_mae, test_mse, test_r2)");
+  ASSERT_NE(warned, std::string::npos) << r.output;
+  const auto trained = r.output.find("epoch 1/2 step 1/");
+  ASSERT_NE(trained, std::string::npos) << r.output;
+  EXPECT_LT(warned, trained) << r.output;
+  auto quiet = run_process(cpu_run(DDPTRAIN_EXE, ddp::testing::temp_dir("stop_at_unknown_no_sanity"),
+                                   {"--task", "regression", "--size", "1", "--epochs", "1", "--train-samples", "256",
+                                    "--test-samples", "64", "--stop-at", "test_acc>=0.9", "--sanity-val-steps", "0"}));
+  EXPECT_EQ(quiet.output.find("which validation does not report"), std::string::npos) << quiet.output;
+}
+
+// A validation_step() that fails does so before the first training step
+// (Lightning's sanity check), not after an epoch of training.
+TEST(Task, FailingValidationStepStopsBeforeTraining) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("bad_validation");
+  auto r = run_process({DDP_TESTWORKER, "--launch", "2", "not_finite", dir, "bad_validation", "--epochs", "1",
+                        "--train-samples", "256", "--test-samples", "64", "--batch", "32", "--log-every", "1"});
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find("validation_step() failed on purpose."), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("step 1/"), std::string::npos) << "trained before validating:\n" << r.output;
 }
 
 // A NaN validation metric while the training loss stays finite is said

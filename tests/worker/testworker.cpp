@@ -305,6 +305,7 @@ class NotFiniteTask : public RegressionTask {
     return scaled_;
   }
   TensorMap validation_step(const data::Batch& batch) override {
+    if (mode_ == "bad_validation") throw UserError("validation_step() failed on purpose.");
     auto sums = RegressionTask::validation_step(batch);
     sums["huge"] = (batch.target().abs() > 1e30).sum().to(torch::kDouble);  // always 0
     return sums;
@@ -312,24 +313,25 @@ class NotFiniteTask : public RegressionTask {
   Metrics validation_metrics(const Totals& totals) override {
     auto m = RegressionTask::validation_metrics(totals);
     if (mode_ == "metric") m["test_huge_share"] = totals.at("huge").item<double>() / totals.at("huge").item<double>();
-    if (mode_ == "scripted") {
+    if (mode_ == "scripted") {  // by epoch: the validation before training (--sanity-val-steps) counts no epoch
       const double losses[] = {1.0, 0.5, 2.0};
-      m["test_loss"] = losses[std::min<size_t>(validations_++, 2)];
+      m["test_loss"] = losses[std::min<size_t>(epochs_ended_, 2)];
     }
     return m;
   }
   void on_step_end(const StepEnd& step) override {
     if (scaled_ && step.step == 2) scaled_->scale.fill_(std::numeric_limits<double>::infinity());
   }
+  void on_epoch_end(EpochEnd&) override { ++epochs_ended_; }
 
  private:
   std::string mode_;
   std::shared_ptr<ScaledNetImpl> scaled_;
-  size_t validations_ = 0;
+  size_t epochs_ended_ = 0;
 };
 
 void not_finite(World& world, const std::string& out, int argc, char** argv) {
-  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer or scripted)");
+  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted or bad_validation)");
   NotFiniteTask task(argv[0]);
   Config defaults;
   task.add_flags(defaults);

@@ -102,6 +102,11 @@ struct PretrainReport {
 PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model, const torch::Device& device,
                                const std::string& skip = "");
 
+/// Loads every weight of the model a checkpoint's header names (generate,
+/// export): the same match as load_pretrained with nothing skipped, whose
+/// failure means a damaged file, and says so.
+void load_model_weights(const std::string& path, torch::nn::Module& model, const torch::Device& device);
+
 /// Writes the model's parameters and buffers as a PyTorch state_dict file
 /// (see torch_pickle.h): in Python, torch.load(path, weights_only=True)
 /// gives an OrderedDict of tensors that load_state_dict() accepts (e.g.

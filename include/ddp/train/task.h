@@ -120,7 +120,9 @@ class Task {
   /// Sums over the batch, e.g. {"loss": loss * n, "correct": c, "count": n}.
   virtual TensorMap validation_step(const data::Batch& batch) = 0;
   /// Metrics from the totals over the whole validation set. Default: every
-  /// scalar total X other than "count" gives test_X = X / count.
+  /// scalar total X other than "count" gives test_X = X / count. Both also
+  /// run once before training on a few batches (--sanity-val-steps, as
+  /// Lightning's sanity check), whose metrics are checked, not logged.
   virtual Metrics validation_metrics(const Totals& totals);
   virtual Monitor monitor() const { return {}; }
 

@@ -53,7 +53,8 @@ class Trainer {
   struct EpochFeed;
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
-  Metrics evaluate();
+  Metrics evaluate(int64_t max_batches = -1);
+  void sanity_validation();
   void save(int64_t epoch, double monitored, bool periodic);
   bool reached_stop_at(const Metrics& metrics) const;
   void check_stop_rule() const;
