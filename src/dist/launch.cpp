@@ -145,6 +145,24 @@ int root_cause(std::vector<Worker>& ws, int first) {
   return best < 0 ? first : best;
 }
 
+// When the first failure is a peer's collective that timed out (exit
+// kPeerFailed) and, after root_cause's wait, a rank is still running, that
+// rank was not in the collective: it is the one that stalled (in its data
+// loading, the task's code, a deadlock). Names it, or says nothing.
+std::string stalled_ranks(const std::vector<Worker>& ws, int failed) {
+  if (own_fault(ws[failed])) return "";
+  std::string ranks;
+  int n = 0;
+  for (const auto& w : ws)
+    if (w.running) {
+      ranks += (ranks.empty() ? "" : ", ") + std::to_string(w.rank);
+      ++n;
+    }
+  if (n == 0) return "";
+  return std::string(n > 1 ? "; ranks " : "; rank ") + ranks + (n > 1 ? " were" : " was") +
+         " still running outside that collective: stalled there (in data loading or the task's code?)";
+}
+
 bool bad_input(int wait_status) { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == exit_code::kUsage; }
 
 void stop_survivors(std::vector<Worker>& ws, double grace_seconds) {
@@ -405,7 +423,7 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
     int failed = reap(ws);
     if (failed >= 0) {
       failed = root_cause(ws, failed);
-      why = describe_exit(ws[failed].rank, ws[failed].status) + on_node;
+      why = describe_exit(ws[failed].rank, ws[failed].status) + on_node + stalled_ranks(ws, failed);
       if (link) {
         // Ranks here only lost a peer: the rank that caused it is probably
         // on another node, whose launcher is about to say so.

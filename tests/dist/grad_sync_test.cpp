@@ -189,6 +189,9 @@ TEST(Launcher, StalledRankIsReportedAfterTimeout) {
   EXPECT_NE(r.output.find("rank 0 of 2: collective 'waiting for the stalled rank' failed"), std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("rank 0 exited with code 4"), std::string::npos) << r.output;  // kPeerFailed
+  // The launcher names the rank that was not in the collective.
+  EXPECT_NE(r.output.find("rank 1 was still running outside that collective: stalled there"), std::string::npos)
+      << r.output;
 }
 
 // A rank that never joins the gradient all-reduce: the others fail within
