@@ -289,8 +289,10 @@ namespace {
 // same cause comes first and alone (0: print at once). Under ddptrain's
 // launcher, kRankErrorDeferSeconds (launch.h). Under torchrun's agent, which
 // polls its workers every --monitor-interval (5 s in torch 1.13, 0.1 s in
-// 2.x) and then stops the rest of the group, a little more than 5 s.
-constexpr double kTorchrunErrorDeferSeconds = 6.0;
+// 2.x) and then stops the rest of the group: 8 s, so that ranks meeting the
+// same error up to 3 s apart still print it once.
+constexpr double kTorchrunErrorDeferSeconds = 8.0;
+constexpr double kTorchrunMonitorSeconds = 5.0;
 double error_defer_seconds() {
   if (std::getenv("DDPTRAIN_LAUNCHER")) return kRankErrorDeferSeconds;
   if (std::getenv("TORCHELASTIC_RESTART_COUNT")) return kTorchrunErrorDeferSeconds;  // set by torchrun's agent only
@@ -318,12 +320,15 @@ void defer_to_rank_0(const char* rank) {
 
 // A collective that failed is nearly always the consequence of another
 // rank's failure, which that rank reports itself (or the launcher does, for
-// a crash). Under a launcher a rank holds such a line back longer than a
-// bad-input error is held back: the launcher stops it in that time once the
+// a crash). Under a launcher a rank holds such a line back longer than the
+// cause holds back its own: the launcher stops it in that time once the
 // cause is known, and it is printed only when no rank failed for its own
-// reasons (one stalled, say).
+// reasons (one stalled, say). torchrun learns of the cause's exit only at its
+// next poll, so there the wait covers that poll too: else rank 0's follow-on
+// line came second and torchrun named rank 0 the root cause.
 void defer_to_the_cause() {
-  if (const double s = error_defer_seconds(); s > 0) defer_error(s + 1);
+  if (std::getenv("DDPTRAIN_LAUNCHER")) defer_error(kRankErrorDeferSeconds + 1);
+  else if (std::getenv("TORCHELASTIC_RESTART_COUNT")) defer_error(kTorchrunErrorDeferSeconds + kTorchrunMonitorSeconds + 3);
 }
 
 // Under torchrun, Slurm or mpirun the ranks exist already: ddptrain's own

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <limits>
@@ -103,14 +104,17 @@ int generate_command(const std::vector<std::string>& args) {
     std::cout << app.help();
     return exit_code::kOk;
   } catch (const CLI::ExtrasError&) {
-    // CLI11 2.1 lists the extras last first; name them as they were given.
-    for (const auto& a : args)
-      if (a.size() > 1 && a[0] == '-' && app.get_option_no_throw(a.substr(0, a.find('='))) == nullptr)
-        throw UserError("unknown flag '" + a + "'.", kUsage);
-    auto extras = app.remaining();
+    // CLI11 2.1's own message lists the extras last first; remaining() has
+    // them as they were given.
+    const auto extras = app.remaining();
+    for (const auto& a : extras) {
+      char* end = nullptr;
+      std::strtod(a.c_str(), &end);
+      const bool number = end && *end == '\0';
+      if (a.size() > 1 && a[0] == '-' && !number) throw UserError("unknown flag '" + a + "'.", kUsage);
+    }
     std::string given;
-    for (const auto& a : args)
-      if (std::find(extras.begin(), extras.end(), a) != extras.end()) given += (given.empty() ? "" : " ") + a;
+    for (const auto& a : extras) given += (given.empty() ? "" : " ") + a;
     throw UserError("generate reads one checkpoint; also given: " + given + ".", kUsage);
   } catch (const CLI::ParseError& e) {
     throw UserError(std::string(e.what()) + ".", kUsage);

@@ -160,7 +160,7 @@ std::string stalled_ranks(const std::vector<Worker>& ws, int failed) {
     }
   if (n == 0) return "";
   return std::string(n > 1 ? "; ranks " : "; rank ") + ranks + (n > 1 ? " were" : " was") +
-         " still running outside that collective: stalled there (in data loading or the task's code?)";
+         " still running outside that collective: probably stalled (in data loading or the task's code?)";
 }
 
 bool bad_input(int wait_status) { return WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == exit_code::kUsage; }
@@ -423,11 +423,13 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
     int failed = reap(ws);
     if (failed >= 0) {
       failed = root_cause(ws, failed);
-      why = describe_exit(ws[failed].rank, ws[failed].status) + on_node + stalled_ranks(ws, failed);
+      const std::string stalled = stalled_ranks(ws, failed);
+      why = describe_exit(ws[failed].rank, ws[failed].status) + on_node + stalled;
       if (link) {
         // Ranks here only lost a peer: the rank that caused it is probably
-        // on another node, whose launcher is about to say so.
-        std::string remote = own_fault(ws[failed]) ? "" : link->wait_remote_failure(attempt, 3.0);
+        // on another node, whose launcher is about to say so (unless the
+        // stalled rank is here).
+        std::string remote = own_fault(ws[failed]) || !stalled.empty() ? "" : link->wait_remote_failure(attempt, 3.0);
         cause_here = remote.empty();
         if (!cause_here) why = remote;
         else link->post(attempt, "fail:" + why);  // early, so the other nodes stop now

@@ -35,8 +35,12 @@ std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_
 // that a truncated file is never renamed over a good one.
 [[noreturn]] void write_failed(const std::string& path, const std::string& tmp, int err) {
   if (!tmp.empty()) ::unlink(tmp.c_str());
+  const bool full = err == ENOSPC || err == EDQUOT || err == EFBIG;
+  const bool missing = err == ENOENT || err == ENOTDIR;
   throw UserError("cannot write " + path + ": " + std::strerror(err) + ".",
-                  "free space on that file system, or choose a path on another one.");
+                  full      ? "free space on that file system, or choose a path on another one."
+                  : missing ? "create its directory first, or choose a path in an existing one."
+                            : "choose a path that you can write to.");
 }
 
 // The rename is durable only once the directory is synced. File systems

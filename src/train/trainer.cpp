@@ -1,6 +1,8 @@
 // Trainer: set-up in a fixed order, then the epoch loop.
 #include "ddp/train/trainer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -13,6 +15,7 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -789,7 +792,8 @@ void Trainer::check_flags_match_rank_0() {
   for (const auto& f : flag_table(copy)) {
     const std::string key = f.key();
     if (key == "data_root" || key == "val-root") continue;
-    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch") continue;
+    // --sanity-val-steps too: it decides whether collectives run before training.
+    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps") continue;
     keys.push_back(key);
     mine[key] = all[key];
   }
@@ -843,7 +847,19 @@ int64_t Trainer::warmup_steps() const {
 // unknown name is a warning here; after the first epoch it is an error.
 void Trainer::sanity_validation() {
   if (config_.sanity_val_steps == 0 || data_.test->size() == 0) return;
+  // A validation_step that draws random numbers must not change training:
+  // the generators are as they were before (as Lightning restores them).
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  const torch::Tensor cpu_state = cpu.get_state();
+  std::optional<at::Generator> gpu;
+  torch::Tensor gpu_state;
+  if (world_.device().is_cuda()) {
+    gpu = at::globalContext().defaultGenerator(world_.device());
+    gpu_state = gpu->get_state();
+  }
   const Metrics metrics = evaluate(config_.sanity_val_steps);
+  cpu.set_state(cpu_state);
+  if (gpu) gpu->set_state(gpu_state);
   const std::string rule = config_.stop_at.empty() && config_.stop_at_acc > 0 ? "test_acc>=" : config_.stop_at;
   const std::string name = rule.substr(0, rule.find_first_of("<>="));
   if (name.empty() || metrics.count(name)) return;

@@ -129,6 +129,8 @@ TEST(Generate, ErrorsNameGeneratesOwnArguments) {
   auto extra = run_process({DDPTRAIN_EXE, "generate", ck, "b.pt", "c.pt"});
   EXPECT_EQ(extra.exit_code, ddp::exit_code::kUsage) << extra.output;
   EXPECT_NE(extra.output.find("b.pt c.pt"), std::string::npos) << extra.output;
+  auto negative = run_process({DDPTRAIN_EXE, "generate", ck, "b.pt", "--top-k", "-1"});  // a value, not a flag
+  EXPECT_NE(negative.output.find("also given: b.pt."), std::string::npos) << negative.output;
 
   auto tensors = ddp::read_state_dict(ck);
   tensors.erase(std::remove_if(tensors.begin(), tensors.end(), [](const auto& e) {
@@ -152,6 +154,7 @@ TEST(Generate, ErrorsNameGeneratesOwnArguments) {
   EXPECT_NE(unwritable.output.find("cannot write /proc/ddp_forbidden/logits.pt"), std::string::npos)
       << unwritable.output;
   EXPECT_EQ(unwritable.output.find("--save_path"), std::string::npos) << unwritable.output;
+  EXPECT_NE(unwritable.output.find("create its directory first"), std::string::npos) << unwritable.output;  // not "free space"
 }
 
 }  // namespace

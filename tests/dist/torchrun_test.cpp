@@ -69,4 +69,18 @@ TEST(Torchrun, BadInputOnEveryRankIsPrintedOnce) {
   EXPECT_NE(r.output.find(dir + "/no_such_data"), std::string::npos) << r.output;
 }
 
+// Bad input on rank 1 only: its line is the error, and rank 0's follow-on
+// collective failure is not printed (it came second, and torchrun named
+// rank 0 the root cause).
+TEST(Torchrun, BadInputOnOneRankIsTheOnlyErrorPrinted) {
+  SKIP_UNLESS_TORCHRUN();
+  const auto dir = ddp::testing::temp_dir("torchrun_one_bad");
+  auto r = run_process(torchrun(2, {"--dataset", "synthetic", "--epochs", "1", "--train-samples", "512",
+                                    "--test-samples", "128", "--save_path", dir}),
+                       {{"DDPTRAIN_FAIL_AT_STEP", "1:1:user"}}, 240);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank 1"), std::string::npos) << r.output;
+  EXPECT_EQ(count(r.output, ": error: "), 1u) << r.output;
+}
+
 }  // namespace

@@ -264,6 +264,26 @@ TEST(Task, StopAtAnUnknownMetricKeepsTheEpoch) {
   EXPECT_EQ(quiet.output.find("which validation does not report"), std::string::npos) << quiet.output;
 }
 
+// The validation before training leaves the random generators as they were:
+// a task that draws random numbers in its steps trains the same with it and
+// without it (--sanity-val-steps 0).
+TEST(Task, SanityValidationLeavesTheRandomGeneratorsAsTheyWere) {
+  DDP_SKIP_UNLESS_GLOO();
+  std::vector<nlohmann::json> rows[2];
+  for (int sanity : {0, 2}) {
+    const auto dir = ddp::testing::temp_dir("sanity_rng_" + std::to_string(sanity));
+    auto r = run_process({DDP_TESTWORKER, "--launch", "1", "not_finite", dir, "random", "--epochs", "1",
+                          "--train-samples", "256", "--test-samples", "64", "--batch", "32", "--sanity-val-steps",
+                          std::to_string(sanity)});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    rows[sanity ? 1 : 0] = read_metrics(dir + "/runs");
+  }
+  ASSERT_EQ(rows[0].size(), 1u);
+  ASSERT_EQ(rows[1].size(), 1u);
+  EXPECT_EQ(rows[0][0]["train_loss"], rows[1][0]["train_loss"]);
+  EXPECT_EQ(rows[0][0]["test_loss"], rows[1][0]["test_loss"]);
+}
+
 // A validation_step() that fails does so before the first training step
 // (Lightning's sanity check), not after an epoch of training.
 TEST(Task, FailingValidationStepStopsBeforeTraining) {

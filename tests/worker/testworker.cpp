@@ -304,8 +304,16 @@ class NotFiniteTask : public RegressionTask {
     scaled_ = std::make_shared<ScaledNetImpl>(net);
     return scaled_;
   }
+  // "random": both steps draw from the global generator, so a draw made
+  // elsewhere (by the validation before training) would change the run.
+  StepOutput training_step(const data::Batch& batch) override {
+    auto out = RegressionTask::training_step(batch);
+    if (mode_ == "random") out.loss = out.loss * (1 + torch::rand({}));
+    return out;
+  }
   TensorMap validation_step(const data::Batch& batch) override {
     if (mode_ == "bad_validation") throw UserError("validation_step() failed on purpose.");
+    if (mode_ == "random") (void)torch::rand({8});
     auto sums = RegressionTask::validation_step(batch);
     sums["huge"] = (batch.target().abs() > 1e30).sum().to(torch::kDouble);  // always 0
     return sums;
@@ -331,7 +339,7 @@ class NotFiniteTask : public RegressionTask {
 };
 
 void not_finite(World& world, const std::string& out, int argc, char** argv) {
-  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted or bad_validation)");
+  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted, bad_validation or random)");
   NotFiniteTask task(argv[0]);
   Config defaults;
   task.add_flags(defaults);
@@ -339,6 +347,7 @@ void not_finite(World& world, const std::string& out, int argc, char** argv) {
   std::vector<const char*> args = {"not_finite", "--save_path", runs.c_str(), "--progress", "plain"};
   for (int i = 1; i < argc; ++i) args.push_back(argv[i]);
   Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
+  torch::manual_seed(c.seed);  // as ddptrain's run_worker does: runs repeat
   Trainer trainer(c, world, task);
   trainer.fit();
 }
