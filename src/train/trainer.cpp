@@ -223,16 +223,31 @@ int restart_attempt() {
   return attempt ? std::atoi(attempt) : 0;
 }
 
+// A run directory's job_id file: the id of the job that trains in it, then
+// the file name of the newest checkpoint that job saved there (none yet:
+// the directory may still hold checkpoints of the run it resumed, later
+// ones included, which are not this job's).
+struct JobRecord {
+  std::string id, checkpoint;
+};
+
+JobRecord read_job_record(const std::filesystem::path& dir) {
+  JobRecord r;
+  std::ifstream f(dir / "job_id");
+  if (f && std::getline(f, r.id)) std::getline(f, r.checkpoint);
+  return r;
+}
+
+void write_job_record(const std::string& dir, const JobRecord& r) {
+  write_file_atomic(dir + "/job_id", r.id + "\n" + (r.checkpoint.empty() ? "" : r.checkpoint + "\n"));
+}
+
 // The run directory whose job_id file names `id`, or "": the one --resume
 // names (a run resumed where it was moved to, out of --save_path), else one
 // under `save_path`.
 std::string job_run_dir(const std::string& save_path, const std::string& resume, const std::string& id) {
   namespace fs = std::filesystem;
-  auto is_jobs = [&](const fs::path& dir) {
-    std::ifstream f(dir / "job_id");
-    std::string got;
-    return f && std::getline(f, got) && got == id;
-  };
+  auto is_jobs = [&](const fs::path& dir) { return read_job_record(dir).id == id; };
   std::error_code ec;
   if (id.empty()) return "";
   if (!resume.empty() && resume != "auto") {
@@ -258,7 +273,10 @@ std::string Trainer::find_resume_checkpoint() {
       const std::string id = job_id();
       dir = job_run_dir(config_.save_path, config_.resume, id);
       if (!dir.empty()) {
-        path = find_latest_checkpoint(dir);
+        // The newest checkpoint this job saved; none: as the first attempt
+        // began (--resume's file, or afresh in `dir`).
+        const std::string saved = read_job_record(dir).checkpoint;
+        if (!saved.empty() && is_checkpoint(dir + "/" + saved)) path = dir + "/" + saved;
       } else if (id.empty() && config_.resume.empty()) {
         path = find_latest_checkpoint(config_.save_path);
         std::fprintf(stderr, "ddptrain: warning: restart %d cannot tell this job's checkpoints from other runs' "
@@ -333,7 +351,13 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   }
   run_dir_ = world_.share_string("run_dir", dir);
   // The directory is this job's now: a restart finds it by this id.
-  if (const std::string id = job_id(); world_.is_main() && !id.empty()) write_file_atomic(run_dir_ + "/job_id", id + "\n");
+  if (const std::string id = job_id(); world_.is_main() && !id.empty()) {
+    // The checkpoint a restart would resume: the one this attempt resumed
+    // when the directory is already this job's (an earlier attempt's), else
+    // none yet (not the checkpoints of the run that this job resumed).
+    const bool restarted_here = read_job_record(run_dir_).id == id && !resume_from.empty();
+    write_job_record(run_dir_, {id, restarted_here ? std::filesystem::path(resume_from).filename().string() : ""});
+  }
   metrics_ = std::make_unique<MetricsLog>(world_.is_main() ? run_dir_ + "/metrics.jsonl" : "");
   if (!resume_from.empty()) metrics_->truncate_to(state_.epoch, state_.step);  // drop rows logged after the checkpoint
   else if (!restart_dir_.empty()) metrics_->truncate_to(0, 0);  // the failed attempt's rows
@@ -895,9 +919,7 @@ bool Trainer::reached_stop_at(const Metrics& metrics) const {
 }
 
 void Trainer::save_and_stop(const std::string& path) {
-  if (world_.is_main()) {
-    save_checkpoint(path, *model_, step_.get(), meta());
-  }
+  if (world_.is_main()) save_job_checkpoint(path);
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
                   ". Resume: " + command("--resume " + run_dir_));
@@ -937,9 +959,17 @@ void Trainer::save(int64_t epoch, double monitored, bool periodic) {
   }
   if (!periodic) return;
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
-  save_checkpoint(path, *model_, step_.get(), meta);
+  save_job_checkpoint(path);
   std::printf("saved %s\n", path.c_str());
   if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last);
+}
+
+// Saves a checkpoint to resume from (epoch_N.pt, preempt.pt) and records
+// it as this job's newest, for a restart (find_resume_checkpoint). Rank 0.
+void Trainer::save_job_checkpoint(const std::string& path) {
+  save_checkpoint(path, *model_, step_.get(), meta());
+  if (const std::string id = job_id(); !id.empty())
+    write_job_record(run_dir_, {id, std::filesystem::path(path).filename().string()});
 }
 
 void Trainer::print_summary(const EpochMetrics& last, double seconds) const {

@@ -349,6 +349,44 @@ TEST(Resume, RestartOfAMovedRunGoesOnFromItsNewestCheckpoint) {
   EXPECT_EQ(metrics_jsonl(to).size(), 3u);
 }
 
+// A job that resumed a run from an earlier checkpoint (epoch 1 of 3) and
+// fails before saving one of its own restarts from that checkpoint again,
+// not from the later ones the run directory still holds from before
+// (epoch_3.pt here): they are another trajectory, and resuming the last
+// one would skip epochs 2 and 3. Once the job has saved epoch 2 itself, a
+// second failure restarts from that.
+TEST(Resume, RestartOfARunResumedFromAnEarlierCheckpointIgnoresTheLaterOnes) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("restart_earlier");
+  const std::vector<std::string> small{"--size", "1", "--train-samples", "512", "--test-samples", "128",
+                                       "--save_epoch", "1", "--epochs", "3"};
+  auto a = run_process(run_args(dir, small));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string run = fs::path(find_file(dir, "epoch_3.pt")).parent_path().string();
+  // 512 samples / batch 64 = 8 steps an epoch: fail at step 12, in epoch 2,
+  // before this job has saved anything.
+  auto args = small;
+  args.insert(args.end(), {"--resume", run + "/epoch_1.pt", "--max-restarts", "1"});
+  auto b = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:12"}});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
+  EXPECT_EQ(b.output.find("resume: " + run + "/epoch_3.pt"), std::string::npos) << b.output;
+  EXPECT_EQ(b.output.find("already trained"), std::string::npos) << b.output;
+  const std::string from_1 = "resume: " + run + "/epoch_1.pt";
+  const auto first_resume = b.output.find(from_1);
+  ASSERT_NE(first_resume, std::string::npos) << b.output;
+  EXPECT_NE(b.output.find(from_1, first_resume + 1), std::string::npos) << "the restart did not resume epoch 1\n"
+                                                                        << b.output;
+  EXPECT_EQ(metrics_jsonl(run).size(), 3u) << b.output;
+
+  // Fail again, in epoch 3 (step 20), after this job saved epoch_2.pt.
+  auto c = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:20"}});
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_NE(c.output.find("restart 1 of 1"), std::string::npos) << c.output;
+  EXPECT_NE(c.output.find("resume: " + run + "/epoch_2.pt"), std::string::npos) << c.output;
+  EXPECT_EQ(metrics_jsonl(run).size(), 3u) << c.output;
+}
+
 // --max-restarts restarts a single process too (restarts live in the
 // launcher, which a one-process run once skipped: the flag did nothing).
 TEST(Resume, MaxRestartsRestartsASingleProcess) {

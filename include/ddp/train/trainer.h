@@ -56,6 +56,7 @@ class Trainer {
   Metrics evaluate(int64_t max_batches = -1);
   void sanity_validation();
   void save(int64_t epoch, double monitored, bool periodic);
+  void save_job_checkpoint(const std::string& path);
   bool reached_stop_at(const Metrics& metrics) const;
   void check_stop_rule() const;
   void check_flags_match_rank_0();
