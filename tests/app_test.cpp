@@ -14,11 +14,7 @@ namespace {
 
 using ddp::testing::run_process;
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 TEST(App, VisibleWithoutGpusIsAnError) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has GPUs";

@@ -4,7 +4,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <CLI/CLI.hpp>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -62,7 +61,7 @@ std::vector<int64_t> sample_tokens(models::Gpt& model, const std::vector<int64_t
 
 namespace {
 
-constexpr const char* kUsage =
+constexpr const char* kGenerateUsage =
     "usage: ddptrain generate CHECKPOINT [--prompt TEXT] [--tokens N] [--temperature T] [--top-k K] [--seed S]";
 
 // The architecture string in a ddptrain checkpoint's header.
@@ -111,15 +110,15 @@ int generate_command(const std::vector<std::string>& args) {
       char* end = nullptr;
       std::strtod(a.c_str(), &end);
       const bool number = end && *end == '\0';
-      if (a.size() > 1 && a[0] == '-' && !number) throw UserError("unknown flag '" + a + "'.", kUsage);
+      if (a.size() > 1 && a[0] == '-' && !number) throw UserError("unknown flag '" + a + "'.", kGenerateUsage);
     }
     std::string given;
     for (const auto& a : extras) given += (given.empty() ? "" : " ") + a;
-    throw UserError("generate reads one checkpoint; also given: " + given + ".", kUsage);
+    throw UserError("generate reads one checkpoint; also given: " + given + ".", kGenerateUsage);
   } catch (const CLI::ParseError& e) {
-    throw UserError(std::string(e.what()) + ".", kUsage);
+    throw UserError(std::string(e.what()) + ".", kGenerateUsage);
   }
-  check_user(tokens >= 0, "--tokens must not be negative.", kUsage);
+  check_user(tokens >= 0, "--tokens must not be negative.", kGenerateUsage);
   const std::string arch = checkpoint_arch(checkpoint);
   auto model = models::Gpt(models::gpt_from_arch(arch));
   load_model_weights(checkpoint, *model, torch::kCPU);

@@ -19,7 +19,7 @@ namespace fs = std::filesystem;
 namespace ddp {
 namespace {
 
-constexpr const char* kUsage = "usage: ddptrain report RUN_DIR  (a directory such as checkpoint/train_<timestamp>)";
+constexpr const char* kReportUsage = "usage: ddptrain report RUN_DIR  (a directory such as checkpoint/train_<timestamp>)";
 
 // Run directories directly under `dir`, newest name last.
 std::vector<std::string> runs_under(const fs::path& dir) {
@@ -132,11 +132,11 @@ std::string run_report(const std::string& run_dir) {
 
 int report_command(const std::vector<std::string>& args) {
   if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
-    std::cout << kUsage << "\n";
+    std::cout << kReportUsage << "\n";
     return exit_code::kOk;
   }
   check_user(args.size() == 1, std::string("report takes one run directory, got ") + std::to_string(args.size()) +
-                                   " argument(s).", kUsage);
+                                   " argument(s).", kReportUsage);
   std::cout << run_report(args[0]);
   return exit_code::kOk;
 }

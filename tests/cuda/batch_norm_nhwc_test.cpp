@@ -39,7 +39,7 @@ Result run_bn(bool kernels, const torch::Tensor& x, const torch::Tensor& dy, con
 
 // ResNet-50's batch-norm shapes at a smaller batch, and odd ones (8 channels,
 // 1 x 1 images, rows not a multiple of the block).
-const std::vector<std::vector<int64_t>> kShapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
+const std::vector<std::vector<int64_t>> kBatchNormShapes{{32, 64, 28, 28}, {16, 256, 14, 14}, {8, 2048, 7, 7},
                                                 {3, 8, 5, 7},     {2, 24, 1, 1},     {5, 96, 9, 3}};
 
 // Largest difference relative to the reference's largest magnitude.
@@ -56,7 +56,7 @@ TEST(BatchNormNhwc, MatchesLibTorchForwardAndBackward_CUDA) {
   {
     const auto dtype = torch::kBFloat16;
     const double eps = 1.0 / 128;  // one unit of bf16 rounding
-    for (const auto& shape : kShapes) {
+    for (const auto& shape : kBatchNormShapes) {
       SCOPED_TRACE(c10::str(dtype, " ", shape));
       const int64_t c = shape[1];
       auto x = (torch::randn(shape, gpu) * 3 + 2).to(dtype).contiguous(at::MemoryFormat::ChannelsLast);
@@ -160,7 +160,7 @@ FusedResult run_fused(Path path, const torch::Tensor& x, const torch::Tensor& re
           bn->running_mean.clone()};
 }
 
-bool same_bits(const torch::Tensor& a, const torch::Tensor& b) { return torch::equal(a, b); }
+bool equal_bits(const torch::Tensor& a, const torch::Tensor& b) { return torch::equal(a, b); }
 
 // The fused kernels give exactly the unfused ops' bits (the same roundings,
 // the same mask, the same sums), and both match a float64 reference.
@@ -170,7 +170,7 @@ TEST(BatchNormNhwc, FusedReluAndResidualEqualTheSeparateOps_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(5);
   const double eps = 1.0 / 128;
-  for (const auto& shape : kShapes) {
+  for (const auto& shape : kBatchNormShapes) {
     for (const bool with_residual : {false, true}) {
       SCOPED_TRACE(c10::str(shape, with_residual ? " with residual" : " relu only"));
       const int64_t c = shape[1];
@@ -183,13 +183,13 @@ TEST(BatchNormNhwc, FusedReluAndResidualEqualTheSeparateOps_CUDA) {
       auto unfused = run_fused(Path::kUnfused, x, res, dy, w, b);
       auto native = run_fused(Path::kNative, x, res, dy, w, b);
       EXPECT_TRUE(fused.y.is_contiguous(at::MemoryFormat::ChannelsLast));
-      EXPECT_TRUE(same_bits(fused.y, unfused.y));
-      EXPECT_TRUE(same_bits(fused.dx, unfused.dx));
-      EXPECT_TRUE(same_bits(fused.dw, unfused.dw));
-      EXPECT_TRUE(same_bits(fused.db, unfused.db));
-      EXPECT_TRUE(same_bits(fused.running_mean, unfused.running_mean));
+      EXPECT_TRUE(equal_bits(fused.y, unfused.y));
+      EXPECT_TRUE(equal_bits(fused.dx, unfused.dx));
+      EXPECT_TRUE(equal_bits(fused.dw, unfused.dw));
+      EXPECT_TRUE(equal_bits(fused.db, unfused.db));
+      EXPECT_TRUE(equal_bits(fused.running_mean, unfused.running_mean));
       if (with_residual) {
-        EXPECT_TRUE(same_bits(fused.dres, unfused.dres));
+        EXPECT_TRUE(equal_bits(fused.dres, unfused.dres));
       }
       EXPECT_LE(rel(fused.y, native.y), 2 * eps);
       // LibTorch's batch norm rounds a few outputs near 0 to the other side
@@ -229,7 +229,7 @@ TEST(BatchNormNhwc, BackwardWithoutDzOrYGivesTheSameBits_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(6);
   auto cl = [&](torch::Tensor t) { return t.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
-  for (const auto& shape : kShapes) {
+  for (const auto& shape : kBatchNormShapes) {
     for (const bool with_residual : {false, true}) {
       SCOPED_TRACE(c10::str(shape, with_residual ? " with residual" : " relu only"));
       const int64_t c = shape[1];
@@ -245,11 +245,11 @@ TEST(BatchNormNhwc, BackwardWithoutDzOrYGivesTheSameBits_CUDA) {
       auto keep = ddp::cuda::bn_nhwc_backward(dy, x, w, out[1], out[2], y, /*need_dz=*/true);
       auto over = ddp::cuda::bn_nhwc_backward(dy, x, w, out[1], out[2], y, /*need_dz=*/false);
       EXPECT_FALSE(over[3].defined());
-      for (int i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(keep[i], over[i])) << "output " << i;
-      EXPECT_TRUE(same_bits(keep[3], dy.masked_fill(y <= 0, 0)));
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(equal_bits(keep[i], over[i])) << "output " << i;
+      EXPECT_TRUE(equal_bits(keep[3], dy.masked_fill(y <= 0, 0)));
       if (!with_residual) {
         auto from_x = ddp::cuda::bn_nhwc_relu_backward(dy, x, w, out[1], out[2], out[3]);
-        for (int i = 0; i < 3; ++i) EXPECT_TRUE(same_bits(keep[i], from_x[i])) << "output " << i;
+        for (int i = 0; i < 3; ++i) EXPECT_TRUE(equal_bits(keep[i], from_x[i])) << "output " << i;
         // The scale/shift it got are the forward's: y = relu(x * scale + shift).
         auto ss = out[3];
         auto yref = torch::relu(x.to(torch::kFloat) * ss[0].view({1, c, 1, 1}) + ss[1].view({1, c, 1, 1}));
@@ -270,7 +270,7 @@ TEST(BatchNormNhwc, SplitOutputAddsBothGradientsAsAutogradDoes_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(8);
   auto cl = [&](torch::Tensor t) { return t.to(torch::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast); };
-  for (const auto& shape : kShapes) {
+  for (const auto& shape : kBatchNormShapes) {
     SCOPED_TRACE(c10::str(shape));
     const int64_t c = shape[1];
     auto x = cl(torch::randn(shape, gpu) * 3 + 2), res = cl(torch::randn(shape, gpu));
@@ -303,10 +303,10 @@ TEST(BatchNormNhwc, SplitOutputAddsBothGradientsAsAutogradDoes_CUDA) {
     for (const bool second_used : {true, false}) {
       SCOPED_TRACE(second_used ? "both handles used" : "second handle unused");
       auto one = run(false, second_used), two = run(true, second_used);
-      EXPECT_TRUE(same_bits(one.dx, two.dx));
-      EXPECT_TRUE(same_bits(one.dres, two.dres));
-      EXPECT_TRUE(same_bits(one.dw, two.dw));
-      EXPECT_TRUE(same_bits(one.db, two.db));
+      EXPECT_TRUE(equal_bits(one.dx, two.dx));
+      EXPECT_TRUE(equal_bits(one.dres, two.dres));
+      EXPECT_TRUE(equal_bits(one.dw, two.dw));
+      EXPECT_TRUE(equal_bits(one.db, two.db));
     }
   }
 }
@@ -342,7 +342,7 @@ TEST(BatchNormNhwc, ResNetGradientsEqualWithAndWithoutSplitOutputs_CUDA) {
   };
   auto plain = grads(false), split = grads(true);
   ASSERT_EQ(plain.size(), split.size());
-  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(same_bits(plain[i], split[i])) << "parameter " << i;
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(equal_bits(plain[i], split[i])) << "parameter " << i;
 }
 
 // Inputs the kernels do not take run through LibTorch's batch norm.

@@ -64,7 +64,7 @@ torch::Tensor make_input(Input kind, const std::vector<int64_t>& shape, const to
   return x;
 }
 
-const std::vector<std::vector<int64_t>> kShapes{{2, 8, 7, 7},   {4, 64, 112, 112}, {2, 72, 113, 97},
+const std::vector<std::vector<int64_t>> kPoolShapes{{2, 8, 7, 7},   {4, 64, 112, 112}, {2, 72, 113, 97},
                                                 {3, 8, 1, 1},   {2, 64, 9, 8},     {1, 16, 2, 3}};
 
 TEST(MaxPoolNhwc, MatchesATenBitForBit_CUDA) {
@@ -73,7 +73,7 @@ TEST(MaxPoolNhwc, MatchesATenBitForBit_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   torch::manual_seed(7);
   for (const auto dtype : {torch::kBFloat16, torch::kFloat}) {
-    for (const auto& shape : kShapes) {
+    for (const auto& shape : kPoolShapes) {
       for (const auto kind : {Input::kRandom, Input::kQuantised, Input::kConstant, Input::kNegInf}) {
         SCOPED_TRACE(c10::str(dtype, " ", shape, " input kind ", static_cast<int>(kind)));
         auto x = cl(make_input(kind, shape, gpu), dtype);

@@ -45,11 +45,7 @@ ddp::testing::ProcessResult ddptrain(std::vector<std::string> extra) {
   return run_process(argv, {}, 120);
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 // A refused run: usage exit code, the message once, no synthetic run.
 void expect_refused(const ddp::testing::ProcessResult& r, const std::vector<std::string>& says) {

@@ -24,7 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace ddp::data;
 
-torch::Tensor textured(int64_t h, int64_t w, int64_t seed) {
+torch::Tensor photo_like(int64_t h, int64_t w, int64_t seed) {
   auto y = torch::arange(h, torch::kFloat).view({h, 1, 1});
   auto x = torch::arange(w, torch::kFloat).view({1, w, 1});
   auto c = torch::arange(3, torch::kFloat).view({1, 1, 3});
@@ -40,17 +40,17 @@ void copy_file(const std::string& from, const std::string& to) {
 // A folder with every kind of file the two paths must agree on: baseline
 // JPEGs of several sizes and subsamplings, grayscale, restart markers, and
 // the files nvJPEG does not get (PNG, progressive, CMYK, truncated).
-std::string mixed_folder() {
+std::string decoder_test_folder() {
   static const std::string root = [] {
     const auto r = ddp::testing::temp_dir("gpu_images") + "/data";
     const std::string d = DDP_TEST_DATA_DIR "/jpeg/";
     for (int i = 0; i < 4; ++i) {
       fs::create_directories(r + "/a");
-      write_jpeg(r + "/a/photo" + std::to_string(i) + ".jpg", textured(120 + 37 * i, 160 + 23 * i, i), 90);
+      write_jpeg(r + "/a/photo" + std::to_string(i) + ".jpg", photo_like(120 + 37 * i, 160 + 23 * i, i), 90);
     }
     fs::create_directories(r + "/b");
-    write_jpeg(r + "/b/gray.jpg", textured(90, 130, 7).select(2, 1).unsqueeze(2).contiguous(), 85);
-    write_png(r + "/b/picture.png", textured(100, 80, 9));
+    write_jpeg(r + "/b/gray.jpg", photo_like(90, 130, 7).select(2, 1).unsqueeze(2).contiguous(), 85);
+    write_png(r + "/b/picture.png", photo_like(100, 80, 9));
     for (const char* f : {"baseline_420.jpg", "baseline_422.jpg", "baseline_444.jpg", "gray.jpg", "restart.jpg",
                           "progressive.jpg", "cmyk_adobe.jpg", "truncated.jpg"})
       copy_file(d + f, r + "/b/" + f);
@@ -60,7 +60,7 @@ std::string mixed_folder() {
 }
 
 ImageFolderDataset dataset(bool gpu, bool train, int64_t size = 64) {
-  return ImageFolderDataset(scan_image_folder(mixed_folder()),
+  return ImageFolderDataset(scan_image_folder(decoder_test_folder()),
                             ImageFolderOptions()
                                 .transform(ImageTransformOptions().size(size).train(train))
                                 .scaled_jpeg_decode(false)
@@ -162,7 +162,7 @@ TEST(GpuImages, ACpuShareOfTheBatchTravelsDecodedAndTheBatchIsUnchanged) {
   const auto decoded = cpu.get_keyed_batch(idx, key, 11);
   for (double share : {0.0, 0.5, 1.0}) {
     SCOPED_TRACE(share);
-    ImageFolderDataset gpu(scan_image_folder(mixed_folder()),
+    ImageFolderDataset gpu(scan_image_folder(decoder_test_folder()),
                            ImageFolderOptions()
                                .transform(ImageTransformOptions().size(64).train(true))
                                .scaled_jpeg_decode(false)
@@ -208,7 +208,7 @@ TEST(GpuImages, EncodedBatchesAreAFunctionOfTheKey) {
 TEST(GpuImages, GpuDecodeWithoutNvjpegIsAnError) {
   if (gpu_jpeg_available()) GTEST_SKIP() << "this build decodes JPEGs on the GPU";
   const auto save = ddp::testing::temp_dir("gpu_decode_err");
-  const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(),
+  const auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", decoder_test_folder(),
                                             "--image-decode", "gpu", "--epochs", "1", "--save_path", save},
                                            {}, 120);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
@@ -274,7 +274,7 @@ TEST(GpuImages, StageMatchesTheCpuPath_CUDA) {
 TEST(GpuImages, TwoBatchesInFlightGiveTheBatchesOfOne_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   auto make = [](int64_t in_flight) {
-    return ImageFolderDataset(scan_image_folder(mixed_folder()),
+    return ImageFolderDataset(scan_image_folder(decoder_test_folder()),
                               ImageFolderOptions()
                                   .transform(ImageTransformOptions().size(48).train(true))
                                   .gpu_decode(true)
@@ -304,7 +304,7 @@ TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
   for (const std::string share : {"", "0"}) {
     SCOPED_TRACE("--cpu-decode-share " + share);
     const auto save = ddp::testing::temp_dir("gpu_decode_run");
-    std::vector<std::string> args{DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", mixed_folder(),
+    std::vector<std::string> args{DDPTRAIN_EXE, "--dataset", "imagefolder", "--data_root", decoder_test_folder(),
                                   "--image-decode", "gpu", "--image-size", "32", "--model", "cnn", "--epochs", "2",
                                   "--batch", "4", "--val-split", "0.25", "--save_path", save, "--progress", "plain",
                                   "--workers", "2"};
@@ -335,7 +335,7 @@ TEST(GpuImages, DecodeNeverWritesMemoryThatQueuedWorkStillReads_CUDA) {
   const auto root = ddp::testing::temp_dir("gpu_decode_queued") + "/data";
   for (int i = 0; i < 16; ++i) {  // ImageNet-like: 500 x 375, baseline 4:2:0, quality 90
     fs::create_directories(root + "/c" + std::to_string(i % 2));
-    write_jpeg(root + "/c" + std::to_string(i % 2) + "/" + std::to_string(i) + ".jpg", textured(375, 500, i), 90);
+    write_jpeg(root + "/c" + std::to_string(i % 2) + "/" + std::to_string(i) + ".jpg", photo_like(375, 500, i), 90);
   }
   ImageFolderDataset data(scan_image_folder(root),
                           ImageFolderOptions()

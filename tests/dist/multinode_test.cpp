@@ -118,25 +118,9 @@ std::vector<std::string> node_args(const TwoNodes& net, int node, int port, cons
   return net.on(node, a);
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
-// Every metrics.jsonl line under `save_path`.
-std::vector<nlohmann::json> metrics_under(const std::string& save_path) {
-  std::vector<nlohmann::json> out;
-  if (!fs::exists(save_path)) return out;
-  for (const auto& e : fs::recursive_directory_iterator(save_path)) {
-    if (e.path().filename() != "metrics.jsonl") continue;
-    std::ifstream f(e.path());
-    std::string line;
-    while (std::getline(f, line))
-      if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
-}
+using ddp::testing::metrics_under;
 
 TEST(MultiNode, TwoLaunchersFormOneJobAndTrain) {
   DDP_SKIP_UNLESS_GLOO();

@@ -31,11 +31,7 @@ std::vector<std::string> torchrun(int ranks, std::vector<std::string> flags) {
   return a;
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 #define SKIP_UNLESS_TORCHRUN()                                                                     \
   do {                                                                                             \

@@ -509,6 +509,7 @@ TEST(Checkpoint, KillDuringWriteLeavesPreviousIntact) {
       EXPECT_TRUE(ddp::is_checkpoint(e.path().string())) << e.path() << " is broken";
     }
     EXPECT_GE(finals, 1);
+    if (landed >= 2) break;  // two kills mid-write, at different points of it, are proof enough
   }
   EXPECT_GE(landed, 1) << "no kill landed during a write; the test proved nothing";
 }

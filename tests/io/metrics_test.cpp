@@ -48,11 +48,7 @@ std::vector<Row> rows_of(const std::vector<Row>& rows, const std::string& kind) 
   return out;
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 // A made-up run: `steps_per_epoch` optimizer steps per epoch, a log point
 // every 2 steps, an epoch record at the end of each epoch.

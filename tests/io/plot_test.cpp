@@ -59,11 +59,7 @@ std::vector<double> labels(const std::string& svg, const std::string& css_class)
   return out;
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 std::vector<ddp::EpochMetrics> run_of(std::vector<double> train, std::vector<double> test, std::vector<double> acc) {
   std::vector<ddp::EpochMetrics> out;

@@ -22,7 +22,7 @@
 
 namespace {
 
-const std::string kData = DDP_TEST_DATA_DIR;
+const std::string kDataDir = DDP_TEST_DATA_DIR;
 constexpr size_t kCap = 256u << 20;  // what one read of a few-KB file may add to the address space
 
 size_t address_space() {
@@ -136,7 +136,7 @@ std::string tensor_pickle(int64_t numel, int64_t offset, const std::vector<int64
 // sizes are zip64's "see the extra field" marker, with no extra field).
 TEST(TorchPickleLimits, DeclaredRecordSizeBeyondTheFileIsRefusedWithoutAllocating) {
   const auto path = ddp::testing::temp_dir("limits") + "/big_record.pt";
-  auto bytes = ddp::testing::read_file(kData + "/pickle_plain.pt");
+  auto bytes = ddp::testing::read_file(kDataDir + "/pickle_plain.pt");
   int edited = 0;
   for (size_t at = bytes.find("PK\x01\x02"); at != std::string::npos; at = bytes.find("PK\x01\x02", at + 4)) {
     put_le(bytes, at + 20, 0xffffffff, 4);  // compressed size
@@ -210,7 +210,7 @@ TEST(TorchPickleFuzz, MutatedFilesLoadOrThrowUserError) {
   std::vector<std::string> seeds;
   for (const char* name : {"pickle_bn.pt", "pickle_cuda.pt", "pickle_half.pt", "pickle_plain.pt", "pickle_proto4.pt",
                            "pickle_views.pt", "tiny_state_dict.pt", "pickle_nested.pt", "pickle_bad_global.pt"})
-    seeds.push_back(ddp::testing::read_file(kData + "/" + name));
+    seeds.push_back(ddp::testing::read_file(kDataDir + "/" + name));
   const auto path = ddp::testing::temp_dir("fuzz") + "/case.pt";
   const int kIterations = 3000;
   const auto out = in_capped_child([&]() -> std::string {

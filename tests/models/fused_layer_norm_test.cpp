@@ -16,14 +16,14 @@ namespace {
 
 // Turns the kernels on for a scope (process-wide they are off until a program
 // turns them on; ddptrain does, unless --ln-kernel native).
-struct FusedOn {
-  FusedOn() { use_fused_layer_norm(true); }
-  ~FusedOn() { use_fused_layer_norm(false); }
+struct FusedLayerNormOn {
+  FusedLayerNormOn() { use_fused_layer_norm(true); }
+  ~FusedLayerNormOn() { use_fused_layer_norm(false); }
 };
 
 TEST(FusedLayerNorm, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_layer_norm_enabled());
-  FusedOn on;
+  FusedLayerNormOn on;
   torch::manual_seed(3);
   auto x = torch::randn({2, 3, 8}), branch = torch::randn({2, 3, 8}).to(torch::kBFloat16);
   auto w = torch::randn({8}), b = torch::randn({8});
@@ -44,7 +44,7 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
   if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
   const torch::Device gpu(torch::kCUDA, 0);
   const auto f32 = torch::TensorOptions().device(gpu);
-  FusedOn on;
+  FusedLayerNormOn on;
   for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {3, 7, 100}, {5, 33}, {2, 1}})
     for (bool with_branch : {true, false})
       for (bool with_bias : {true, false}) {

@@ -17,14 +17,14 @@
 namespace ddp::models {
 namespace {
 
-struct FusedOn {
-  FusedOn() { use_fused_linear(true); }
-  ~FusedOn() { use_fused_linear(false); }
+struct FusedLinearOn {
+  FusedLinearOn() { use_fused_linear(true); }
+  ~FusedLinearOn() { use_fused_linear(false); }
 };
 
 TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_enabled());
-  FusedOn on;
+  FusedLinearOn on;
   torch::manual_seed(3);
   auto x = torch::randn({2, 3, 8}), w = torch::randn({16, 8}), b = torch::randn({16});
   EXPECT_FALSE(fused_linear_applies(x, w, b));
@@ -89,7 +89,7 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
 TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  FusedOn on;
+  FusedLinearOn on;
   for (bool gelu : {false, true}) {
     SCOPED_TRACE(gelu ? "linear_gelu" : "linear_bias");
     torch::manual_seed(7);

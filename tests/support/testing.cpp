@@ -156,6 +156,24 @@ std::vector<nlohmann::json> metrics_jsonl(const std::string& dir) {
   return out;
 }
 
+std::vector<nlohmann::json> metrics_under(const std::string& save_path) {
+  std::vector<nlohmann::json> out;
+  if (!std::filesystem::exists(save_path)) return out;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(save_path)) {
+    if (e.path().filename() != "metrics.jsonl") continue;
+    std::ifstream f(e.path());
+    for (std::string line; std::getline(f, line);)
+      if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
+  return n;
+}
+
 std::unique_ptr<ddp::World> one_rank_world(bool cuda) {
   ddp::Placement p;
   ddp::WorldOptions o;

@@ -56,6 +56,12 @@ std::string find_file(const std::string& dir, const std::string& name);
 /// a --save_path holding one), one JSON object per line.
 std::vector<nlohmann::json> metrics_jsonl(const std::string& dir);
 
+/// Every metrics.jsonl record under `save_path`, in all its run directories.
+std::vector<nlohmann::json> metrics_under(const std::string& save_path);
+
+/// How often `what` occurs in `text` (a line printed once, say).
+size_t count(const std::string& text, const std::string& what);
+
 /// Where the real Fashion-MNIST lives, or "" if it is not installed.
 std::string fashion_mnist_root();
 

@@ -20,17 +20,7 @@ namespace {
 using ddp::testing::read_file;
 using ddp::testing::run_process;
 
-std::vector<nlohmann::json> read_metrics(const std::string& save_path) {
-  std::vector<nlohmann::json> out;
-  for (const auto& e : fs::recursive_directory_iterator(save_path))
-    if (e.path().filename() == "metrics.jsonl") {
-      std::ifstream f(e.path());
-      std::string line;
-      while (std::getline(f, line))
-        if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-    }
-  return out;
-}
+using ddp::testing::metrics_under;
 
 std::string run_dir_of(const std::string& save_path) {
   for (const auto& e : fs::directory_iterator(save_path))
@@ -53,7 +43,7 @@ TEST(Task, BuiltinRegressionLearnsAndBestFollowsTheLowestLoss) {
   auto r = run_process(cpu_run(DDPTRAIN_EXE, dir, {"--task", "regression", "--size", "2", "--epochs", "3",
                                                    "--train-samples", "6000", "--test-samples", "1000"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto m = read_metrics(dir);
+  const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 3u);
   for (const char* key : {"test_loss", "test_mse", "test_mae", "test_r2"}) EXPECT_TRUE(m[2].contains(key)) << key;
   EXPECT_GE(m[2]["test_r2"].get<double>(), 0.8) << r.output;  // stated in the README
@@ -98,7 +88,7 @@ TEST(Task, ConfigTomlRepeatsARegressionRun) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto r2 = run_process({DDPTRAIN_EXE, "--config", run_dir_of(dir) + "/config.toml", "--save_path", again});
   ASSERT_EQ(r2.exit_code, 0) << r2.output;
-  EXPECT_EQ(read_metrics(dir)[0]["test_loss"], read_metrics(again)[0]["test_loss"]);
+  EXPECT_EQ(metrics_under(dir)[0]["test_loss"], metrics_under(again)[0]["test_loss"]);
 }
 
 TEST(Task, StopAtAMetricWhereLowerIsBetter) {
@@ -108,7 +98,7 @@ TEST(Task, StopAtAMetricWhereLowerIsBetter) {
                                                    "--train-samples", "1000", "--test-samples", "200",
                                                    "--stop-at", "test_loss=100"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(read_metrics(dir).size(), 1u) << r.output;  // any loss is <= 100: stop after epoch 1
+  EXPECT_EQ(metrics_under(dir).size(), 1u) << r.output;  // any loss is <= 100: stop after epoch 1
   EXPECT_NE(r.output.find("reached --stop-at"), std::string::npos) << r.output;
 
   auto unknown = run_process(cpu_run(DDPTRAIN_EXE, ddp::testing::temp_dir("task_stop_bad"),
@@ -185,7 +175,7 @@ TEST(Task, RegressionExampleReachesStatedR2) {
   auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "4", "--train-samples", "8000",
                                                          "--test-samples", "1000"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto m = read_metrics(dir);
+  const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 4u);
   EXPECT_GE(m[3]["test_r2"].get<double>(), 0.9) << r.output;  // stated in the README
 }
@@ -197,7 +187,7 @@ TEST(Task, TwoInputExampleReachesStatedMacroF1) {
   auto r = run_process(cpu_run(EXAMPLE_two_inputs, dir, {"--size", "2", "--epochs", "2", "--train-samples", "6000",
                                                          "--test-samples", "1001"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  const auto m = read_metrics(dir);
+  const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 2u);
   EXPECT_GE(m[1]["test_f1"].get<double>(), 0.9) << r.output;  // stated in the README
   EXPECT_EQ(m[1]["monitor"], "test_f1");
@@ -276,7 +266,7 @@ TEST(Task, SanityValidationLeavesTheRandomGeneratorsAsTheyWere) {
                           "--train-samples", "256", "--test-samples", "64", "--batch", "32", "--sanity-val-steps",
                           std::to_string(sanity)});
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    rows[sanity ? 1 : 0] = read_metrics(dir + "/runs");
+    rows[sanity ? 1 : 0] = metrics_under(dir + "/runs");
   }
   ASSERT_EQ(rows[0].size(), 1u);
   ASSERT_EQ(rows[1].size(), 1u);
@@ -338,7 +328,7 @@ TEST(Task, TwoInputTaskIsCapturedOnOneGpu_CUDA) {
                         "--progress", "plain"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("captured the training step"), std::string::npos) << r.output;
-  const auto m = read_metrics(dir);
+  const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 2u);
   EXPECT_GE(m[1]["test_f1"].get<double>(), 0.9) << r.output;
   EXPECT_TRUE(m[1].contains("train_aux"));
@@ -366,7 +356,7 @@ TEST(Task, AccumulationAveragesTheLastPartialGroupOverItsOwnSize) {
   auto ra = run_process(cpu_run(EXAMPLE_regression, a, accumulated)), rb = run_process(cpu_run(EXAMPLE_regression, b, plain));
   ASSERT_EQ(ra.exit_code, 0) << ra.output;
   ASSERT_EQ(rb.exit_code, 0) << rb.output;
-  const double la = read_metrics(a).at(0)["test_loss"].get<double>(), lb = read_metrics(b).at(0)["test_loss"].get<double>();
+  const double la = metrics_under(a).at(0)["test_loss"].get<double>(), lb = metrics_under(b).at(0)["test_loss"].get<double>();
   EXPECT_NEAR(la, lb, 1e-5 * std::max(1.0, std::abs(lb))) << ra.output << rb.output;
 }
 

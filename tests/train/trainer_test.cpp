@@ -19,16 +19,7 @@ namespace {
 
 using ddp::testing::run_process;
 
-std::vector<nlohmann::json> read_metrics(const std::string& save_path) {
-  std::vector<nlohmann::json> out;
-  for (const auto& run : fs::directory_iterator(save_path)) {
-    std::ifstream f(run.path() / "metrics.jsonl");
-    std::string line;
-    while (std::getline(f, line))
-      if (!line.empty()) out.push_back(nlohmann::json::parse(line));
-  }
-  return out;
-}
+using ddp::testing::metrics_under;
 
 std::string only_run_dir(const std::string& save_path) {
   std::vector<std::string> runs;
@@ -37,11 +28,7 @@ std::string only_run_dir(const std::string& save_path) {
   return runs.empty() ? "" : runs[0];
 }
 
-size_t count(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;
-  return n;
-}
+using ddp::testing::count;
 
 std::vector<std::string> small_run(const std::string& save_path, std::vector<std::string> extra) {
   std::vector<std::string> a{DDPTRAIN_EXE, "--model", "cnn", "--epochs", "1", "--save_path", save_path,
@@ -73,7 +60,7 @@ TEST(Trainer, OneRankBatch64EqualsTwoRanksBatch32) {
   auto ra = run_process(a), rb = run_process(b);
   ASSERT_EQ(ra.exit_code, 0) << ra.output;
   ASSERT_EQ(rb.exit_code, 0) << rb.output;
-  auto ma = read_metrics(one), mb = read_metrics(two);
+  auto ma = metrics_under(one), mb = metrics_under(two);
   ASSERT_EQ(ma.size(), 1u);
   ASSERT_EQ(mb.size(), 1u);
   for (const char* key : {"epoch", "train_loss", "test_loss", "test_acc", "lr", "epoch_seconds", "samples_per_second"})
@@ -99,7 +86,7 @@ TEST(Trainer, TwoRanksLearnFashionMnist) {
   auto dir = ddp::testing::temp_dir("e2e");
   auto r = run_process(small_run(dir, {"--size", "2", "--epochs", "2", "--train-samples", "12000", "--test-samples", "2000"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto m = read_metrics(dir);
+  auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 2u);
   EXPECT_GE(m[1]["test_acc"].get<double>(), 0.82) << r.output;  // stated in the README
   EXPECT_LT(m[1]["train_loss"].get<double>(), m[0]["train_loss"].get<double>());
@@ -173,7 +160,7 @@ TEST(Trainer, MissingDataIsAnErrorNotSyntheticData) {
   EXPECT_NE(r.output.find("'/nonexistent/fm' does not exist"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("apt-get install dataset-fashion-mnist"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("SYNTHETIC"), std::string::npos) << r.output;
-  EXPECT_TRUE(read_metrics(dir).empty());
+  EXPECT_TRUE(metrics_under(dir).empty());
 }
 
 // (f) Under torchrun's variables the process is that worker and spawns
@@ -214,7 +201,7 @@ TEST(Trainer, TwoProcessesStartedLikeTorchrunFormOneJob) {
   ASSERT_EQ(r1.exit_code, 0) << r1.output;
   EXPECT_NE(r0.output.find("rank 0 of 2 (torchrun launcher)"), std::string::npos) << r0.output;
   EXPECT_EQ(r1.output.find("train_loss"), std::string::npos) << "rank 1 must not print";
-  EXPECT_EQ(read_metrics(dir).size(), 1u);
+  EXPECT_EQ(metrics_under(dir).size(), 1u);
 }
 
 // Ranks started with flags other than rank 0's stop at once, every one of
@@ -244,7 +231,7 @@ TEST(Trainer, ResNetOnOneGpu_CUDA) {
                         "--data_root", ddp::testing::fashion_mnist_root()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("backend nccl, device cuda:0"), std::string::npos) << r.output;
-  auto m = read_metrics(dir);
+  auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 1u);
   EXPECT_GT(m[0]["test_acc"].get<double>(), 0.7);
 }
@@ -264,7 +251,7 @@ TEST(Template, BuildsAndTrainsOneEpoch) {
   auto r = run_process({build + "/train", "--size", "2", "--epochs", "1", "--train-samples", "2000",
                         "--test-samples", "500", "--save_path", out, "--progress", "plain", "--backend", "gloo"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto m = read_metrics(out);
+  auto m = metrics_under(out);
   ASSERT_EQ(m.size(), 1u);
   EXPECT_GT(m[0]["test_acc"].get<double>(), 0.5) << r.output;  // MyDataset is learnable; chance is 0.1
 }
