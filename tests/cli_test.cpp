@@ -16,11 +16,11 @@
 
 namespace {
 
-ddp::Config parse(std::vector<std::string> args) { return ddp::testing::parse_args(std::move(args)); }
+using ddp::testing::parse_args;
 
 std::string error_of(std::vector<std::string> args) {
   try {
-    parse(std::move(args));
+    parse_args(std::move(args));
   } catch (const ddp::UserError& e) {
     return e.what();
   }
@@ -28,7 +28,7 @@ std::string error_of(std::vector<std::string> args) {
 }
 
 TEST(Cli, SeedFlagsKeepTheirNames) {
-  auto c = parse({"--port", "29501", "--size", "2", "--visible", "0,1", "--address", "10.0.0.1", "--epochs", "7",
+  auto c = parse_args({"--port", "29501", "--size", "2", "--visible", "0,1", "--address", "10.0.0.1", "--epochs", "7",
                   "--batch", "16", "--pretrain", "w.pt", "--save_path", "/tmp/x", "--save_epoch", "2",
                   "--data_root", "/data/fm"});
   EXPECT_EQ(c.port, 29501);
@@ -46,13 +46,13 @@ TEST(Cli, SeedFlagsKeepTheirNames) {
 }
 
 TEST(Cli, OptimizerDefaultsAreResolved) {
-  auto sgd = parse({"--optimizer", "sgd"});
+  auto sgd = parse_args({"--optimizer", "sgd"});
   EXPECT_DOUBLE_EQ(sgd.lr, 0.1);
   EXPECT_DOUBLE_EQ(sgd.weight_decay, 5e-4);
-  auto adamw = parse({});
+  auto adamw = parse_args({});
   EXPECT_EQ(adamw.optimizer, "adamw");
   EXPECT_GT(adamw.lr, 0);
-  EXPECT_DOUBLE_EQ(parse({"--lr", "0.5"}).lr, 0.5);
+  EXPECT_DOUBLE_EQ(parse_args({"--lr", "0.5"}).lr, 0.5);
 }
 
 TEST(Cli, UnknownFlagAndWrongTypeAreClearErrors) {
@@ -146,7 +146,7 @@ TEST(Cli, HelpListsEveryFlagOfTheTable) {
 }
 
 TEST(Cli, PrintedConfigHasEveryKey) {
-  auto c = parse({"--epochs", "2"});
+  auto c = parse_args({"--epochs", "2"});
   std::ostringstream os;
   ddp::print_config(c, os);
   auto j = ddp::config_to_json(c);
@@ -170,9 +170,9 @@ TEST(Cli, ConfigFileRepeatsTheResolvedConfig) {
            {"--optimizer", "sgd", "--visible", "0,1", "--pretrain", "/tmp/w.pt", "--pretrain-skip", "fc.*", "--warmup-epochs", "0.3",
             "--lr", "0.07", "--save_path", "/tmp/my runs/it's here", "--timeout", "1e-3", "--epochs", "9",
             "--node-rank", "1", "--nnodes", "2", "--resume", "auto", "--label-smoothing", "0.1"}}) {
-    const auto c = parse(flags);
+    const auto c = parse_args(flags);
     const auto toml = ddp::config_to_toml(c);
-    const auto again = parse({"--config", write_config("cfg_roundtrip", toml)});
+    const auto again = parse_args({"--config", write_config("cfg_roundtrip", toml)});
     EXPECT_EQ(ddp::config_to_json(again), ddp::config_to_json(c)) << toml;
     // A value from the file counts as given where it is not the default:
     // a run's config.toml lists every flag, and the defaults in it must not
@@ -188,7 +188,7 @@ TEST(Cli, CommandLineOverridesTheConfigFile) {
   const auto file = write_config("cfg_override", "# a comment\nepochs = 5\nbatch = 16\noptimizer = 'sgd'\ndata_root = \"/data/x\"\n");
   for (const auto& args : std::vector<std::vector<std::string>>{{"--config", file, "--epochs", "2"},
                                                                 {"--epochs", "2", "--config", file}}) {
-    const auto c = parse(args);
+    const auto c = parse_args(args);
     EXPECT_EQ(c.epochs, 2);             // the command line wins
     EXPECT_EQ(c.batch, 16);             // the file fills in the rest
     EXPECT_EQ(c.data_root, "/data/x");
@@ -254,7 +254,7 @@ TEST(Cli, MistypedConfigKeySuggestsTheNearest) {
 // The table's values as command-line words: the resolved defaults, so that
 // validation passes; "x" for empty strings.
 std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
-  static ddp::Config defaults = parse({});
+  static ddp::Config defaults = parse_args({});
   const auto j = ddp::config_to_json(defaults);
   std::vector<std::pair<ddp::Flag, std::string>> out;
   for (const auto& f : ddp::flag_table(defaults)) {
@@ -286,13 +286,13 @@ TEST(Cli, UnderscoresAndDashesAreAlikeInEveryFlagAndKey) {
       EXPECT_EQ(error_of({"--config", file}), "") << "config key " << name;
     }
   }
-  EXPECT_EQ(parse({"--train_samples", "12"}).train_samples, 12);
-  EXPECT_EQ(parse({"--config", write_config("cfg_us", "train_samples = 34\n")}).train_samples, 34);
-  EXPECT_TRUE(parse({"--train_samples", "12"}).was_given("train-samples"));
+  EXPECT_EQ(parse_args({"--train_samples", "12"}).train_samples, 12);
+  EXPECT_EQ(parse_args({"--config", write_config("cfg_us", "train_samples = 34\n")}).train_samples, 34);
+  EXPECT_TRUE(parse_args({"--train_samples", "12"}).was_given("train-samples"));
 }
 
 TEST(Cli, TomlSectionsOfFlagGroupsWork) {
-  const auto c = parse({"--config", write_config("cfg_sections", "epochs = 4\n[train]\nbatch = 16\n[data]\ntrain_samples = 100\n"
+  const auto c = parse_args({"--config", write_config("cfg_sections", "epochs = 4\n[train]\nbatch = 16\n[data]\ntrain_samples = 100\n"
                                                                   "[optimisation]\nlr = 0.5\n[distributed]\nnnodes = 1\n")});
   EXPECT_EQ(c.epochs, 4);
   EXPECT_EQ(c.batch, 16);
@@ -415,13 +415,13 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
 namespace resume {
 
 nlohmann::json saved_run() {
-  auto c = parse({"--epochs", "2", "--train-samples", "12000", "--lr", "0.01", "--optimizer", "sgd", "--seed", "4",
+  auto c = parse_args({"--epochs", "2", "--train-samples", "12000", "--lr", "0.01", "--optimizer", "sgd", "--seed", "4",
                   "--save_epoch", "1", "--batch", "32", "--size", "2"});
   return ddp::config_to_json(c);
 }
 
 TEST(CliResume, RestoresTheSavedFlags) {
-  auto c = ddp::resumed_config(parse({"--resume", "auto"}), saved_run(), "run/epoch_1.pt");
+  auto c = ddp::resumed_config(parse_args({"--resume", "auto"}), saved_run(), "run/epoch_1.pt");
   EXPECT_EQ(c.epochs, 2);
   EXPECT_EQ(c.train_samples, 12000);
   EXPECT_EQ(c.optimizer, "sgd");
@@ -443,20 +443,20 @@ TEST(CliResume, RestoresTheSavedFlags) {
 // with a hint to "omit --port", which it had). A multi-node run keeps its
 // port: every node's launcher must meet on the same one.
 TEST(CliResume, PortIsRestoredForSeveralNodesOnly) {
-  auto one = ddp::config_to_json(parse({"--port", "29611", "--epochs", "2"}));
-  auto c = ddp::resumed_config(parse({"--resume", "auto"}), one, "run/epoch_1.pt");
+  auto one = ddp::config_to_json(parse_args({"--port", "29611", "--epochs", "2"}));
+  auto c = ddp::resumed_config(parse_args({"--resume", "auto"}), one, "run/epoch_1.pt");
   EXPECT_EQ(c.port, 0);
   EXPECT_FALSE(c.was_given("port"));
-  EXPECT_EQ(ddp::resumed_config(parse({"--resume", "auto", "--port", "29700"}), one, "run/epoch_1.pt").port, 29700);
-  auto two = ddp::config_to_json(parse({"--port", "29611", "--nnodes", "2", "--address", "10.0.0.1"}));
-  c = ddp::resumed_config(parse({"--resume", "auto"}), two, "run/epoch_1.pt");
+  EXPECT_EQ(ddp::resumed_config(parse_args({"--resume", "auto", "--port", "29700"}), one, "run/epoch_1.pt").port, 29700);
+  auto two = ddp::config_to_json(parse_args({"--port", "29611", "--nnodes", "2", "--address", "10.0.0.1"}));
+  c = ddp::resumed_config(parse_args({"--resume", "auto"}), two, "run/epoch_1.pt");
   EXPECT_EQ(c.port, 29611);
   EXPECT_EQ(c.nnodes, 2);
 }
 
 TEST(CliResume, FlagsThatKeepTheJobMayBeGiven) {
   auto c = ddp::resumed_config(
-      parse({"--resume", "auto", "--save_epoch", "5", "--progress", "none", "--size", "1", "--keep-last", "1",
+      parse_args({"--resume", "auto", "--save_epoch", "5", "--progress", "none", "--size", "1", "--keep-last", "1",
              "--epochs", "4", "--workers", "0", "--lr", "0.01"}),  // --lr as the run had it
       saved_run(), "run/epoch_1.pt");
   EXPECT_EQ(c.save_epoch, 5);
@@ -471,7 +471,7 @@ TEST(CliResume, FlagsThatKeepTheJobMayBeGiven) {
 TEST(CliResume, FlagsThatChangeTheJobAreRefusedTogether) {
   std::string what;
   try {
-    ddp::resumed_config(parse({"--resume", "auto", "--lr", "0.1", "--model", "resnet18", "--seed", "4", "--save_epoch", "3"}),
+    ddp::resumed_config(parse_args({"--resume", "auto", "--lr", "0.1", "--model", "resnet18", "--seed", "4", "--save_epoch", "3"}),
                         saved_run(), "run/epoch_1.pt");
   } catch (const ddp::UserError& e) {
     what = e.what();
@@ -513,7 +513,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
     try {
       std::vector<std::string> args{"--resume", "auto", "--" + f.key() + "=" + value};
       if (f.key() == "pretrain-skip") args.push_back("--pretrain=w.pt");  // it means nothing alone
-      ddp::resumed_config(parse(args), saved, "c.pt");
+      ddp::resumed_config(parse_args(args), saved, "c.pt");
     } catch (const ddp::UserError&) {
       refused = true;
     }

@@ -5,6 +5,8 @@
 // other exception is an internal fault and keeps its file:line (TORCH_CHECK).
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include <stdexcept>
 #include <string>
 
@@ -41,6 +43,14 @@ class Preempted : public std::runtime_error {
 /// Throws UserError(what, hint) unless cond holds. Use for user input only.
 inline void check_user(bool cond, const std::string& what, const std::string& hint = "") {
   if (!cond) throw UserError(what, hint);
+}
+
+/// The first line of an exception's message, without LibTorch's backtrace:
+/// for errors that quote a lower layer's failure in one line.
+inline std::string first_line(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  const std::string msg = torch_error ? torch_error->what_without_backtrace() : e.what();
+  return msg.substr(0, msg.find('\n'));
 }
 
 /// Exit codes shared by the launcher, the workers and the tests.

@@ -16,7 +16,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr int64_t kClasses = 10;
+constexpr int64_t kCifar10Classes = 10;
 const std::string kGetIt =
     "download the binary version, cifar-10-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html, "
     "unpack it and pass --data_root .../cifar-10-batches-bin.";
@@ -28,10 +28,6 @@ std::string batches_dir(const std::string& root) {
   const fs::path nested = fs::path(root) / "cifar-10-batches-bin";
   if (!fs::exists(fs::path(root) / "data_batch_1.bin") && fs::is_directory(nested)) return nested.string();
   return root;
-}
-
-torch::Tensor first(const torch::Tensor& t, int64_t max) {
-  return max > 0 && max < t.size(0) ? t.narrow(0, 0, max).clone() : t;
 }
 
 }  // namespace
@@ -57,7 +53,7 @@ std::pair<torch::Tensor, torch::Tensor> read_cifar10_batch(const std::string& pa
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* record = bytes.data() + i * kCifarRecordBytes;
     label[i] = record[0];
-    check_user(label[i] < kClasses, path + ": label " + std::to_string(label[i]) + " in record " + std::to_string(i) +
+    check_user(label[i] < kCifar10Classes, path + ": label " + std::to_string(label[i]) + " in record " + std::to_string(i) +
                                         " is outside 0..9; not a CIFAR-10 file (CIFAR-100 records have 2 label bytes).",
                kGetIt);
     std::memcpy(pixels + i * kPixels, record + 1, kPixels);
@@ -75,7 +71,7 @@ Splits load_cifar10(const std::string& root, int64_t max_train, int64_t max_test
     labels.push_back(y);
   }
   auto [test_x, test_y] = read_cifar10_batch((fs::path(dir) / "test_batch.bin").string());
-  const torch::Tensor train_x = first(torch::cat(images), max_train), train_y = first(torch::cat(labels), max_train);
+  const torch::Tensor train_x = first_rows(torch::cat(images), max_train), train_y = first_rows(torch::cat(labels), max_train);
 
   // Per-channel statistics of the training images, with exact integer sums.
   Splits splits;
@@ -96,10 +92,10 @@ Splits load_cifar10(const std::string& root, int64_t max_train, int64_t max_test
     splits.mean.push_back(mean);
     splits.std.push_back(std::sqrt(std::max(var, 1e-12)));
   }
-  splits.train = std::make_shared<ImageTensorDataset>(train_x, train_y, splits.mean, splits.std, kClasses,
+  splits.train = std::make_shared<ImageTensorDataset>(train_x, train_y, splits.mean, splits.std, kCifar10Classes,
                                                       "cifar10 (train)");
-  splits.test = std::make_shared<ImageTensorDataset>(first(test_x, max_test), first(test_y, max_test), splits.mean,
-                                                     splits.std, kClasses, "cifar10 (test)");
+  splits.test = std::make_shared<ImageTensorDataset>(first_rows(test_x, max_test), first_rows(test_y, max_test), splits.mean,
+                                                     splits.std, kCifar10Classes, "cifar10 (test)");
   return splits;
 }
 

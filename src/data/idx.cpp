@@ -127,11 +127,6 @@ IdxContent parse(const std::string& bytes, const std::string& path, int32_t magi
   return out;
 }
 
-// The first `max` rows (all if max is 0 or larger than the tensor).
-torch::Tensor first(const torch::Tensor& t, int64_t max) {
-  return max > 0 && max < t.size(0) ? t.narrow(0, 0, max).clone() : t;
-}
-
 }  // namespace
 
 std::string find_idx_file(const std::string& root, const std::string& stem,
@@ -193,7 +188,7 @@ Splits load_mnist_like(const std::string& root, const std::string& name, int64_t
                images_path + " holds " + std::to_string(images.size(0)) + " images but " +
                    labels_path + " holds " + std::to_string(labels.size(0)) + " labels.",
                corrupt_hint(name));
-    return std::make_shared<ImageTensorDataset>(first(images, max), first(labels, max),
+    return std::make_shared<ImageTensorDataset>(first_rows(images, max), first_rows(labels, max),
                                                 std::vector<double>{mean},
                                                 std::vector<double>{std}, kClasses,
                                                 name + " (" + split + ")");

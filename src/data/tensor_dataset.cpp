@@ -55,4 +55,8 @@ std::vector<int64_t> ImageTensorDataset::input_shape() const {
   return {images_.size(1), images_.size(2), images_.size(3)};
 }
 
+torch::Tensor first_rows(const torch::Tensor& t, int64_t max) {
+  return max > 0 && max < t.size(0) ? t.narrow(0, 0, max).clone() : t;
+}
+
 }  // namespace ddp::data

@@ -183,12 +183,6 @@ void stop_survivors(std::vector<Worker>& ws, double grace_seconds) {
   }
 }
 
-std::string first_line(const std::exception& e) {
-  std::string msg = e.what();
-  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) msg = ce->what_without_backtrace();
-  return msg.substr(0, msg.find('\n'));
-}
-
 // The job's secret: every key the ranks trust lives under it, so a process
 // that connects to the store without it (another job on the same port, a
 // stray client) can neither feed the ranks nor be mistaken for one. 128 bits

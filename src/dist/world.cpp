@@ -59,14 +59,6 @@ std::string local_address_towards(const std::string& host, int port) {
   return out;
 }
 
-std::string first_line(const std::exception& e) {
-  std::string msg;
-  if (auto* ce = dynamic_cast<const c10::Error*>(&e)) msg = ce->what_without_backtrace();
-  else msg = e.what();
-  auto nl = msg.find('\n');
-  return nl == std::string::npos ? msg : msg.substr(0, nl);
-}
-
 }  // namespace
 
 std::string first_slurm_host(const std::string& nodelist) {

@@ -17,17 +17,17 @@ namespace {
 
 using ddp::testing::run_process;
 
-const std::string kStateDict = std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_state_dict.pt";
+const std::string kGptTinyStateDict = std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_state_dict.pt";
 const std::string kArch = "gpt/L2/H2/C16/T8/V32/bias1/drop0/tokens";
 
-nlohmann::json reference() {
+nlohmann::json generate_reference() {
   std::ifstream f(std::string(DDP_TEST_DATA_DIR) + "/gpt_tiny_expected.json");
   return nlohmann::json::parse(f);
 }
 
 ddp::models::Gpt tiny_model() {
   ddp::models::Gpt model(ddp::models::gpt_from_arch(kArch));
-  ddp::load_pretrained(kStateDict, *model, torch::kCPU);
+  ddp::load_pretrained(kGptTinyStateDict, *model, torch::kCPU);
   return model;
 }
 
@@ -40,7 +40,7 @@ std::string tiny_checkpoint() {
 }
 
 TEST(Generate, LogitsAndGreedyTokenArePyTorchs) {
-  const auto ref = reference();
+  const auto ref = generate_reference();
   std::string prompt;
   std::vector<int64_t> first;
   for (const auto& id : ref["idx"][0]) {
@@ -77,9 +77,9 @@ TEST(Generate, ContextSlidesOverPromptsLongerThanIt) {
 }
 
 TEST(Generate, AFileThatIsNoCheckpointIsAnError) {
-  auto r = run_process({DDPTRAIN_EXE, "generate", kStateDict, "--prompt", "1 2"});
+  auto r = run_process({DDPTRAIN_EXE, "generate", kGptTinyStateDict, "--prompt", "1 2"});
   EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
-  EXPECT_NE(r.output.find(kStateDict + " is not a ddptrain checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(kGptTinyStateDict + " is not a ddptrain checkpoint"), std::string::npos) << r.output;
   auto missing = run_process({DDPTRAIN_EXE, "generate", "/nonexistent.pt"});
   EXPECT_EQ(missing.exit_code, ddp::exit_code::kUsage) << missing.output;
   EXPECT_NE(missing.output.find("checkpoint /nonexistent.pt does not exist"), std::string::npos) << missing.output;

@@ -14,22 +14,22 @@
 
 namespace {
 
-ddp::Config parse(std::vector<std::string> args) { return ddp::testing::parse_args(std::move(args)); }
+using ddp::testing::parse_args;
 
 TEST(DataFlags, ParseAndDefaults) {
-  const auto d = parse({});
+  const auto d = parse_args({});
   EXPECT_FALSE(d.strict_data);
   EXPECT_EQ(d.image_size, 0);
   EXPECT_DOUBLE_EQ(d.val_split, 0.1);
   EXPECT_EQ(d.val_root, "");
-  const auto c = parse({"--dataset", "imagefolder", "--strict-data", "--val-split", "0.2", "--image-size", "64",
+  const auto c = parse_args({"--dataset", "imagefolder", "--strict-data", "--val-split", "0.2", "--image-size", "64",
                         "--val-root", "/v"});
   EXPECT_EQ(c.dataset, "imagefolder");
   EXPECT_TRUE(c.strict_data);
   EXPECT_DOUBLE_EQ(c.val_split, 0.2);
   EXPECT_EQ(c.image_size, 64);
   EXPECT_EQ(c.val_root, "/v");
-  EXPECT_EQ(parse({"--dataset", "cifar10"}).dataset, "cifar10");
+  EXPECT_EQ(parse_args({"--dataset", "cifar10"}).dataset, "cifar10");
   // The printed config and config.json carry the new keys.
   std::ostringstream out;
   ddp::print_config(c, out);
@@ -44,7 +44,7 @@ TEST(DataFlags, BadValuesNameTheFlag) {
            {{"--val-split", "1.5"}, "--val-split"}, {{"--val-split=-0.1"}, "--val-split"},
            {{"--image-size", "-3"}, "--image-size"}, {{"--dataset", "imagenet"}, "--dataset"}}) {
     try {
-      parse(args);
+      parse_args(args);
       ADD_FAILURE() << flag << " accepted";
     } catch (const ddp::UserError& e) {
       EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
@@ -60,21 +60,21 @@ TEST(DataFlags, LoadDataBuildsTheNamedDataset) {
       ddp::data::write_png(root + "/" + cls + "/" + std::to_string(i) + ".png",
                            torch::full({12, 10, 3}, 30 * i, torch::kByte));
     }
-  auto splits = ddp::load_data(parse({"--dataset", "imagefolder", "--data_root", root, "--val-split", "0.2"}), false);
+  auto splits = ddp::load_data(parse_args({"--dataset", "imagefolder", "--data_root", root, "--val-split", "0.2"}), false);
   EXPECT_EQ(splits.train->size(), 8);
   EXPECT_EQ(splits.test->size(), 2);
   EXPECT_EQ(splits.train->input_shape(), (std::vector<int64_t>{3, 224, 224}));  // the default size
-  EXPECT_EQ(ddp::load_data(parse({"--dataset", "imagefolder", "--data_root", root, "--image-size", "32"}), false)
+  EXPECT_EQ(ddp::load_data(parse_args({"--dataset", "imagefolder", "--data_root", root, "--image-size", "32"}), false)
                 .test->input_shape(),
             (std::vector<int64_t>{3, 32, 32}));
   try {
-    ddp::load_data(parse({"--dataset", "synthetic", "--image-size", "32"}), false);
+    ddp::load_data(parse_args({"--dataset", "synthetic", "--image-size", "32"}), false);
     ADD_FAILURE() << "--image-size accepted with --dataset synthetic";
   } catch (const ddp::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("--dataset imagefolder"), std::string::npos) << e.what();
   }
   try {
-    ddp::load_data(parse({"--dataset", "cifar10", "--data_root", root}), false);
+    ddp::load_data(parse_args({"--dataset", "cifar10", "--data_root", root}), false);
     ADD_FAILURE() << "a folder without CIFAR-10 files loaded";
   } catch (const ddp::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("data_batch_1.bin"), std::string::npos) << e.what();

@@ -88,11 +88,7 @@ void expect_contains(const std::string& message, std::initializer_list<std::stri
     EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;
 }
 
-const ImageTensorDataset& as_images(const ddp::data::DatasetPtr& d) {
-  auto* p = dynamic_cast<const ImageTensorDataset*>(d.get());
-  EXPECT_NE(p, nullptr);
-  return *p;
-}
+using ddp::testing::as_images;
 
 TEST(Idx, RealFashionMnistLoads) {
   const std::string root = ddp::testing::fashion_mnist_root();

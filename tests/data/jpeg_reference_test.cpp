@@ -26,7 +26,7 @@ using ddp::data::DecodeOptions;
 
 const std::string kDir = DDP_TEST_DATA_DIR "/jpeg/";
 
-nlohmann::json reference() {
+nlohmann::json jpeg_reference() {
   const std::string text = ddp::testing::read_file(kDir + "reference.json");
   EXPECT_FALSE(text.empty()) << "missing " << kDir << "reference.json; run /usr/bin/python3 tools/gen_jpeg_testdata.py";
   return nlohmann::json::parse(text);
@@ -43,7 +43,7 @@ std::vector<int64_t> hw3(const nlohmann::json& entry) {
 }
 
 TEST(JpegReference, EveryVariantDecodesExactlyAsPilDoes) {
-  const auto ref = reference();
+  const auto ref = jpeg_reference();
   ASSERT_EQ(ref["images"].size(), 8u);
   for (const auto& image : ref["images"]) {
     const std::string file = image["file"];
@@ -55,7 +55,7 @@ TEST(JpegReference, EveryVariantDecodesExactlyAsPilDoes) {
 }
 
 TEST(JpegReference, ScaledDecodeIsPilsDraftAtHalfQuarterAndEighth) {
-  for (const auto& image : reference()["images"]) {
+  for (const auto& image : jpeg_reference()["images"]) {
     const std::string file = image["file"];
     for (const auto& scaled : image["scaled"]) {
       const int64_t denom = scaled["denominator"], height = scaled["height"];
@@ -149,7 +149,7 @@ TEST(JpegReference, ABoxDecodesToTheWholeDecodesPixels) {
       EXPECT_TRUE(cropped) << file << " min_side " << min_side << ": never decoded around a box";
     }
   };
-  for (const auto& image : reference()["images"]) {
+  for (const auto& image : jpeg_reference()["images"]) {
     const std::string file = image["file"];
     // Every variant here ends with its end-of-image marker, so each is decoded around the box.
     check(kDir + file, 0, true);

@@ -13,11 +13,7 @@ namespace {
 using ddp::data::ImageTensorDataset;
 using ddp::data::make_synthetic;
 
-const ImageTensorDataset& as_images(const ddp::data::DatasetPtr& d) {
-  auto* p = dynamic_cast<const ImageTensorDataset*>(d.get());
-  EXPECT_NE(p, nullptr);
-  return *p;
-}
+using ddp::testing::as_images;
 
 TEST(Synthetic, ShapesNamesAndFlag) {
   const auto s = make_synthetic(100, 30, 1);

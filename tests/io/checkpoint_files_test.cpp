@@ -70,12 +70,7 @@ std::vector<std::string> quick_run(const std::string& save_path, std::vector<std
   return a;
 }
 
-std::string only_run_dir(const std::string& save_path) {
-  std::vector<std::string> dirs;
-  for (const auto& e : fs::directory_iterator(save_path))
-    if (e.is_directory()) dirs.push_back(e.path().string());
-  return dirs.size() == 1 ? dirs[0] : "";
-}
+using ddp::testing::only_run_dir;
 
 }  // namespace
 

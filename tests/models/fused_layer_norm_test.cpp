@@ -105,7 +105,7 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
 
 // Losses of `steps` bf16 AdamW steps of a small GPT, with the kernels or
 // LibTorch's ops.
-std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
+std::vector<double> layer_norm_gpt_losses(bool fused, bool graph, int steps) {
   use_fused_layer_norm(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
       GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
@@ -122,8 +122,8 @@ using ddp::testing::max_rel_diff;
 TEST(FusedLayerNorm, GptTrainsAsWithLibTorchsOps_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto fused = gpt_losses(true, false, 12);
-  auto native = gpt_losses(false, false, 12);
+  auto fused = layer_norm_gpt_losses(true, false, 12);
+  auto native = layer_norm_gpt_losses(false, false, 12);
   EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
   EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
@@ -133,8 +133,8 @@ TEST(FusedLayerNorm, GptTrainsAsWithLibTorchsOps_CUDA) {
 TEST(FusedLayerNorm, GptGraphedEqualsEager_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto eager = gpt_losses(true, false, 8);
-  auto graphed = gpt_losses(true, true, 8);
+  auto eager = layer_norm_gpt_losses(true, false, 8);
+  auto graphed = layer_norm_gpt_losses(true, true, 8);
   EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs "
                                                 << ::testing::PrintToString(eager);
 }

@@ -119,7 +119,7 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   }
 }
 
-std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
+std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps) {
   use_fused_linear(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
       GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
@@ -133,13 +133,13 @@ using ddp::testing::max_rel_diff;
 // follow each other while the loss falls; graphed equals eager.
 TEST(FusedLinear, GptTrainsAsWithLibTorchsOps_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  auto fused = gpt_losses(true, false, 12);
-  auto native = gpt_losses(false, false, 12);
+  auto fused = linear_gpt_losses(true, false, 12);
+  auto native = linear_gpt_losses(false, false, 12);
   EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
   EXPECT_EQ(fused[0], native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
                                                << ::testing::PrintToString(native);
-  auto graphed = gpt_losses(true, true, 8);
+  auto graphed = linear_gpt_losses(true, true, 8);
   fused.resize(8);
   EXPECT_LE(max_rel_diff(graphed, fused), 2e-2) << ::testing::PrintToString(graphed) << " vs "
                                                 << ::testing::PrintToString(fused);

@@ -168,6 +168,21 @@ std::vector<nlohmann::json> metrics_under(const std::string& save_path) {
   return out;
 }
 
+std::string only_run_dir(const std::string& save_path) {
+  std::vector<std::string> dirs;
+  for (const auto& e : std::filesystem::directory_iterator(save_path))
+    if (e.is_directory()) dirs.push_back(e.path().string());
+  EXPECT_EQ(dirs.size(), 1u) << "run directories under " << save_path;
+  return dirs.size() == 1 ? dirs[0] : "";
+}
+
+const ddp::data::ImageTensorDataset& as_images(const ddp::data::DatasetPtr& d) {
+  const auto* p = dynamic_cast<const ddp::data::ImageTensorDataset*>(d.get());
+  EXPECT_NE(p, nullptr) << "not an in-memory image dataset";
+  if (!p) throw std::runtime_error("as_images: not an ImageTensorDataset");
+  return *p;
+}
+
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
   for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) ++n;

@@ -8,6 +8,7 @@
 
 #include "ddp/cli.h"
 #include "ddp/compat.h"
+#include "ddp/data/tensor_dataset.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -58,6 +59,13 @@ std::vector<nlohmann::json> metrics_jsonl(const std::string& dir);
 
 /// Every metrics.jsonl record under `save_path`, in all its run directories.
 std::vector<nlohmann::json> metrics_under(const std::string& save_path);
+
+/// The one run directory under `save_path` (a failure, and "", unless there
+/// is exactly one).
+std::string only_run_dir(const std::string& save_path);
+
+/// The in-memory image dataset behind `d` (a failure if it is another kind).
+const ddp::data::ImageTensorDataset& as_images(const ddp::data::DatasetPtr& d);
 
 /// How often `what` occurs in `text` (a line printed once, say).
 size_t count(const std::string& text, const std::string& what);

@@ -26,7 +26,7 @@ TEST(FusedCrossEntropy, CpuLogitsTakeLibTorchsPath) {
 // Losses of `steps` bf16 AdamW steps of a small GPT (vocabulary 1001: rows
 // that start off a 16-byte boundary; one target ignored), with the fused
 // cross-entropy or LibTorch's.
-std::vector<double> gpt_losses(bool fused, bool graph, int steps) {
+std::vector<double> cross_entropy_gpt_losses(bool fused, bool graph, int steps) {
   ddp::use_fused_cross_entropy(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
       ddp::models::GptOptions().n_layer(2).n_head(4).n_embd(64).block_size(32).vocab_size(1001), graph, steps,
@@ -47,8 +47,8 @@ using ddp::testing::max_rel_diff;
 TEST(FusedCrossEntropy, GptTrainsAsWithLibTorchsLossBf16_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!ddp::have_fused_cross_entropy()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto fused = gpt_losses(true, false, 12);
-  auto native = gpt_losses(false, false, 12);
+  auto fused = cross_entropy_gpt_losses(true, false, 12);
+  auto native = cross_entropy_gpt_losses(false, false, 12);
   EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
   EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 1e-2) << ::testing::PrintToString(fused) << " vs "
@@ -60,8 +60,8 @@ TEST(FusedCrossEntropy, GptTrainsAsWithLibTorchsLossBf16_CUDA) {
 TEST(FusedCrossEntropy, GptGraphedEqualsEagerBf16_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!ddp::have_fused_cross_entropy()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto eager = gpt_losses(true, false, 12);
-  auto graphed = gpt_losses(true, true, 12);
+  auto eager = cross_entropy_gpt_losses(true, false, 12);
+  auto graphed = cross_entropy_gpt_losses(true, true, 12);
   EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs "
                                                 << ::testing::PrintToString(eager);
 }

@@ -4,6 +4,7 @@
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
 #include "ddp/train/train_step.h"
+#include "support/small_gpt.h"
 #include "support/testing.h"
 
 namespace {
@@ -47,11 +48,7 @@ std::vector<double> trajectory(ddp::TrainStepOptions options, const torch::Devic
   return losses;
 }
 
-double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]) / std::max(1e-6, std::abs(b[i])));
-  return worst;
-}
+using ddp::testing::max_rel_diff;
 
 // Deterministic cuDNN without autotuning for one test; the settings are
 // restored afterwards.

@@ -21,12 +21,7 @@ using ddp::testing::run_process;
 
 using ddp::testing::metrics_under;
 
-std::string only_run_dir(const std::string& save_path) {
-  std::vector<std::string> runs;
-  for (const auto& e : fs::directory_iterator(save_path)) runs.push_back(e.path().string());
-  EXPECT_EQ(runs.size(), 1u);
-  return runs.empty() ? "" : runs[0];
-}
+using ddp::testing::only_run_dir;
 
 using ddp::testing::count;
 

@@ -11,14 +11,14 @@
 
 namespace {
 
-struct Case {
+struct UnusedCase {
   std::string optimizer;
   int world_size;
 };
 
-void PrintTo(const Case& c, std::ostream* os) { *os << c.optimizer << " on " << c.world_size << " rank(s)"; }
+void PrintTo(const UnusedCase& c, std::ostream* os) { *os << c.optimizer << " on " << c.world_size << " rank(s)"; }
 
-class UnusedParameters : public ::testing::TestWithParam<Case> {};
+class UnusedParameters : public ::testing::TestWithParam<UnusedCase> {};
 
 // Runs the reference scenario on `world_size` ranks and compares every
 // rank's final parameters with PyTorch's, to `tolerance`.
@@ -75,8 +75,8 @@ TEST(UnusedParameters, MatchPyTorchDdpOnTwoGpus_MultiCUDA) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Optimizers, UnusedParameters,
-                         ::testing::Values(Case{"sgd", 1}, Case{"adam", 1}, Case{"adamw", 1}, Case{"sgd", 2},
-                                           Case{"adam", 2}, Case{"adamw", 2}),
+                         ::testing::Values(UnusedCase{"sgd", 1}, UnusedCase{"adam", 1}, UnusedCase{"adamw", 1}, UnusedCase{"sgd", 2},
+                                           UnusedCase{"adam", 2}, UnusedCase{"adamw", 2}),
                          [](const auto& info) {
                            return info.param.optimizer + "_world" + std::to_string(info.param.world_size);
                          });

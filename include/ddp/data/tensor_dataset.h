@@ -43,4 +43,8 @@ class ImageTensorDataset : public Dataset {
   std::string name_;
 };
 
+/// The first max rows of t (a copy), or t itself when max <= 0 or t has no
+/// more rows: the --max-train/--max-test cut of the in-memory datasets.
+torch::Tensor first_rows(const torch::Tensor& t, int64_t max);
+
 }  // namespace ddp::data
