@@ -295,7 +295,7 @@ TEST(Export, RefusesToWriteOverACheckpoint) {
   ddp::save_checkpoint(dir + "/best.pt", *model, nullptr, meta);
   ddp::save_checkpoint(dir + "/epoch_1.pt", *model, nullptr, meta);
   const auto best = ddp::testing::read_file(dir + "/best.pt"), epoch = ddp::testing::read_file(dir + "/epoch_1.pt");
-  for (const std::string out : {dir + "/best.pt", dir + "/./best.pt", dir + "/epoch_1.pt"}) {
+  for (const std::string& out : {dir + "/best.pt", dir + "/./best.pt", dir + "/epoch_1.pt"}) {
     SCOPED_TRACE(out);
     const auto msg = ddp::testing::user_error([&] { ddp::export_weights(dir + "/best.pt", out); });
     EXPECT_NE(msg.find(out), std::string::npos) << msg;

@@ -151,7 +151,10 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
 // tokens_per_s counts the tokens the steps trained on: a 2-rank run resumed
 // on 1 rank (whose --batch doubles after the task was set up) reported half
 // of them. Its ratio to samples_per_second is then about the context (64),
-// both taken over the same epoch (tokens_per_s leaves out its first step).
+// both taken over the same epoch; tokens_per_s leaves out its first step,
+// which on a loaded machine (ctest -j2) can take a third of the epoch's time
+// and lift the ratio to 96. Half the tokens gives under 32 * 1.1, twice them
+// over 128.
 TEST(LmTask, TokensPerSecondFollowsAResumeOnAnotherNumberOfRanks) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
@@ -167,7 +170,7 @@ TEST(LmTask, TokensPerSecondFollowsAResumeOnAnotherNumberOfRanks) {
   ASSERT_EQ(rows.size(), 2u);
   const double ratio = rows[1].at("tokens_per_s").get<double>() / rows[1].at("samples_per_second").get<double>();
   EXPECT_GT(ratio, 64 * 0.75) << rows[1].dump();
-  EXPECT_LT(ratio, 64 * 1.5) << rows[1].dump();
+  EXPECT_LT(ratio, 64 * 1.9) << rows[1].dump();
 }
 
 // The resume command a finished lm run prints (no --task on it) continues
