@@ -1,0 +1,97 @@
+// cuBLASLt's GELU epilogues (cuda/gemm_gelu.h) against LibTorch's linear,
+// tanh GELU and GELU backward computed in float64 on the same bf16 values.
+// Bounds: the results are bf16 (8 bits of mantissa), so an element may be
+// off by about one bf16 step of its own size, plus the fp32 summation's
+// rounding over K products; 2^-7 relative to the larger of the value and
+// the tensor's typical size covers both, and a wrong transpose, bias or
+// epilogue is off by far more.
+#include <gtest/gtest.h>
+
+#include "support/testing.h"
+
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
+#endif
+
+namespace {
+
+#ifdef DDP_WITH_CUDA_KERNELS
+// The largest |a - b| over max(|b|, rms(b)), in float64.
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  auto x = a.to(torch::kDouble).cpu(), y = b.to(torch::kDouble).cpu();
+  const double rms = y.pow(2).mean().sqrt().item<double>();
+  return ((x - y).abs() / y.abs().clamp_min(rms)).max().item<double>();
+}
+
+torch::Tensor bf16(torch::Tensor t) { return t.to(torch::kCUDA).to(torch::kBFloat16).contiguous(); }
+
+// Shapes: GPT-2's MLP at a few tokens, and sizes that fill no tile evenly.
+struct Shape {
+  int64_t m, k, n;
+};
+const std::vector<Shape> kShapes{{64, 768, 3072}, {37, 96, 128}, {1, 64, 8}};
+#endif
+
+TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  ASSERT_TRUE(ddp::cuda::gemm_gelu_available()) << "LibTorch's CUDA library should have loaded cuBLASLt";
+  torch::manual_seed(3);
+  for (const auto& s : kShapes) {
+    SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n));
+    auto x = bf16(torch::randn({s.m, s.k})), w = bf16(torch::randn({s.n, s.k}) * 0.05), b = bf16(torch::randn({s.n}) * 0.5);
+    auto r = ddp::cuda::linear_gelu_tanh(x, w, b);
+    ASSERT_EQ(r.size(), 2u);
+    auto pre = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
+    auto y = torch::gelu(pre, "tanh");
+    EXPECT_LT(relative_error(r[1], pre), 1.0 / 128) << "the pre-activation";
+    EXPECT_LT(relative_error(r[0], y), 1.0 / 128) << "the GELU";
+    EXPECT_EQ(r[0].sizes(), (std::vector<int64_t>{s.m, s.n}));
+    EXPECT_EQ(r[0].scalar_type(), torch::kBFloat16);
+  }
+#endif
+}
+
+TEST(GemmGelu, BackwardIsTheGeluGradientAndItsColumnSums_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  ASSERT_TRUE(ddp::cuda::gemm_gelu_available());
+  torch::manual_seed(4);
+  for (const auto& s : kShapes) {
+    // The MLP's second layer: z = y W2^T with y [m, n1 = s.n] and z [m, n2 = s.k].
+    SCOPED_TRACE("m " + std::to_string(s.m) + " n1 " + std::to_string(s.n) + " n2 " + std::to_string(s.k));
+    auto g = bf16(torch::randn({s.m, s.k})), w = bf16(torch::randn({s.k, s.n}) * 0.05);
+    auto pre = bf16(torch::randn({s.m, s.n}) * 2);
+    auto r = ddp::cuda::matmul_dgelu_bgrad(g, w, pre);
+    ASSERT_EQ(r.size(), 2u);
+    auto dy = torch::mm(g.to(torch::kDouble), w.to(torch::kDouble));
+    auto dh = torch::gelu_backward(dy, pre.to(torch::kDouble), "tanh");
+    EXPECT_LT(relative_error(r[0], dh), 1.0 / 128) << "the GELU's gradient";
+    // The bias gradient sums m rows of bf16-sized values; with m = 1 it is the row itself.
+    EXPECT_LT(relative_error(r[1], dh.sum(0)), 1.0 / 64) << "the bias gradient";
+    EXPECT_EQ(r[1].scalar_type(), torch::kFloat);
+    EXPECT_EQ(r[1].sizes(), (std::vector<int64_t>{s.n}));
+  }
+#endif
+}
+
+// Wrong shapes and dtypes are refused with what was passed.
+TEST(GemmGelu, RefusesWhatItCannotTake_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  auto x = bf16(torch::randn({4, 16})), w = bf16(torch::randn({12, 16})), b = bf16(torch::randn({12}));
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x, w, b), c10::Error);  // 12 features: not a multiple of 8
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x.to(torch::kFloat), bf16(torch::randn({16, 16})), bf16(torch::randn({16}))),
+               c10::Error);
+  EXPECT_THROW(ddp::cuda::matmul_dgelu_bgrad(x, bf16(torch::randn({8, 16})), bf16(torch::randn({4, 16}))),
+               c10::Error);  // g has 16 columns, w 8 rows
+#endif
+}
+
+}  // namespace
