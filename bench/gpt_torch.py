@@ -47,10 +47,12 @@ import torch.nn.functional as F
 
 
 class GPTConfig:
-    def __init__(self, n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0, bias=True):
+    def __init__(self, n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0, bias=True,
+                 gelu="none"):
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.block_size, self.vocab_size = block_size, vocab_size
         self.dropout, self.bias = dropout, bias
+        self.gelu = gelu  # F.gelu's approximate: "none" (nanoGPT's nn.GELU) or "tanh" (GPT-2's own)
 
 
 class LayerNorm(nn.Module):
@@ -99,9 +101,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.gelu = cfg.gelu
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.gelu)))
 
 
 class Block(nn.Module):
@@ -220,6 +223,8 @@ def main():
     ap.add_argument("--amp", default="bf16", choices=["bf16", "off"])
     ap.add_argument("--compile", action="store_true", help="torch.compile the model, as nanoGPT does")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gelu", default="exact", choices=["exact", "tanh"],
+                    help="the MLP's GELU: exact (nanoGPT's nn.GELU) or tanh (GPT-2's; ddptrain's --gelu tanh)")
     ap.add_argument("--profile-trace", default="", help="step: then profile --steps more steps (torch.profiler) into this Chrome trace")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     ap.add_argument("--data-root", default="", help="train: directory with train.bin and val.bin (uint16)")
@@ -236,7 +241,7 @@ def main():
     preset = dict(PRESETS[args.model])
     if args.context:
         preset["block_size"] = args.context
-    cfg = GPTConfig(**preset)
+    cfg = GPTConfig(**preset, gelu="tanh" if args.gelu == "tanh" else "none")
     model = GPT(cfg).to(dev)
     raw = model
     opt, fused = make_optimizer(model, args.lr, args.weight_decay)

@@ -115,16 +115,16 @@ PY
   done
 fi
 if has gpt; then
-  GB=${GPT_BATCH:-16}; GS=${GPT_STEPS:-50}
+  GB=${GPT_BATCH:-16}; GS=${GPT_STEPS:-50}; GG=${GPT_GELU:-exact}  # GPT_GELU=tanh: GPT-2's GELU on both sides
   for compile in "" --compile; do
     log "config e: pytorch ${compile:-eager}"
     torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch "$GB" --steps "$GS" \
-      --amp bf16 $compile 2>"$OUT/e.py$compile.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+      --amp bf16 --gelu "$GG" $compile 2>"$OUT/e.py$compile.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
   for graph in false true; do
     log "config e: ddptrain cuda-graph=$graph"
     $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
-      --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+      --gelu "$GG" --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
   log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)"
   $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \

@@ -11,6 +11,7 @@
 #include "support/testing.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
 #endif
 
@@ -30,6 +31,9 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_applies(x, w, b));
   EXPECT_TRUE(torch::equal(linear_bias(x, w, b), torch::linear(x, w, b)));
   EXPECT_TRUE(torch::equal(linear_gelu(x, w, b), torch::gelu(torch::linear(x, w, b))));
+  auto w2 = torch::randn({8, 16}), b2 = torch::randn({8});
+  EXPECT_TRUE(torch::equal(mlp_gelu_tanh(x, w, b, w2, b2),
+                           torch::linear(torch::gelu(torch::linear(x, w, b), "tanh"), w2, b2)));
 }
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -119,12 +123,63 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   }
 }
 
-std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps) {
+// The tanh-GELU MLP (cuBLASLt epilogues) under bf16 autocast against
+// LibTorch's linear, gelu(tanh) and linear: outputs within bf16 rounding
+// (the epilogue rounds the GELU of the fp32 sum once, LibTorch rounds the
+// pre-activation first), gradients within 2^-7 of the largest.
+TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  ASSERT_TRUE(cuda::gemm_gelu_available());
+  FusedOn on;
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(8);
+  auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
+  auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
+  auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
+  std::vector<torch::Tensor> ref;
+  for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
+  auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
+  torch::Tensor y, ry;
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu_tanh(x, w1, b1, w2, b2);
+    ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), "tanh"), ref[3], ref[4]);
+  }
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  ASSERT_EQ(y.sizes(), ry.sizes());
+  EXPECT_LE(rel_err(y, ry), 1.0 / 64);
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  const char* names[] = {"x", "w1", "b1", "w2", "b2"};
+  const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << names[i];
+    EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
+  }
+  EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
+}
+
+std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {
   use_fused_linear(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
-      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
+      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97).gelu(gelu), graph, steps);
   use_fused_linear(false);
   return losses;
+}
+
+// A GPT with the tanh GELU trains with the epilogues as with LibTorch's
+// ops, eager and graphed.
+TEST(FusedLinear, TanhGptTrainsAsWithLibTorchsOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto fused = linear_gpt_losses(true, false, 12, GptGelu::kTanh);
+  auto native = linear_gpt_losses(false, false, 12, GptGelu::kTanh);
+  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
+  EXPECT_LE(ddp::testing::max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
+                                               << ::testing::PrintToString(native);
+  auto graphed = linear_gpt_losses(true, true, 8, GptGelu::kTanh);
+  fused.resize(8);
+  EXPECT_LE(ddp::testing::max_rel_diff(graphed, fused), 2e-2) << ::testing::PrintToString(graphed) << " vs "
+                                                << ::testing::PrintToString(fused);
 }
 
 using ddp::testing::max_rel_diff;
