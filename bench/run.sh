@@ -126,8 +126,8 @@ if has gpt; then
     $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
       --gelu "$GG" --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
   done
-  log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)"
-  $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
+  [[ ${GPT_NATIVE:-1} == 1 ]] && log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)" \
+  && $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
     --cuda-graph --ln-kernel native --linear-kernel native 2>"$OUT/e.native.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
 fi
 if has f; then
