@@ -159,35 +159,4 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   return {y, pre};
 }
 
-std::vector<at::Tensor> matmul_dgelu_bgrad(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre) {
-  TORCH_CHECK(gemm_gelu_available(), "gemm_gelu: cuBLASLt is not loaded in this process");
-  check_operand(g, "g", 2);
-  check_operand(w, "w", 2);
-  check_operand(pre, "pre", 2);
-  const int64_t m = g.size(0), n2 = g.size(1), n1 = w.size(1);
-  TORCH_CHECK(w.size(0) == n2 && pre.size(0) == m && pre.size(1) == n1 && n1 % 8 == 0, "gemm_gelu: g ", g.sizes(),
-              ", w ", w.sizes(), ", pre ", pre.sizes(), " do not fit (features a multiple of 8)");
-  const c10::cuda::CUDAGuard guard(g.device());
-  auto dh = at::empty({m, n1}, g.options());
-  // The bias gradient in fp32 where cuBLASLt writes it so, else in bf16.
-  for (const auto type : {CUDA_R_32F, CUDA_R_16BF}) {
-    auto db = at::empty({n1}, g.options().dtype(type == CUDA_R_32F ? at::kFloat : at::kBFloat16));
-    Plan p(*lt());
-    check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-    p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
-    p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU_BGRAD);
-    p.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, type);
-    p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, db.data_ptr());
-    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
-    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(n1));
-    check(p.l.layout_create(&p.a, CUDA_R_16BF, n1, n2, n1), "layout");  // W: N1 x N2
-    check(p.l.layout_create(&p.b, CUDA_R_16BF, n2, m, n2), "layout");   // g^T: N2 x M
-    check(p.l.layout_create(&p.d, CUDA_R_16BF, n1, m, n1), "layout");   // dh^T: N1 x M
-    if (run(p, w, g, dh)) return {dh, db.to(at::kFloat)};
-  }
-  TORCH_CHECK(false, "gemm_gelu: cuBLASLt has no DGELU_BGRAD algorithm for g ", g.sizes(), " w ", w.sizes());
-  return {};
-}
-
 }  // namespace ddp::cuda

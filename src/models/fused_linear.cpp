@@ -70,8 +70,8 @@ torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const t
 // the caller), the biases the fp32 parameters. Forward: the first matmul
 // with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps pre = x W1^T + b1), the
 // second as at::linear. Backward: db2 = column sums of g; dW2 = g^T y;
-// dh = (g W2) * gelu_tanh'(pre) and db1, its column sums, from one matmul
-// with the DGELU_BGRAD epilogue; dW1 = dh^T x; dx = dh W1.
+// dh = (g W2) * gelu_tanh'(pre) and db1, its column sums, in one pass after
+// the matmul; dW1 = dh^T x; dx = dh W1.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
                                torch::Tensor w2, torch::Tensor b2) {
@@ -91,7 +91,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     if (!cuda::column_sum_supported(g)) g = g.clone();  // a view at an unaligned offset
     auto db2 = cuda::column_sum(g);
     auto dw2 = at::mm(g.t(), y);
-    auto r = cuda::matmul_dgelu_bgrad(g, w2, pre);
+    auto r = cuda::gelu_backward_column_sum(at::mm(g, w2), pre, cuda::Gelu::kTanh);
     const auto& dh = r[0];
     auto dw1 = at::mm(dh.t(), x2);
     torch::Tensor dx;

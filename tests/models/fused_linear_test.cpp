@@ -64,25 +64,31 @@ TEST(FusedLinear, ColumnSumMatchesFloat64_CUDA) {
   EXPECT_FALSE(cuda::column_sum_supported(torch::randn({4, 16}, opts)));                        // fp32
 }
 
-// The exact GELU's backward against ATen's, and its column sums.
+// Both GELUs' backward against ATen's, and their column sums.
 TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
   torch::manual_seed(6);
-  for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}}) {
-    SCOPED_TRACE(::testing::PrintToString(shape));
-    auto dy = torch::randn(shape, opts).to(torch::kBFloat16);
-    auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
-    auto r = cuda::gelu_backward_column_sum(dy, h);
-    auto want = at::gelu_backward(dy, h);
-    ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
-    // Within one unit of bf16 rounding of each element (the same formula in
-    // fp32; erf and exp may round differently in the last fp32 bit).
-    auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
-    auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
-    EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();
-    auto sums = r[0].to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
-    EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
+  for (auto form : {cuda::Gelu::kErf, cuda::Gelu::kTanh}) {
+    const std::string approximate = form == cuda::Gelu::kTanh ? "tanh" : "none";
+    for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}}) {
+      SCOPED_TRACE(approximate + " " + ::testing::PrintToString(shape));
+      auto dy = torch::randn(shape, opts).to(torch::kBFloat16);
+      auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
+      auto r = cuda::gelu_backward_column_sum(dy, h, form);
+      auto want = at::gelu_backward(dy, h, approximate);
+      ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
+      // Within one unit of bf16 rounding of each element (the same formula in
+      // fp32; erf, exp and tanh may round differently in the last fp32 bit).
+      auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
+      auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
+      EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();
+      // The other GELU's gradient differs by more than that somewhere.
+      auto other = at::gelu_backward(dy, h, form == cuda::Gelu::kTanh ? "none" : "tanh");
+      EXPECT_FALSE((r[0].to(torch::kFloat) - other.to(torch::kFloat)).abs().le(bound).all().item<bool>());
+      auto sums = r[0].to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
+      EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
+    }
   }
 }
 
