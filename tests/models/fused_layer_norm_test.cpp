@@ -45,14 +45,33 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   const auto f32 = torch::TensorOptions().device(gpu);
   FusedLayerNormOn on;
-  for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {3, 7, 100}, {5, 33}, {2, 1}})
+  // Widths of 128 k columns, k <= 6, take the vectorised kernels (4096 rows:
+  // more than the GPU holds warps, so a warp walks several); other widths,
+  // and x 4 bytes off 16-byte alignment ("shifted"), the scalar ones.
+  struct Case {
+    std::vector<int64_t> shape;
+    bool shifted = false;
+  };
+  for (const auto& [shape, shifted] : std::vector<Case>{{{4, 64, 768}},
+                                                        {{16, 256, 768}},
+                                                        {{9, 640}},
+                                                        {{3, 1024}},
+                                                        {{4, 64, 768}, true},
+                                                        {{3, 7, 100}},
+                                                        {{5, 33}},
+                                                        {{2, 1}}})
     for (bool with_branch : {true, false})
       for (bool with_bias : {true, false}) {
-        SCOPED_TRACE(::testing::PrintToString(shape) + " branch=" + std::to_string(with_branch) +
-                     " bias=" + std::to_string(with_bias));
+        SCOPED_TRACE(::testing::PrintToString(shape) + (shifted ? " shifted" : "") + " branch=" +
+                     std::to_string(with_branch) + " bias=" + std::to_string(with_bias));
         torch::manual_seed(7);
         const int64_t c = shape.back();
-        auto x = (torch::randn(shape, f32) * 3 + 1).requires_grad_();
+        auto x = torch::randn(shape, f32) * 3 + 1;
+        if (shifted) {
+          auto storage = torch::empty({x.numel() + 1}, f32);
+          x = storage.narrow(0, 1, x.numel()).view(shape).copy_(x);
+        }
+        x.requires_grad_();
         auto branch = with_branch ? torch::randn(shape, f32).to(torch::kBFloat16).requires_grad_() : torch::Tensor();
         auto w = (torch::rand({c}, f32) + 0.5).requires_grad_();
         auto b = with_bias ? torch::randn({c}, f32).requires_grad_() : torch::Tensor();
