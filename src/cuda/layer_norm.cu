@@ -362,7 +362,7 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
   __nv_bfloat16* db = with_branch ? as_mut<__nv_bfloat16>(dbranch) : nullptr;
   const int chunks = vec_chunks(cols);
   if (chunks > 0 && aligned(dout) && (!dsum.defined() || aligned(dsum)) && aligned(sum) && aligned(weight)) {
-    at::Tensor dweight_parts, dbias_parts;
+    at::Tensor parts;  // [2, warps, cols]: the weight's partial gradients, then the bias's
     with_chunks(chunks, [&](auto k) {
       constexpr int kChunks = decltype(k)::value;
       auto launch = [&](auto kernel) {
@@ -370,11 +370,10 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
         C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kRowsPerBlock, 0));
         const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(per_sm, 1);
         const int64_t blocks = std::max<int64_t>(1, std::min(row_blocks(rows), resident));
-        dweight_parts = at::empty({blocks * kRowsPerBlock, cols}, sum.options());
-        dbias_parts = at::empty({blocks * kRowsPerBlock, cols}, sum.options());
+        parts = at::empty({2, blocks * kRowsPerBlock, cols}, sum.options());
         kernel<<<static_cast<unsigned>(blocks), block, 0, stream>>>(
             as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd), as<float>(weight),
-            as_mut<float>(dx), db, as_mut<float>(dweight_parts), as_mut<float>(dbias_parts), rows);
+            as_mut<float>(dx), db, as_mut<float>(parts[0]), as_mut<float>(parts[1]), rows);
       };
       if (ds && with_branch) launch(backward_vec_kernel<kChunks, true, true>);
       else if (ds) launch(backward_vec_kernel<kChunks, true, false>);
@@ -382,7 +381,8 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
       else launch(backward_vec_kernel<kChunks, false, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {dx, dbranch, dweight_parts.sum(0), with_bias ? dbias_parts.sum(0) : at::Tensor()};
+    const auto sums = parts.sum(1);  // one reduction for both
+    return {dx, dbranch, sums[0], with_bias ? sums[1] : at::Tensor()};
   }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),
