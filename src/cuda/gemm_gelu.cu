@@ -3,8 +3,7 @@
 // cuBLASLt is column-major. A row-major [R, C] matrix is a column-major
 // C x R one with leading dimension C, so the row-major products here are
 // written as their transposes: pre^T (N x M) = W (as K x N, transposed)
-// times x^T (K x M), and dh^T (N1 x M) = W (as N1 x N2) times g^T (N2 x M).
-// The epilogue's bias and bias gradient then run along the rows of the
+// times x^T (K x M). The epilogue's bias then runs along the rows of the
 // column-major result, that is, over the layer's features, and its
 // auxiliary matrix (the pre-activation) has the result's layout.
 #include "ddp/cuda/gemm_gelu.h"
@@ -16,6 +15,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,9 +99,18 @@ struct Plan {
   }
 };
 
+// The largest power of two, up to 256, that divides the tensor's address.
+uint32_t alignment(const at::Tensor& t) {
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  uint32_t a = 1;
+  while (a < 256 && address % (2 * a) == 0) a *= 2;
+  return a;
+}
+
 // Runs the matmul `p` describes on a, b into d, with cuBLASLt's first
-// heuristic choice. False if it offers none (the caller may try another
-// bias type).
+// heuristic choice for the operands' actual alignment (a view at an
+// offset must not get an algorithm that assumes 256 bytes). False if it
+// offers none.
 bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -109,6 +118,11 @@ bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d)
   check(l.pref_create(&pref), "preference");
   const uint64_t bytes = kWorkspaceBytes;
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
+  const uint32_t align_a = alignment(a), align_b = alignment(b), align_d = alignment(d);
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
   cublasLtMatmulHeuristicResult_t found{};
   int count = 0;
   const auto h = handle_for(d.get_device());
@@ -141,6 +155,7 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k && b.size(0) == n && n % 8 == 0, "gemm_gelu: x ", x.sizes(), ", w ", w.sizes(), ", b ",
               b.sizes(), " do not fit (features a multiple of 8)");
+  TORCH_CHECK(alignment(b) >= 16, "gemm_gelu: the bias must be 16-byte aligned (a fresh tensor is)");
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({m, n}, x.options());
   auto pre = at::empty({m, n}, x.options());

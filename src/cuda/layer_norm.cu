@@ -381,8 +381,8 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
       else launch(backward_vec_kernel<kChunks, false, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const auto sums = parts.sum(1);  // one reduction for both
-    return {dx, dbranch, sums[0], with_bias ? sums[1] : at::Tensor()};
+    // Two reductions, so that the two gradients do not share one storage.
+    return {dx, dbranch, parts[0].sum(0), with_bias ? parts[1].sum(0) : at::Tensor()};
   }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),

@@ -89,11 +89,12 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto &x2 = s[0], &w1 = s[1], &w2 = s[2], &y = s[3], &pre = s[4];
     auto g = grads[0].to(x2.scalar_type()).reshape({-1, w2.size(0)}).contiguous();
     if (!cuda::column_sum_supported(g)) g = g.clone();  // a view at an unaligned offset
-    auto db2 = cuda::column_sum(g);
-    auto dw2 = at::mm(g.t(), y);
+    torch::Tensor db2, dw2, dw1;
+    if (ctx->needs_input_grad(4)) db2 = cuda::column_sum(g);
+    if (ctx->needs_input_grad(3)) dw2 = at::mm(g.t(), y);
     auto r = cuda::gelu_backward_column_sum(at::mm(g, w2), pre, cuda::Gelu::kTanh);
     const auto& dh = r[0];
-    auto dw1 = at::mm(dh.t(), x2);
+    if (ctx->needs_input_grad(1)) dw1 = at::mm(dh.t(), x2);
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
@@ -131,8 +132,8 @@ torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
                             const torch::Tensor& w2, const torch::Tensor& b2) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  if (fused_linear_applies(x, w1, b1) && b2.defined() && b2.scalar_type() == torch::kFloat && w2.dim() == 2 &&
-      w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0) && cuda::gemm_gelu_available()) {
+  if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
+      w2.dim() == 2 && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0) && cuda::gemm_gelu_available()) {
     const auto dtype = torch::kBFloat16;
     return MlpGeluTanhFn::apply(x.to(dtype), w1.to(dtype), b1, w2.to(dtype), b2);
   }

@@ -39,18 +39,23 @@ TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
 #else
   ASSERT_TRUE(ddp::cuda::gemm_gelu_available()) << "LibTorch's CUDA library should have loaded cuBLASLt";
   torch::manual_seed(3);
-  for (const auto& s : kShapes) {
-    SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n));
-    auto x = bf16(torch::randn({s.m, s.k})), w = bf16(torch::randn({s.n, s.k}) * 0.05), b = bf16(torch::randn({s.n}) * 0.5);
-    auto r = ddp::cuda::linear_gelu_tanh(x, w, b);
-    ASSERT_EQ(r.size(), 2u);
-    auto pre = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
-    auto y = torch::gelu(pre, "tanh");
-    EXPECT_LT(relative_error(r[1], pre), 1.0 / 128) << "the pre-activation";
-    EXPECT_LT(relative_error(r[0], y), 1.0 / 128) << "the GELU";
-    EXPECT_EQ(r[0].sizes(), (std::vector<int64_t>{s.m, s.n}));
-    EXPECT_EQ(r[0].scalar_type(), torch::kBFloat16);
-  }
+  for (const auto& s : kShapes)
+    for (bool offset : {false, true}) {
+      // offset: x is rows 1.. of a larger matrix, a view whose address is
+      // aligned to 2 k bytes only, not to the 256 a fresh tensor has.
+      SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n) +
+                   (offset ? " x at an offset" : ""));
+      auto x = bf16(torch::randn({s.m + 1, s.k})).narrow(0, offset ? 1 : 0, s.m);
+      auto w = bf16(torch::randn({s.n, s.k}) * 0.05), b = bf16(torch::randn({s.n}) * 0.5);
+      auto r = ddp::cuda::linear_gelu_tanh(x, w, b);
+      ASSERT_EQ(r.size(), 2u);
+      auto pre = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
+      auto y = torch::gelu(pre, "tanh");
+      EXPECT_LT(relative_error(r[1], pre), 1.0 / 128) << "the pre-activation";
+      EXPECT_LT(relative_error(r[0], y), 1.0 / 128) << "the GELU";
+      EXPECT_EQ(r[0].sizes(), (std::vector<int64_t>{s.m, s.n}));
+      EXPECT_EQ(r[0].scalar_type(), torch::kBFloat16);
+    }
 #endif
 }
 
@@ -64,6 +69,10 @@ TEST(GemmGelu, RefusesWhatItCannotTake_CUDA) {
   EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x, w, b), c10::Error);  // 12 features: not a multiple of 8
   EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x.to(torch::kFloat), bf16(torch::randn({16, 16})), bf16(torch::randn({16}))),
                c10::Error);
+  auto w16 = bf16(torch::randn({16, 16}));
+  EXPECT_NO_THROW(ddp::cuda::linear_gelu_tanh(x, w16, bf16(torch::randn({16}))));
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x, w16, bf16(torch::randn({17})).narrow(0, 1, 16)),
+               c10::Error);  // a bias 2 bytes off alignment
 #endif
 }
 

@@ -153,6 +153,8 @@ TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
   }
   ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
   ASSERT_EQ(y.sizes(), ry.sizes());
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_NE(y.grad_fn()->name().find("MlpGeluTanhFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
   EXPECT_LE(rel_err(y, ry), 1.0 / 64);
   (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
   (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
@@ -163,6 +165,14 @@ TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
     EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
   }
   EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
+  // Frozen weights and biases: the input's gradient alone, the same.
+  auto x2 = x.detach().clone().requires_grad_();
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu_tanh(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach());
+  }
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
 }
 
 std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {
