@@ -290,8 +290,9 @@ def main():
         tokens_rank_s = args.batch * t * 1000 / ms
         if rank == 0:
             print(json.dumps({
-                "contender": "pytorch compile" if args.compile else "pytorch eager",
-                "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
+                "contender": ("pytorch compile" if args.compile else "pytorch eager")
+                + (", tanh GELU" if args.gelu == "tanh" else ""),
+                "gelu": args.gelu, "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
                 "batch": args.batch, "ranks": world, "optimizer": "adamw" + (" fused" if fused else ""),
                 "amp": args.amp, "device": str(dev), "torch": torch.__version__,
                 "ms_per_step": ms, "tokens_per_s": tokens_rank_s * world,

@@ -101,7 +101,10 @@ int run_gpt_bench(const Config& c, World& world) {
     if (c.ce_kernel == "native") contender += ", LibTorch CE";
     if (c.ln_kernel == "auto") contender += ", fused LN";
     if (c.linear_kernel == "auto") contender += ", fused bias grads";
+    const bool tanh = o.gelu() == models::GptGelu::kTanh;
+    if (tanh) contender += ", tanh GELU";
     nlohmann::json j = {{"contender", contender},
+                        {"gelu", tanh ? "tanh" : "exact"},
                         {"model", c.model},
                         {"params", task.gpt()->num_params()},
                         {"context", o.block_size()},
