@@ -11,7 +11,7 @@
 # and (e) GPT-2 124M, context 1024, bf16, AdamW on random tokens: the
 # nanoGPT-style PyTorch script bench/gpt_torch.py eager and torch.compile,
 # ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS; GPT_GELU
-# "exact", "tanh" or both);
+# "exact", "tanh" or both; GPT_COMPILE_MODES, torch.compile's modes to run);
 # and (f) ResNet-50 trained from a folder of ImageNet-like JPEGs
 # (bench/make_jpeg_folder.py, F_FILES of them), from files to weights:
 # PyTorch's DataLoader (PIL) and decode_jpeg on the GPU (bench/e2e_torch.py,
@@ -119,10 +119,11 @@ if has gpt; then
   # GPT_GELU: the MLP's GELU, or a list ("exact tanh"), each measured on both sides.
   GB=${GPT_BATCH:-16}; GS=${GPT_STEPS:-50}
   for GG in ${GPT_GELU:-exact}; do
-    for compile in "" --compile; do
-      log "config e: pytorch ${compile:-eager}, $GG GELU"
+    for mode in eager ${GPT_COMPILE_MODES:-default}; do  # e.g. GPT_COMPILE_MODES="default reduce-overhead"
+      log "config e: pytorch $mode, $GG GELU"
+      compile=(); [[ $mode != eager ]] && compile=(--compile "$mode")
       torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch "$GB" --steps "$GS" \
-        --amp bf16 --gelu "$GG" $compile 2>"$OUT/e.py$compile.$GG.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+        --amp bf16 --gelu "$GG" "${compile[@]}" 2>"$OUT/e.py.$mode.$GG.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
     done
     for graph in false true; do
       log "config e: ddptrain cuda-graph=$graph, $GG GELU"
