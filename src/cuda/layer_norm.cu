@@ -288,6 +288,13 @@ void with_chunks(int chunks, F&& f) {
 
 }  // namespace
 
+bool add_layer_norm_vectorised(int64_t cols, std::initializer_list<at::Tensor> tensors) {
+  if (vec_chunks(cols) == 0) return false;
+  for (const auto& t : tensors)
+    if (t.defined() && !aligned(t)) return false;
+  return true;
+}
+
 bool add_layer_norm_supported(const at::Tensor& x, const at::Tensor& branch, const at::Tensor& weight,
                               const at::Tensor& bias) {
   if (!x.defined() || !x.is_cuda() || x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() < 1 ||
@@ -316,9 +323,8 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(row_blocks(rows))), block(32 * kRowsPerBlock);
   const float* b = bias.defined() ? as<float>(bias) : nullptr;
-  const int chunks = vec_chunks(cols);
-  if (chunks > 0 && aligned(x) && (!branch.defined() || aligned(branch)) && aligned(weight) &&
-      (!bias.defined() || aligned(bias))) {
+  if (add_layer_norm_vectorised(cols, {x, branch, weight, bias})) {
+    const int chunks = vec_chunks(cols);
     with_chunks(chunks, [&](auto k) {
       constexpr int kChunks = decltype(k)::value;
       if (branch.defined())
@@ -360,14 +366,13 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
   const dim3 grid(static_cast<unsigned>(row_blocks(rows))), block(32 * kRowsPerBlock);
   const float* ds = dsum.defined() ? as<float>(dsum) : nullptr;
   __nv_bfloat16* db = with_branch ? as_mut<__nv_bfloat16>(dbranch) : nullptr;
-  const int chunks = vec_chunks(cols);
-  if (chunks > 0 && aligned(dout) && (!dsum.defined() || aligned(dsum)) && aligned(sum) && aligned(weight)) {
+  if (add_layer_norm_vectorised(cols, {dout, dsum, sum, weight})) {
+    const int chunks = vec_chunks(cols);
     at::Tensor parts;  // [2, warps, cols]: the weight's partial gradients, then the bias's
     with_chunks(chunks, [&](auto k) {
       constexpr int kChunks = decltype(k)::value;
       auto launch = [&](auto kernel) {
-        int per_sm = 0;
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, 32 * kRowsPerBlock, 0));
+        const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * kRowsPerBlock, 0);
         const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(per_sm, 1);
         const int64_t blocks = std::max<int64_t>(1, std::min(row_blocks(rows), resident));
         parts = at::empty({2, blocks * kRowsPerBlock, cols}, sum.options());

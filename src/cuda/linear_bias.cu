@@ -160,8 +160,8 @@ void launch(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& dh, con
   while (cv % tx != 0) tx /= 2;
   const int ty = kThreads / tx, gy = cv / tx;
   const size_t shared = sizeof(float) * ty * tx * kVec;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, partial_kernel<kGelu, kForm>, kThreads, shared));
+  const int per_sm =
+      resident_blocks_per_sm(reinterpret_cast<const void*>(partial_kernel<kGelu, kForm>), kThreads, shared);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) / gy);
   const int64_t rows_per_block = static_cast<int64_t>(ty) * kUnroll;

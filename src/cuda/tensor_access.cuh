@@ -1,6 +1,7 @@
 // Host-side helpers the CUDA kernel files share: a tensor's data as a typed
 // pointer (for element types, such as __nv_bfloat16, that data_ptr<T>()
-// does not know), and the 16-byte alignment the vectorised loads need.
+// does not know), the 16-byte alignment the vectorised loads need, and how
+// many blocks of a kernel an SM holds (src/cuda/occupancy.cu).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,5 +21,11 @@ T* as_mut(const at::Tensor& t) {
 }
 
 inline bool aligned(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+/// How many `threads`-thread blocks of `kernel` with `shared` bytes of
+/// dynamic shared memory an SM of the current device holds at once. Asked of
+/// the CUDA runtime once per (kernel, threads, shared, device) and then
+/// remembered: the steps launch these kernels dozens of times each.
+int resident_blocks_per_sm(const void* kernel, int threads, size_t shared);
 
 }  // namespace ddp::cuda
