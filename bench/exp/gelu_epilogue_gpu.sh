@@ -7,8 +7,9 @@
 #           kernel, the vectorised LayerNorm, the fused MLP) and the GPT/LM
 #           tests; (e) with the tanh GELU on both sides (PyTorch eager and
 #           torch.compile's default and reduce-overhead modes: its best);
-#   call 2: (e) with the exact GELU, the same way; kernel profiles of torch.compile's step
-#           and ddptrain's, tanh GELU, to compare class by class.
+#   call 2: (e) with the exact GELU, the same way; the one-pass cross-entropy
+#           against two passes (--ce-kernel); kernel profiles of torch.compile's
+#           step and ddptrain's, tanh GELU, to compare class by class.
 #   bash bench/exp/gelu_epilogue_gpu.sh 1; then ... 2   (logs under $OUT/ge)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -45,6 +46,14 @@ torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --
   --profile-trace "$OUT/torch_e.json" > "$OUT/torch_prof.log" 2>&1 && \
 python3 bench/kernel_breakdown.py "$OUT/torch_e.json" --steps 10 --label "torch.compile tanh" --gpt --top 25 --by-op 20 \
   | tee "$OUT/torch_breakdown.txt"
+
+log "A/B: the one-pass cross-entropy (auto) against two passes, graphed, tanh GELU; twice each, alternating"
+for i in 1 2; do
+  for ce in auto two-pass; do
+    timeout 120 ./build/ddptrain bench --task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 \
+      --weight-decay 0.1 --bench-steps 30 --gelu tanh --cuda-graph --ce-kernel "$ce" 2>>"$OUT/ce_ab.err" | grep '^{'
+  done
+done | tee "$OUT/ce_ab.jsonl"
 
 log "profile: ddptrain eager, tanh GELU"
 OUT="$OUT/prof" bash bench/profile_ddptrain.sh e --gelu tanh --cuda-graph=false 2>&1 | tee "$OUT/ddptrain_breakdown.txt"
