@@ -38,6 +38,11 @@ if [[ $CALL == 1 ]]; then
   exit 0
 fi
 
+if [[ ! -x build/ddptrain ]]; then  # a fresh machine: call 1's build is gone
+  log "build (ddptrain only)"
+  JOBS=$(nproc) ./setup.sh > "$OUT/build2.log" 2>&1 || { tail -40 "$OUT/build2.log"; exit 1; }
+fi
+
 log "(e), exact GELU"
 e_rows exact
 
