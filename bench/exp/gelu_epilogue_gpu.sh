@@ -24,6 +24,28 @@ e_rows() {  # the (e) rows for one GELU, both sides
   cat "$OUT/e_$1/table.md" 2>/dev/null || tail -20 "$OUT/e_$1.log"
 }
 
+if [[ $CALL == quick ]]; then  # one call when the device budget allows no more: the decisive rows first
+  log build
+  JOBS=$(nproc) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  log "CUDA tests of the branch's kernels"
+  timeout 110 ctest --test-dir build -j 4 --timeout 100 --output-on-failure \
+    -R 'GemmGelu|FusedLinear|FusedLayerNorm|CrossEntropy.*_CUDA' > "$OUT/tests.log" 2>&1
+  grep -E 'tests passed|FAILED|Failed|\*\*\*' "$OUT/tests.log" | head -30
+  gpt=(bench --task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps 30 --gelu tanh --cuda-graph)
+  for ce in auto two-pass; do
+    log "(e) ddptrain --cuda-graph --gelu tanh --ce-kernel $ce"
+    timeout 60 ./build/ddptrain "${gpt[@]}" --ce-kernel "$ce" 2>>"$OUT/e_ddp.err" | grep '^{' | tee -a "$OUT/e_quick.jsonl"
+  done
+  for mode in default reduce-overhead; do
+    (( SECONDS < 420 )) || break
+    log "(e) torch.compile $mode, tanh GELU"
+    timeout 170 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
+      --amp bf16 --gelu tanh --compile "$mode" 2>>"$OUT/e_torch.err" | grep '^{' | tee -a "$OUT/e_quick.jsonl"
+  done
+  log done
+  exit 0
+fi
+
 if [[ $CALL == 1 ]]; then
   log build
   JOBS=$(nproc) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
