@@ -136,7 +136,7 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
 TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   ASSERT_TRUE(cuda::gemm_gelu_available());
-  FusedOn on;
+  FusedLinearOn on;
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
   torch::manual_seed(8);
   auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
