@@ -26,10 +26,10 @@ double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
 torch::Tensor bf16(torch::Tensor t) { return t.to(torch::kCUDA).to(torch::kBFloat16).contiguous(); }
 
 // Shapes: GPT-2's MLP at a few tokens, and sizes that fill no tile evenly.
-struct Shape {
+struct GemmShape {
   int64_t m, k, n;
 };
-const std::vector<Shape> kShapes{{64, 768, 3072}, {37, 96, 128}, {1, 64, 8}};
+const std::vector<GemmShape> kGemmShapes{{64, 768, 3072}, {37, 96, 128}, {1, 64, 8}};
 #endif
 
 TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
@@ -39,7 +39,7 @@ TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
 #else
   ASSERT_TRUE(ddp::cuda::gemm_gelu_available()) << "LibTorch's CUDA library should have loaded cuBLASLt";
   torch::manual_seed(3);
-  for (const auto& s : kShapes)
+  for (const auto& s : kGemmShapes)
     for (bool offset : {false, true}) {
       // offset: x is rows 1.. of a larger matrix, a view whose address is
       // aligned to 2 k bytes only, not to the 256 a fresh tensor has.
