@@ -47,10 +47,12 @@ import torch.nn.functional as F
 
 
 class GPTConfig:
-    def __init__(self, n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0, bias=True):
+    def __init__(self, n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0, bias=True,
+                 gelu="none"):
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.block_size, self.vocab_size = block_size, vocab_size
         self.dropout, self.bias = dropout, bias
+        self.gelu = gelu  # F.gelu's approximate: "none" (nanoGPT's nn.GELU) or "tanh" (GPT-2's own)
 
 
 class LayerNorm(nn.Module):
@@ -99,9 +101,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.gelu = cfg.gelu
 
     def forward(self, x):
-        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate=self.gelu)))
 
 
 class Block(nn.Module):
@@ -207,6 +210,14 @@ def make_optimizer(model, lr, weight_decay):
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **extra), fused
 
 
+def contender_name(args):
+    """"pytorch eager" or "pytorch compile" (the default mode; other modes
+    named), plus ", tanh GELU" for GPT-2's GELU."""
+    name = "pytorch eager" if not args.compile else "pytorch compile" + (
+        "" if args.compile == "default" else " " + args.compile)
+    return name + (", tanh GELU" if args.gelu == "tanh" else "")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["step", "train"])
@@ -218,8 +229,13 @@ def main():
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--amp", default="bf16", choices=["bf16", "off"])
-    ap.add_argument("--compile", action="store_true", help="torch.compile the model, as nanoGPT does")
+    ap.add_argument("--compile", nargs="?", const="default", default="",
+                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"],
+                    help="torch.compile the model, as nanoGPT does (--compile alone: the default mode; "
+                         "reduce-overhead adds CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gelu", default="exact", choices=["exact", "tanh"],
+                    help="the MLP's GELU: exact (nanoGPT's nn.GELU) or tanh (GPT-2's; ddptrain's --gelu tanh)")
     ap.add_argument("--profile-trace", default="", help="step: then profile --steps more steps (torch.profiler) into this Chrome trace")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU (H200: 989)")
     ap.add_argument("--data-root", default="", help="train: directory with train.bin and val.bin (uint16)")
@@ -236,14 +252,15 @@ def main():
     preset = dict(PRESETS[args.model])
     if args.context:
         preset["block_size"] = args.context
-    cfg = GPTConfig(**preset)
+    cfg = GPTConfig(**preset, gelu="tanh" if args.gelu == "tanh" else "none")
     model = GPT(cfg).to(dev)
     raw = model
     opt, fused = make_optimizer(model, args.lr, args.weight_decay)
     if args.compile:
         if not hasattr(torch, "compile"):
             sys.exit(f"gpt_torch.py: --compile needs PyTorch 2.x, this is {torch.__version__}. Hint: leave --compile out")
-        model = torch.compile(model)
+        model = torch.compile(model, mode=args.compile)
+    graphs = args.compile in ("reduce-overhead", "max-autotune")  # CUDA-graph trees: mark each new step
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[local])
@@ -256,6 +273,8 @@ def main():
         y = torch.randint(0, cfg.vocab_size, (args.batch, t), device=dev, generator=g)
 
         def step():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with amp:
                 _, loss = model(x, y)
             loss.backward()
@@ -285,8 +304,8 @@ def main():
         tokens_rank_s = args.batch * t * 1000 / ms
         if rank == 0:
             print(json.dumps({
-                "contender": "pytorch compile" if args.compile else "pytorch eager",
-                "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
+                "contender": contender_name(args),
+                "gelu": args.gelu, "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
                 "batch": args.batch, "ranks": world, "optimizer": "adamw" + (" fused" if fused else ""),
                 "amp": args.amp, "device": str(dev), "torch": torch.__version__,
                 "ms_per_step": ms, "tokens_per_s": tokens_rank_s * world,
@@ -321,6 +340,8 @@ def main():
         g.manual_seed(args.seed + epoch)  # DistributedSampler's order, as ddptrain's
         mine = torch.randperm(windows, generator=g)[rank::world][k * args.batch:(k + 1) * args.batch]
         x, y = batch_of(train, [ddptrain_window_start(args.seed, epoch, int(i), len(train) - t) for i in mine])
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with amp:
             _, loss = model(x, y)
         loss.backward()
@@ -341,7 +362,7 @@ def main():
         dist.all_reduce(sums)
         total, count = sums.tolist()
     if rank == 0:
-        print(json.dumps({"contender": "pytorch" + (" compile" if args.compile else " eager"), "mode": "train",
+        print(json.dumps({"contender": contender_name(args), "mode": "train",
                           "steps": args.steps, "tokens": args.steps * args.batch * t * world,
                           "val_loss": total / max(count, 1), "seconds": time.time() - t0}), flush=True)
 

@@ -10,7 +10,8 @@
 # MNIST ResNet-18 (small stem) wall time from launch to 93% test accuracy;
 # and (e) GPT-2 124M, context 1024, bf16, AdamW on random tokens: the
 # nanoGPT-style PyTorch script bench/gpt_torch.py eager and torch.compile,
-# ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS);
+# ddptrain bench --task lm eager and --cuda-graph (GPT_BATCH, GPT_STEPS; GPT_GELU
+# "exact", "tanh" or both; GPT_COMPILE_MODES, torch.compile's modes to run);
 # and (f) ResNet-50 trained from a folder of ImageNet-like JPEGs
 # (bench/make_jpeg_folder.py, F_FILES of them), from files to weights:
 # PyTorch's DataLoader (PIL) and decode_jpeg on the GPU (bench/e2e_torch.py,
@@ -115,19 +116,23 @@ PY
   done
 fi
 if has gpt; then
+  # GPT_GELU: the MLP's GELU, or a list ("exact tanh"), each measured on both sides.
   GB=${GPT_BATCH:-16}; GS=${GPT_STEPS:-50}
-  for compile in "" --compile; do
-    log "config e: pytorch ${compile:-eager}"
-    torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch "$GB" --steps "$GS" \
-      --amp bf16 $compile 2>"$OUT/e.py$compile.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+  for GG in ${GPT_GELU:-exact}; do
+    for mode in eager ${GPT_COMPILE_MODES:-default}; do  # e.g. GPT_COMPILE_MODES="default reduce-overhead"
+      log "config e: pytorch $mode, $GG GELU"
+      compile=(); [[ $mode != eager ]] && compile=(--compile "$mode")
+      torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch "$GB" --steps "$GS" \
+        --amp bf16 --gelu "$GG" "${compile[@]}" 2>"$OUT/e.py.$mode.$GG.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+    done
+    for graph in false true; do
+      log "config e: ddptrain cuda-graph=$graph, $GG GELU"
+      $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
+        --gelu "$GG" --cuda-graph="$graph" 2>"$OUT/e.$graph.$GG.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
+    done
   done
-  for graph in false true; do
-    log "config e: ddptrain cuda-graph=$graph"
-    $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
-      --cuda-graph="$graph" 2>"$OUT/e.$graph.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
-  done
-  log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)"
-  $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
+  [[ ${GPT_NATIVE:-1} == 1 ]] && log "config e: ddptrain cuda-graph with LibTorch's LayerNorm and linear backward (--ln-kernel native --linear-kernel native)" \
+  && $B bench --task lm --model gpt2 --batch "$GB" --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --bench-steps "$GS" \
     --cuda-graph --ln-kernel native --linear-kernel native 2>"$OUT/e.native.err" | grep '^{' | sed 's/^{/{"config": "e", /' | tee -a "$R"
 fi
 if has f; then

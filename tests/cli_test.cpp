@@ -65,11 +65,12 @@ TEST(Cli, UnknownFlagAndWrongTypeAreClearErrors) {
   EXPECT_NE(e.find("lbfgs"), std::string::npos) << e;
 }
 
-// --ce-kernel: --task lm's fused cross-entropy (auto, the default) or
-// LibTorch's (native), for A/B timing.
-TEST(Cli, CeKernelIsAutoOrNative) {
+// --ce-kernel: --task lm's fused cross-entropy (auto, the default: one pass
+// in training), its two-pass form, or LibTorch's (native), for A/B timing.
+TEST(Cli, CeKernelIsAutoTwoPassOrNative) {
   EXPECT_EQ(ddp::testing::parse_args({}).ce_kernel, "auto");
   EXPECT_EQ(ddp::testing::parse_args({"--ce-kernel", "native"}).ce_kernel, "native");
+  EXPECT_EQ(ddp::testing::parse_args({"--ce-kernel", "two-pass"}).ce_kernel, "two-pass");
   auto e = error_of({"--ce-kernel", "fused"});
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
 }

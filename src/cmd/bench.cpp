@@ -99,9 +99,13 @@ int run_gpt_bench(const Config& c, World& world) {
   if (world.is_main()) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.ce_kernel == "native") contender += ", LibTorch CE";
+    if (c.ce_kernel == "two-pass") contender += ", two-pass CE";
     if (c.ln_kernel == "auto") contender += ", fused LN";
     if (c.linear_kernel == "auto") contender += ", fused bias grads";
+    const bool tanh = o.gelu() == models::GptGelu::kTanh;
+    if (tanh) contender += ", tanh GELU";
     nlohmann::json j = {{"contender", contender},
+                        {"gelu", tanh ? "tanh" : "exact"},
                         {"model", c.model},
                         {"params", task.gpt()->num_params()},
                         {"context", o.block_size()},

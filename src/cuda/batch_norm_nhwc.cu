@@ -30,9 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <tuple>
 
 namespace ddp::cuda {
 namespace {
@@ -458,24 +455,6 @@ __global__ void grad_input_kernel(const T* dy, const T* __restrict__ x, const fl
 #define BN_REDUCE_WAVES 1
 #endif
 
-// How many kThreads-thread blocks of `kernel` with `shared` bytes an SM holds
-// at once, asked once per (kernel, shared, device): the steps call this for
-// every batch norm.
-int resident_blocks_per_sm(const void* kernel, size_t shared) {
-  static std::mutex mu;
-  static std::map<std::tuple<const void*, size_t, int>, int> known;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const auto key = std::make_tuple(kernel, shared, device);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
-  known.emplace(key, per_sm);
-  return per_sm;
-}
-
 struct Plan {
   int tx, ty, gx, gy;
   size_t shared;  // bytes: two sums per channel and row of the block
@@ -490,7 +469,7 @@ Plan plan(int64_t M, int C, Kernel kernel) {
   p.ty = kThreads / p.tx;
   p.gy = cv / p.tx;
   p.shared = sizeof(float) * 2 * p.ty * p.tx * kVec;
-  const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), p.shared);
+  const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, p.shared);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) * BN_REDUCE_WAVES / p.gy);
   const int64_t rows_per_block = static_cast<int64_t>(p.ty) * kUnroll;

@@ -140,17 +140,31 @@ __device__ __forceinline__ MaxSum block_merge(MaxSum a) {
   return a;
 }
 
-template <typename T>
-__global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t V,
-                               int64_t ignore_index, bool vectorize, float* __restrict__ lse,
-                               float* __restrict__ row_loss) {
+// This thread's share of a row's running max and sum of exp: the head
+// element by element, the 16-byte vectors kUnroll at a time, the tail. With
+// kStage, each value read is also copied to `stage`, shared memory laid out
+// as the row (stage[j] holds row[j], at the same offset from a 16-byte
+// boundary), so that the vectors can be stored as they were read.
+template <typename T, bool kStage>
+__device__ __forceinline__ MaxSum thread_max_sum(const T* row, RowSplit split, int64_t V, T* stage) {
   constexpr int kN = kPerVec<T>;
-  const int64_t i = blockIdx.x;
-  const T* row = logits + i * V;
-  const auto split = split_row(row, V, vectorize);
   const int64_t step = blockDim.x;
   MaxSum acc;
-  for (int64_t j = threadIdx.x; j < split.head; j += step) acc.add(to_float(row[j]));
+  auto element = [&](int64_t j) {
+    const T x = row[j];
+    if constexpr (kStage) stage[j] = x;
+    acc.add(to_float(x));
+  };
+  auto vector = [&](const uint4& raw, int64_t v) {
+    if constexpr (kStage) reinterpret_cast<uint4*>(stage + split.head)[v] = raw;
+    float f[kN];
+    unpack<T>(raw, f);
+    float vmax = f[0];
+#pragma unroll
+    for (int k = 1; k < kN; ++k) vmax = fmaxf(vmax, f[k]);
+    acc.add(f, kN, vmax);
+  };
+  for (int64_t j = threadIdx.x; j < split.head; j += step) element(j);
   const auto* vec = reinterpret_cast<const uint4*>(row + split.head);
   int64_t v = threadIdx.x;
   for (; v + (kUnroll - 1) * step < split.vecs; v += kUnroll * step) {
@@ -158,26 +172,56 @@ __global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __re
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) raw[u] = vec[v + u * step];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float f[kN];
-      unpack<T>(raw[u], f);
-      float vmax = f[0];
+    for (int u = 0; u < kUnroll; ++u) vector(raw[u], v + u * step);
+  }
+  for (; v < split.vecs; v += step) vector(vec[v], v);
+  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step) element(j);
+  return acc;
+}
+
+// Writes this thread's share of a row's gradient, out[j] = (exp(in[j] - l)
+// - [j == t]) * g, reading `in` (the row in global memory, or its staged
+// copy in shared memory: either way at `split`'s alignment); an ignored
+// row's gradient is 0 and its input is not read. `in` may be `out` itself.
+template <typename T>
+__device__ __forceinline__ void row_gradient(const T* in, T* out, RowSplit split, int64_t V, int64_t t, bool ignored,
+                                             float l, float g) {
+  constexpr int kN = kPerVec<T>;
+  const int64_t step = blockDim.x;
+  auto d = [&](float x, int64_t j) { return (__expf(x - l) - (j == t ? 1.f : 0.f)) * g; };
+  auto element = [&](int64_t j) { out[j] = from_float<T>(ignored ? 0.f : d(to_float(in[j]), j)); };
+  const auto* vin = reinterpret_cast<const uint4*>(in + split.head);
+  auto* vout = reinterpret_cast<uint4*>(out + split.head);
+  auto one = [&](const uint4& raw, int64_t v) {
+    float f[kN];
+    unpack<T>(raw, f);
+    const int64_t j0 = split.head + v * kN;
 #pragma unroll
-      for (int k = 1; k < kN; ++k) vmax = fmaxf(vmax, f[k]);
-      acc.add(f, kN, vmax);
+    for (int k = 0; k < kN; ++k) f[k] = ignored ? 0.f : d(f[k], j0 + k);
+    vout[v] = pack<T>(f);
+  };
+  for (int64_t j = threadIdx.x; j < split.head; j += step) element(j);
+  int64_t v = threadIdx.x;
+  if (!ignored) {
+    for (; v + (kUnroll - 1) * step < split.vecs; v += kUnroll * step) {
+      uint4 raw[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) raw[u] = vin[v + u * step];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) one(raw[u], v + u * step);
     }
   }
-  for (; v < split.vecs; v += step) {
-    float f[kN];
-    unpack<T>(vec[v], f);
-    float vmax = f[0];
-#pragma unroll
-    for (int k = 1; k < kN; ++k) vmax = fmaxf(vmax, f[k]);
-    acc.add(f, kN, vmax);
-  }
-  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step) acc.add(to_float(row[j]));
+  for (; v < split.vecs; v += step) one(ignored ? uint4{0, 0, 0, 0} : vin[v], v);
+  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step) element(j);
+}
 
-  acc = block_merge(acc);
+template <typename T>
+__global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets, int64_t V,
+                               int64_t ignore_index, bool vectorize, float* __restrict__ lse,
+                               float* __restrict__ row_loss) {
+  const int64_t i = blockIdx.x;
+  const T* row = logits + i * V;
+  MaxSum acc = block_merge(thread_max_sum<T, false>(row, split_row(row, V, vectorize), V, nullptr));
   if (threadIdx.x != 0) return;
   const float l = acc.m + logf(acc.s);
   const int64_t t = targets[i];
@@ -188,6 +232,57 @@ __global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __re
   }
   lse[i] = l;
   row_loss[i] = loss;
+}
+
+// The forward and the backward for an incoming gradient of 1 in one pass
+// over the logits: the row is read once into shared memory while its max
+// and sum of exp accumulate (the same order as forward_kernel, so the same
+// lse to the bit), then the gradient is computed from the shared copy and
+// written over the row. `count` (the rows not ignored) is already known
+// (count_kernel), so a mean's 1/count is applied here too. An ignored row is
+// not read: its loss and gradient are 0.
+template <typename T>
+__global__ void one_pass_kernel(T* logits, const int64_t* __restrict__ targets, int64_t V, int64_t ignore_index,
+                                const float* __restrict__ count, bool sum, float* __restrict__ row_loss) {
+  extern __shared__ uint4 stage_raw[];
+  __shared__ float row_lse;
+  const int64_t i = blockIdx.x;
+  T* row = logits + i * V;
+  const int64_t t = targets[i];
+  const bool ignored = t == ignore_index;  // the same for the whole block
+  const auto split = split_row(row, V, true);
+  // stage[j] sits at row[j]'s offset from a 16-byte boundary.
+  T* stage = reinterpret_cast<T*>(stage_raw) + (reinterpret_cast<std::uintptr_t>(row) % 16) / sizeof(T);
+  float l = 0.f;
+  if (!ignored) {
+    const MaxSum acc = block_merge(thread_max_sum<T, true>(row, split, V, stage));
+    if (threadIdx.x == 0) {
+      CUDA_KERNEL_ASSERT(t >= 0 && t < V);
+      row_lse = acc.m + logf(acc.s);
+      row_loss[i] = row_lse - to_float(stage[t]);
+    }
+    __syncthreads();
+    l = row_lse;
+  } else if (threadIdx.x == 0) {
+    row_loss[i] = 0.f;
+  }
+  row_gradient<T>(stage, row, split, V, t, ignored, l, sum ? 1.f : 1.f / *count);
+}
+
+// One block: count = the targets not ignored, for one_pass_kernel's mean.
+__global__ void count_kernel(const int64_t* __restrict__ targets, int64_t N, int64_t ignore_index,
+                             float* __restrict__ count) {
+  __shared__ int64_t sc[32];
+  int64_t c = 0;
+  for (int64_t i = threadIdx.x; i < N; i += blockDim.x) c += targets[i] != ignore_index ? 1 : 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) sc[warp] = c;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) c += sc[w];
+  *count = static_cast<float>(c);
 }
 
 // One block: loss = sum of the row losses (/ count unless sum), count = the
@@ -233,43 +328,36 @@ __global__ void backward_kernel(const T* logits, T* dlogits, const int64_t* __re
                                 const float* __restrict__ lse, const float* __restrict__ grad,
                                 const float* __restrict__ count, bool sum, int64_t V, int64_t ignore_index,
                                 bool vectorize) {
-  constexpr int kN = kPerVec<T>;
   const int64_t i = blockIdx.x;
   const T* in = logits + i * V;
-  T* out = dlogits + i * V;
-  const auto split = split_row(in, V, vectorize);
-  const int64_t step = blockDim.x;
   const int64_t t = targets[i];
   const bool ignored = t == ignore_index;
   // An ignored row's gradient is 0 (its logits need not be read).
   const float g = ignored ? 0.f : (sum ? *grad : *grad / *count);
-  const float l = ignored ? 0.f : lse[i];
-  auto d = [&](float x, int64_t j) { return ignored ? 0.f : (__expf(x - l) - (j == t ? 1.f : 0.f)) * g; };
+  row_gradient<T>(in, dlogits + i * V, split_row(in, V, vectorize), V, t, ignored, ignored ? 0.f : lse[i], g);
+}
 
-  for (int64_t j = threadIdx.x; j < split.head; j += step) out[j] = from_float<T>(d(to_float(in[j]), j));
-  const auto* vin = reinterpret_cast<const uint4*>(in + split.head);
-  auto* vout = reinterpret_cast<uint4*>(out + split.head);
-  auto one = [&](const uint4& raw, int64_t v) {
+// x *= *grad over n elements, unless *grad is exactly 1 (the usual case:
+// nothing scales the loss), when every block returns at once: the one-pass
+// gradient is then final as written. Read on the device, so a CUDA graph
+// replays either case.
+template <typename T>
+__global__ void scale_kernel(T* x, int64_t head, int64_t vecs, int64_t n, const float* __restrict__ grad) {
+  constexpr int kN = kPerVec<T>;
+  const float g = *grad;
+  if (g == 1.f) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t j = first; j < head; j += stride) x[j] = from_float<T>(to_float(x[j]) * g);
+  auto* vec = reinterpret_cast<uint4*>(x + head);
+  for (int64_t v = first; v < vecs; v += stride) {
     float f[kN];
-    unpack<T>(raw, f);
-    const int64_t j0 = split.head + v * kN;
+    unpack<T>(vec[v], f);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) f[k] = d(f[k], j0 + k);
-    vout[v] = pack<T>(f);
-  };
-  int64_t v = threadIdx.x;
-  if (!ignored) {
-    for (; v + (kUnroll - 1) * step < split.vecs; v += kUnroll * step) {
-      uint4 raw[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) raw[u] = vin[v + u * step];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) one(raw[u], v + u * step);
-    }
+    for (int k = 0; k < kN; ++k) f[k] *= g;
+    vec[v] = pack<T>(f);
   }
-  for (; v < split.vecs; v += step) one(ignored ? uint4{0, 0, 0, 0} : vin[v], v);
-  for (int64_t j = split.head + split.vecs * kN + threadIdx.x; j < V; j += step)
-    out[j] = from_float<T>(d(to_float(in[j]), j));
+  for (int64_t j = head + vecs * kN + first; j < n; j += stride) x[j] = from_float<T>(to_float(x[j]) * g);
 }
 
 int threads_for(int64_t V, int64_t elem_size) {
@@ -299,6 +387,44 @@ void launch_backward(const at::Tensor& logits, const at::Tensor& dlogits, const 
   backward_kernel<T><<<static_cast<unsigned>(N), threads_for(V, sizeof(T)), 0, stream>>>(
       as<T>(logits), as_mut<T>(dlogits), as<int64_t>(targets), as<float>(lse), as<float>(grad), as<float>(count),
       sum, V, ignore_index, vectorize);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One-pass: the shared-memory copy of a row (one 16-byte vector more, for
+// the row's offset from a 16-byte boundary), and whether a block may have it.
+template <typename T>
+size_t stage_bytes(int64_t V) {
+  return static_cast<size_t>((V * static_cast<int64_t>(sizeof(T)) + 31) / 16 * 16);
+}
+
+template <typename T>
+bool one_pass_fits(int64_t V) {
+  return stage_bytes<T>(V) <= dynamic_shared_limit(reinterpret_cast<const void*>(one_pass_kernel<T>));
+}
+
+template <typename T>
+void launch_one_pass(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index,
+                     const at::Tensor& count, bool sum, const at::Tensor& row_loss, cudaStream_t stream) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  const auto kernel = one_pass_kernel<T>;
+  const size_t shared = stage_bytes<T>(V);
+  allow_dynamic_shared(reinterpret_cast<const void*>(kernel), shared);
+  kernel<<<static_cast<unsigned>(N), threads_for(V, sizeof(T)), shared, stream>>>(
+      as_mut<T>(logits), as<int64_t>(targets), V, ignore_index, as<float>(count), sum, as_mut<float>(row_loss));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_scale(const at::Tensor& x, const at::Tensor& grad, cudaStream_t stream) {
+  constexpr int64_t kN = kPerVec<T>;
+  const int64_t n = x.numel();
+  const int64_t head = std::min<int64_t>(n, (16 - static_cast<int64_t>(misalignment(x))) % 16 / sizeof(T));
+  const int64_t vecs = (n - head) / kN;
+  constexpr int kThreads = 256;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // A grid-stride loop; the head and tail (under 16 bytes each) go to the first threads.
+  const auto blocks = static_cast<unsigned>(std::clamp<int64_t>((vecs + kThreads - 1) / kThreads, 1, 4 * sms));
+  scale_kernel<T><<<blocks, kThreads, 0, stream>>>(as_mut<T>(x), head, vecs, n, as<float>(grad));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -363,6 +489,58 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad_in, const at::Tensor& l
     default: launch_backward<float>(logits, dlogits, targets, lse, grad, count, sum, ignore_index, stream); break;
   }
   return dlogits;
+}
+
+bool cross_entropy_one_pass_supported(const at::Tensor& logits, const at::Tensor& targets) {
+  if (!cross_entropy_supported(logits, targets)) return false;
+  c10::cuda::CUDAGuard guard(logits.device());
+  switch (logits.scalar_type()) {
+    case at::kBFloat16: return one_pass_fits<__nv_bfloat16>(logits.size(1));
+    case at::kFloat: return one_pass_fits<float>(logits.size(1));
+    default: return false;  // fp16: see the header
+  }
+}
+
+std::vector<at::Tensor> cross_entropy_one_pass(const at::Tensor& logits, const at::Tensor& targets_in, bool sum,
+                                               int64_t ignore_index) {
+  TORCH_CHECK(cross_entropy_one_pass_supported(logits, targets_in), "cross_entropy_one_pass: unsupported logits ",
+              logits.sizes(), " ", logits.scalar_type(), " or targets ", targets_in.sizes(), " ",
+              targets_in.scalar_type());
+  c10::cuda::CUDAGuard guard(logits.device());
+  const auto targets = targets_in.contiguous();
+  const int64_t N = logits.size(0);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  auto row_loss = at::empty({N}, f32);
+  auto loss = at::empty({}, f32);
+  auto count = at::empty({}, f32);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  count_kernel<<<1, 1024, 0, stream>>>(as<int64_t>(targets), N, ignore_index, as_mut<float>(count));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (logits.scalar_type() == at::kBFloat16)
+    launch_one_pass<__nv_bfloat16>(logits, targets, ignore_index, count, sum, row_loss, stream);
+  else
+    launch_one_pass<float>(logits, targets, ignore_index, count, sum, row_loss, stream);
+  // The loss as the two-pass forward sums it (it counts the targets again:
+  // the same number, and a few microseconds).
+  reduce_kernel<<<1, 1024, 0, stream>>>(as<float>(row_loss), as<int64_t>(targets), N, ignore_index, sum,
+                                        as_mut<float>(loss), as_mut<float>(count));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {loss, count};
+}
+
+void scale_unless_one(const at::Tensor& grad_in, const at::Tensor& x) {
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "scale_unless_one: x must be contiguous CUDA bf16 or fp32, not ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(grad_in.defined() && grad_in.numel() == 1 && grad_in.device() == x.device(),
+              "scale_unless_one: the gradient must be one element on ", x.device());
+  if (x.numel() == 0) return;
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto grad = grad_in.to(at::kFloat).contiguous();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (x.scalar_type() == at::kBFloat16)
+    launch_scale<__nv_bfloat16>(x, grad, stream);
+  else
+    launch_scale<float>(x, grad, stream);
 }
 
 }  // namespace ddp::cuda

@@ -12,7 +12,16 @@
 // second kernel: each block sums a slice of rows for a run of columns
 // (threads along the columns, so reads coalesce), and the slices' partial
 // sums are added by at::sum: a fixed order, so the result is deterministic.
+//
+// Rows of C = 128 k columns, k <= 6 (GPT-2's 768), take vectorised
+// kernels instead: a lane owns 4 adjacent columns of each 128-column chunk
+// (16-byte fp32 and 8-byte bf16 accesses) and keeps its part of the row in
+// registers between the passes. The backward's warps stay resident and walk
+// rows, each summing the weight and bias gradients of its columns over its
+// rows into one partial row (added by at::sum, in a fixed order): dout and
+// sum are read once, not again by a second kernel.
 #include "ddp/cuda/layer_norm.h"
+#include "bf16_vec.cuh"
 #include "tensor_access.cuh"
 
 #include <ATen/ATen.h>
@@ -23,6 +32,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace ddp::cuda {
 namespace {
@@ -127,7 +137,163 @@ __global__ void param_grads_kernel(const __nv_bfloat16* __restrict__ dout, const
 
 int64_t row_blocks(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
 
+// ---- vectorised kernels: C = 128 k, k <= kMaxChunks -------------------------
+
+constexpr int kVecCols = 4;                 // adjacent columns per lane per chunk
+constexpr int kChunkCols = 32 * kVecCols;  // columns per chunk: a warp's one access each
+constexpr int kMaxChunks = 6;  // 768 columns; 7 or 8 chunks spill registers in the backward
+
+__device__ __forceinline__ void load_f4(const float* p, float* f) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+}
+
+__device__ __forceinline__ void store_f4(float* p, const float* f) {
+  *reinterpret_cast<float4*>(p) = make_float4(f[0], f[1], f[2], f[3]);
+}
+
+template <int kChunks, bool kBranch>
+__global__ void __launch_bounds__(32 * kRowsPerBlock)
+    forward_vec_kernel(const float* __restrict__ x, const __nv_bfloat16* __restrict__ branch,
+                       const float* __restrict__ weight, const float* __restrict__ bias, float* __restrict__ sum,
+                       __nv_bfloat16* __restrict__ out, float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                       int64_t rows, float eps) {
+  constexpr int kCols = kChunks * kChunkCols;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t base = row * kCols;
+  float v[kChunks][kVecCols];
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = i * kChunkCols + lane * kVecCols;
+    load_f4(x + base + c, v[i]);
+    if constexpr (kBranch) {
+      float b[kVecCols];
+      load4(branch + base + c, b);
+#pragma unroll
+      for (int k = 0; k < kVecCols; ++k) v[i][k] += b[k];
+      store_f4(sum + base + c, v[i]);
+    }
+#pragma unroll
+    for (int k = 0; k < kVecCols; ++k) total += v[i][k];
+  }
+  const float mean = warp_sum(total) / static_cast<float>(kCols);
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i)
+#pragma unroll
+    for (int k = 0; k < kVecCols; ++k) squares += (v[i][k] - mean) * (v[i][k] - mean);
+  const float rstd = rsqrtf(warp_sum(squares) / static_cast<float>(kCols) + eps);
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = i * kChunkCols + lane * kVecCols;
+    float w[kVecCols], b[kVecCols] = {0.f, 0.f, 0.f, 0.f}, y[kVecCols];
+    load_f4(weight + c, w);
+    if (bias) load_f4(bias + c, b);
+#pragma unroll
+    for (int k = 0; k < kVecCols; ++k) y[k] = (v[i][k] - mean) * rstd * w[k] + b[k];
+    store4(out + base + c, y);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// Warp `wid` of the grid takes rows wid, wid + warps, ...; its weight and
+// bias gradients over them go to row wid of dweight_parts and dbias_parts.
+template <int kChunks, bool kDsum, bool kBranch>
+__global__ void __launch_bounds__(32 * kRowsPerBlock, 2)
+    backward_vec_kernel(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ dsum,
+                        const float* __restrict__ sum, const float* __restrict__ mean, const float* __restrict__ rstd,
+                        const float* __restrict__ weight, float* __restrict__ dx, __nv_bfloat16* __restrict__ dbranch,
+                        float* __restrict__ dweight_parts, float* __restrict__ dbias_parts, int64_t rows) {
+  constexpr int kCols = kChunks * kChunkCols;
+  const int lane = threadIdx.x % 32;
+  const int64_t wid = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  float dw[kChunks][kVecCols], db[kChunks][kVecCols];
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i)
+#pragma unroll
+    for (int k = 0; k < kVecCols; ++k) dw[i][k] = db[i][k] = 0.f;
+  for (int64_t row = wid; row < rows; row += warps) {
+    const int64_t base = row * kCols;
+    const float m = mean[row], r = rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = i * kChunkCols + lane * kVecCols;
+      float d[kVecCols], xhat[kVecCols], w[kVecCols];
+      load4(dout + base + c, d);
+      load_f4(sum + base + c, xhat);
+      load_f4(weight + c, w);
+#pragma unroll
+      for (int k = 0; k < kVecCols; ++k) {
+        xhat[k] = (xhat[k] - m) * r;
+        const float g = d[k] * w[k];
+        sum_g += g;
+        sum_gx += g * xhat[k];
+        dw[i][k] += d[k] * xhat[k];
+        db[i][k] += d[k];
+      }
+    }
+    const float mean_g = warp_sum(sum_g) / static_cast<float>(kCols);
+    const float mean_gx = warp_sum(sum_gx) / static_cast<float>(kCols);
+#pragma unroll 2
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = i * kChunkCols + lane * kVecCols;
+      // dout and sum again, from the cache (the warp just read the row):
+      // only the gradient sums stay in registers across the warp's sums, so
+      // two blocks fit an SM without spilling.
+      float d[kVecCols], xhat[kVecCols], w[kVecCols], v[kVecCols], ds[kVecCols] = {0.f, 0.f, 0.f, 0.f};
+      load4(dout + base + c, d);
+      load_f4(sum + base + c, xhat);
+      load_f4(weight + c, w);
+      if constexpr (kDsum) load_f4(dsum + base + c, ds);
+#pragma unroll
+      for (int k = 0; k < kVecCols; ++k) v[k] = r * (d[k] * w[k] - mean_g - (xhat[k] - m) * r * mean_gx) + ds[k];
+      store_f4(dx + base + c, v);
+      if constexpr (kBranch) store4(dbranch + base + c, v);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kChunks; ++i) {
+    const int c = i * kChunkCols + lane * kVecCols;
+    store_f4(dweight_parts + wid * kCols + c, dw[i]);
+    store_f4(dbias_parts + wid * kCols + c, db[i]);
+  }
+}
+
+// The vectorised kernels' chunk count for `cols`, or 0 where they do not apply.
+int vec_chunks(int64_t cols) {
+  return cols % kChunkCols == 0 && cols / kChunkCols <= kMaxChunks ? static_cast<int>(cols / kChunkCols) : 0;
+}
+
+// f(std::integral_constant<int, k>{}) for k = chunks in 1..kMaxChunks.
+template <typename F>
+void with_chunks(int chunks, F&& f) {
+  switch (chunks) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    default: TORCH_CHECK(false, "layer_norm: no vectorised kernel for ", chunks, " chunks");
+  }
+}
+
 }  // namespace
+
+bool add_layer_norm_vectorised(int64_t cols, std::initializer_list<at::Tensor> tensors) {
+  if (vec_chunks(cols) == 0) return false;
+  for (const auto& t : tensors)
+    if (t.defined() && !aligned(t)) return false;
+  return true;
+}
 
 bool add_layer_norm_supported(const at::Tensor& x, const at::Tensor& branch, const at::Tensor& weight,
                               const at::Tensor& bias) {
@@ -157,16 +323,30 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
   const auto stream = at::cuda::getCurrentCUDAStream();
   const dim3 grid(static_cast<unsigned>(row_blocks(rows))), block(32 * kRowsPerBlock);
   const float* b = bias.defined() ? as<float>(bias) : nullptr;
-  if (branch.defined())
+  if (add_layer_norm_vectorised(cols, {x, branch, weight, bias})) {
+    const int chunks = vec_chunks(cols);
+    with_chunks(chunks, [&](auto k) {
+      constexpr int kChunks = decltype(k)::value;
+      if (branch.defined())
+        forward_vec_kernel<kChunks, true><<<grid, block, 0, stream>>>(
+            as<float>(x), as<__nv_bfloat16>(branch), as<float>(weight), b, as_mut<float>(sum),
+            as_mut<__nv_bfloat16>(out), as_mut<float>(mean), as_mut<float>(rstd), rows, static_cast<float>(eps));
+      else
+        forward_vec_kernel<kChunks, false><<<grid, block, 0, stream>>>(
+            as<float>(x), nullptr, as<float>(weight), b, nullptr, as_mut<__nv_bfloat16>(out), as_mut<float>(mean),
+            as_mut<float>(rstd), rows, static_cast<float>(eps));
+    });
+  } else if (branch.defined()) {
     forward_kernel<true><<<grid, block, 0, stream>>>(as<float>(x), as<__nv_bfloat16>(branch), as<float>(weight), b,
                                                      as_mut<float>(sum), as_mut<__nv_bfloat16>(out),
                                                      as_mut<float>(mean), as_mut<float>(rstd), rows,
                                                      static_cast<int>(cols), static_cast<float>(eps));
-  else
+  } else {
     forward_kernel<false><<<grid, block, 0, stream>>>(as<float>(x), nullptr, as<float>(weight), b, nullptr,
                                                       as_mut<__nv_bfloat16>(out), as_mut<float>(mean),
                                                       as_mut<float>(rstd), rows, static_cast<int>(cols),
                                                       static_cast<float>(eps));
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {sum, out, mean, rstd};
 }
@@ -186,6 +366,29 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
   const dim3 grid(static_cast<unsigned>(row_blocks(rows))), block(32 * kRowsPerBlock);
   const float* ds = dsum.defined() ? as<float>(dsum) : nullptr;
   __nv_bfloat16* db = with_branch ? as_mut<__nv_bfloat16>(dbranch) : nullptr;
+  if (add_layer_norm_vectorised(cols, {dout, dsum, sum, weight})) {
+    const int chunks = vec_chunks(cols);
+    at::Tensor parts;  // [2, warps, cols]: the weight's partial gradients, then the bias's
+    with_chunks(chunks, [&](auto k) {
+      constexpr int kChunks = decltype(k)::value;
+      auto launch = [&](auto kernel) {
+        const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * kRowsPerBlock, 0);
+        const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(per_sm, 1);
+        const int64_t blocks = std::max<int64_t>(1, std::min(row_blocks(rows), resident));
+        parts = at::empty({2, blocks * kRowsPerBlock, cols}, sum.options());
+        kernel<<<static_cast<unsigned>(blocks), block, 0, stream>>>(
+            as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd), as<float>(weight),
+            as_mut<float>(dx), db, as_mut<float>(parts[0]), as_mut<float>(parts[1]), rows);
+      };
+      if (ds && with_branch) launch(backward_vec_kernel<kChunks, true, true>);
+      else if (ds) launch(backward_vec_kernel<kChunks, true, false>);
+      else if (with_branch) launch(backward_vec_kernel<kChunks, false, true>);
+      else launch(backward_vec_kernel<kChunks, false, false>);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // Two reductions, so that the two gradients do not share one storage.
+    return {dx, dbranch, parts[0].sum(0), with_bias ? parts[1].sum(0) : at::Tensor()};
+  }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),
                                        as<float>(weight), as_mut<float>(dx), db, rows, static_cast<int>(cols));

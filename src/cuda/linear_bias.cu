@@ -42,17 +42,29 @@ __device__ __forceinline__ void round_store8(__nv_bfloat16* p, float* f) {
   *reinterpret_cast<uint4*>(p) = v;
 }
 
-// gelu'(h) * dy for the exact GELU, 0.5 h (1 + erf(h / sqrt 2)), in fp32.
+// gelu'(h) * dy in fp32. The exact GELU is 0.5 h (1 + erf(h / sqrt 2)); the
+// tanh form is 0.5 h (1 + tanh(u)) with u = sqrt(2 / pi) (h + 0.044715 h^3),
+// whose derivative is 0.5 (1 + t) + 0.5 h (1 - t^2) du/dh for t = tanh(u).
+template <Gelu kGelu>
 __device__ __forceinline__ float gelu_grad(float dy, float h) {
-  constexpr float kInvSqrt2 = 0.70710678118654752440f;
-  constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // the normal density's 1 / sqrt(2 pi)
-  const float cdf = 0.5f * (1.f + erff(h * kInvSqrt2));
-  const float pdf = expf(-0.5f * h * h) * kInvSqrt2Pi;
-  return dy * (cdf + h * pdf);
+  if constexpr (kGelu == Gelu::kErf) {
+    constexpr float kInvSqrt2 = 0.70710678118654752440f;
+    constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // the normal density's 1 / sqrt(2 pi)
+    const float cdf = 0.5f * (1.f + erff(h * kInvSqrt2));
+    const float pdf = expf(-0.5f * h * h) * kInvSqrt2Pi;
+    return dy * (cdf + h * pdf);
+  } else {
+    constexpr float kSqrt2OverPi = 0.79788456080286535588f;
+    constexpr float kCubic = 0.044715f;
+    const float h2 = h * h;
+    const float t = tanhf(kSqrt2OverPi * (h + kCubic * h2 * h));
+    const float du = kSqrt2OverPi * (1.f + 3.f * kCubic * h2);
+    return dy * (0.5f * (1.f + t) + 0.5f * h * (1.f - t * t) * du);
+  }
 }
 
-// kGelu: g = gelu'(h) * dy, written to dh (bf16) and summed; else g = dy.
-template <bool kGelu>
+// With a GELU: g = gelu'(h) * dy, written to dh (bf16) and summed; else g = dy.
+template <bool kGelu, Gelu kForm>
 __global__ void partial_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_bfloat16* __restrict__ h,
                                __nv_bfloat16* __restrict__ dh, int64_t M, int C, float* __restrict__ part) {
   extern __shared__ float sh[];
@@ -74,7 +86,7 @@ __global__ void partial_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_
     for (int u = 0; u < kUnroll; ++u) {
       if constexpr (kGelu) {
 #pragma unroll
-        for (int k = 0; k < kVec; ++k) g[u][k] = gelu_grad(g[u][k], x[u][k]);
+        for (int k = 0; k < kVec; ++k) g[u][k] = gelu_grad<kForm>(g[u][k], x[u][k]);
         round_store8(dh + (r + u * stride) * C + c0, g[u]);
       }
 #pragma unroll
@@ -88,7 +100,7 @@ __global__ void partial_kernel(const __nv_bfloat16* __restrict__ dy, const __nv_
       float x[kVec];
       load8(h + r * C + c0, x);
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) g[k] = gelu_grad(g[k], x[k]);
+      for (int k = 0; k < kVec; ++k) g[k] = gelu_grad<kForm>(g[k], x[k]);
       round_store8(dh + r * C + c0, g);
     }
 #pragma unroll
@@ -139,7 +151,7 @@ __global__ void finalize_kernel(const float* __restrict__ part, int parts, int C
   if (ty == 0 && c < C) out[c] = a;
 }
 
-template <bool kGelu>
+template <bool kGelu, Gelu kForm = Gelu::kErf>
 void launch(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& dh, const at::Tensor& out) {
   const int C = static_cast<int>(dy.size(-1));
   const int64_t M = dy.numel() / C;
@@ -148,15 +160,15 @@ void launch(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& dh, con
   while (cv % tx != 0) tx /= 2;
   const int ty = kThreads / tx, gy = cv / tx;
   const size_t shared = sizeof(float) * ty * tx * kVec;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, partial_kernel<kGelu>, kThreads, shared));
+  const int per_sm =
+      resident_blocks_per_sm(reinterpret_cast<const void*>(partial_kernel<kGelu, kForm>), kThreads, shared);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::max<int64_t>(1, sms * std::max(per_sm, 1) / gy);
   const int64_t rows_per_block = static_cast<int64_t>(ty) * kUnroll;
   const int gx = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, (M + rows_per_block - 1) / rows_per_block)));
   auto stream = at::cuda::getCurrentCUDAStream();
   auto part = at::empty({static_cast<int64_t>(gx) * C}, out.options());
-  partial_kernel<kGelu><<<dim3(gx, gy), dim3(tx, ty), shared, stream>>>(
+  partial_kernel<kGelu, kForm><<<dim3(gx, gy), dim3(tx, ty), shared, stream>>>(
       as<__nv_bfloat16>(dy), kGelu ? as<__nv_bfloat16>(h) : nullptr, kGelu ? as_mut<__nv_bfloat16>(dh) : nullptr, M,
       C, as_mut<float>(part));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -179,14 +191,18 @@ at::Tensor column_sum(const at::Tensor& g) {
   return out;
 }
 
-std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h) {
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form) {
   TORCH_CHECK(column_sum_supported(dy) && column_sum_supported(h) && dy.sizes() == h.sizes(),
               "gelu_backward_column_sum: unsupported inputs ", dy.sizes(), " ", dy.scalar_type(), " and ", h.sizes(),
               " ", h.scalar_type());
   c10::cuda::CUDAGuard guard(dy.device());
   auto dh = at::empty_like(h);
   auto out = at::empty({h.size(-1)}, h.options().dtype(at::kFloat));
-  launch<true>(dy, h, dh, out);
+  if (form == Gelu::kTanh) {
+    launch<true, Gelu::kTanh>(dy, h, dh, out);
+  } else {
+    launch<true, Gelu::kErf>(dy, h, dh, out);
+  }
   return {dh, out};
 }
 

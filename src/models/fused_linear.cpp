@@ -9,6 +9,7 @@
 #include "ddp/compat.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
 #endif
 
@@ -64,6 +65,45 @@ torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const t
   const auto dtype = torch::kBFloat16;
   return LinearBiasFn::apply(x.to(dtype), weight.to(dtype), bias, gelu);
 }
+
+// z = gelu_tanh(x W1^T + b1) W2^T + b2, x and the weights in bf16 (cast by
+// the caller), the biases the fp32 parameters. Forward: the first matmul
+// with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps pre = x W1^T + b1), the
+// second as at::linear. Backward: db2 = column sums of g; dW2 = g^T y;
+// dh = (g W2) * gelu_tanh'(pre) and db1, its column sums, in one pass after
+// the matmul; dW1 = dh^T x; dx = dh W1.
+struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
+                               torch::Tensor w2, torch::Tensor b2) {
+    const int64_t in = x.size(-1);
+    auto x2 = x.reshape({-1, in}).contiguous();
+    auto r = cuda::linear_gelu_tanh(x2, w1, b1.to(x.scalar_type()));
+    auto z = at::linear(r[0], w2, b2.to(x.scalar_type()));
+    ctx->save_for_backward({x2, w1, w2, r[0], r[1]});
+    auto sizes = x.sizes().vec();
+    sizes.back() = w2.size(0);
+    return z.view(sizes);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const auto &x2 = s[0], &w1 = s[1], &w2 = s[2], &y = s[3], &pre = s[4];
+    auto g = grads[0].to(x2.scalar_type()).reshape({-1, w2.size(0)}).contiguous();
+    if (!cuda::column_sum_supported(g)) g = g.clone();  // a view at an unaligned offset
+    torch::Tensor db2, dw2, dw1;
+    if (ctx->needs_input_grad(4)) db2 = cuda::column_sum(g);
+    if (ctx->needs_input_grad(3)) dw2 = at::mm(g.t(), y);
+    auto r = cuda::gelu_backward_column_sum(at::mm(g, w2), pre, cuda::Gelu::kTanh);
+    const auto& dh = r[0];
+    if (ctx->needs_input_grad(1)) dw1 = at::mm(dh.t(), x2);
+    torch::Tensor dx;
+    if (ctx->needs_input_grad(0)) {
+      auto sizes = grads[0].sizes().vec();
+      sizes.back() = w1.size(1);
+      dx = at::mm(dh, w1).view(sizes);
+    }
+    return {dx, dw1, r[1], dw2, db2};
+  }
+};
 #endif
 
 }  // namespace
@@ -87,6 +127,18 @@ torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, c
   if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false);
 #endif
   return torch::linear(x, weight, bias);
+}
+
+torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                            const torch::Tensor& w2, const torch::Tensor& b2) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
+      w2.dim() == 2 && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0) && cuda::gemm_gelu_available()) {
+    const auto dtype = torch::kBFloat16;
+    return MlpGeluTanhFn::apply(x.to(dtype), w1.to(dtype), b1, w2.to(dtype), b2);
+  }
+#endif
+  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2);
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

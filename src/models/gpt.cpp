@@ -27,7 +27,7 @@ std::string gpt_arch(const GptOptions& o) {
                 static_cast<long long>(o.n_head()), static_cast<long long>(o.n_embd()),
                 static_cast<long long>(o.block_size()), static_cast<long long>(o.vocab_size()), o.bias() ? 1 : 0,
                 o.dropout());
-  return buf;
+  return std::string(buf) + (o.gelu() == GptGelu::kTanh ? "/gelu-tanh" : "");
 }
 
 GptOptions gpt_from_arch(const std::string& arch) {
@@ -38,7 +38,10 @@ GptOptions gpt_from_arch(const std::string& arch) {
                               &bias, &drop) == 7;
   check_user(ok && l > 0 && h > 0 && c > 0 && t > 0 && v > 0, "the checkpoint's model '" + arch + "' is not a GPT.",
              "pass a checkpoint written by ddptrain --task lm.");
-  return GptOptions().n_layer(l).n_head(h).n_embd(c).block_size(t).vocab_size(v).bias(bias != 0).dropout(drop);
+  const bool tanh = arch.find("/gelu-tanh/") != std::string::npos ||
+                    (arch.size() >= 10 && arch.compare(arch.size() - 10, 10, "/gelu-tanh") == 0);
+  return GptOptions().n_layer(l).n_head(h).n_embd(c).block_size(t).vocab_size(v).bias(bias != 0).dropout(drop).gelu(
+      tanh ? GptGelu::kTanh : GptGelu::kExact);
 }
 
 // ---- LayerNorm -------------------------------------------------------------
@@ -103,11 +106,14 @@ GptMlpImpl::GptMlpImpl(const GptOptions& o) {
   c_fc = register_module("c_fc", torch::nn::Linear(torch::nn::LinearOptions(o.n_embd(), 4 * o.n_embd()).bias(o.bias())));
   c_proj = register_module("c_proj", torch::nn::Linear(torch::nn::LinearOptions(4 * o.n_embd(), o.n_embd()).bias(o.bias())));
   dropout = register_module("dropout", torch::nn::Dropout(o.dropout()));
+  gelu = o.gelu();
 }
 
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) {
-  // The exact (erf) GELU, as nn.GELU().
-  auto y = linear(c_proj, linear_gelu(x, c_fc->weight, c_fc->bias));
+  // The exact (erf) GELU, as nn.GELU(); or the tanh one, with both layers
+  // in one function so that the GELU can live in the matmuls' epilogues.
+  auto y = gelu == GptGelu::kTanh ? mlp_gelu_tanh(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias)
+                                  : linear(c_proj, linear_gelu(x, c_fc->weight, c_fc->bias));
   return dropout->options.p() > 0 ? dropout(y) : y;
 }
 

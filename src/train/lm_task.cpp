@@ -31,6 +31,10 @@ void LmTask::add_flags(Config& config) {
   config.add_flag("--vocab-size", "lm: vocabulary (0: 256 for text, which is read as bytes; 50304 for token files)", 0);
   config.add_flag("--dropout", "lm: dropout in the model", 0.0);
   config.add_flag("--linear-bias", "lm: biases in the linear layers and LayerNorms (GPT-2: yes)", true);
+  config.add_flag("--gelu",
+                  "lm: the MLP's GELU: exact (erf, as nanoGPT's nn.GELU) or tanh (GPT-2's own approximation; on a "
+                  "GPU with --linear-kernel auto it runs inside the MLP's matmuls)",
+                  "exact", {"exact", "tanh"});
 }
 
 models::GptOptions LmTask::model_options(const Config& c) {
@@ -44,6 +48,7 @@ models::GptOptions LmTask::model_options(const Config& c) {
                  c.flag<int>("width") >= 0 && c.flag<int>("vocab-size") >= 0,
              "--context, --layers, --heads, --width and --vocab-size must be 0 (the preset's) or positive.");
   o.dropout(c.flag<double>("dropout")).bias(c.flag<bool>("linear-bias"));
+  o.gelu(c.flag<std::string>("gelu") == "tanh" ? models::GptGelu::kTanh : models::GptGelu::kExact);
   return o;
 }
 

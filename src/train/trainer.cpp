@@ -105,6 +105,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
   use_nhwc_batchnorm_kernels(c.bn_kernel != "native");
   use_fused_batchnorm_relu(c.bn_kernel == "auto");
   use_fused_cross_entropy(c.ce_kernel != "native");
+  use_one_pass_cross_entropy(c.ce_kernel == "auto");
   models::use_fused_layer_norm(c.ln_kernel == "auto");
   models::use_fused_linear(c.linear_kernel == "auto");
   models::use_nhwc_max_pool_kernels(c.bn_kernel != "native");  // native: all ATen, for A/B timing

@@ -70,10 +70,13 @@ double tiny_step(torch::ScalarType dtype) { return dtype == torch::kHalf ? std::
 // value at a rounding midpoint to the other neighbour) plus 1e-5 of the
 // largest possible magnitude |scale| (where p - 1 cancels at the target),
 // plus, for fp16, one subnormal step. For bf16 that is one bf16 ulp.
-void expect_grad_near(const torch::Tensor& got, const torch::Tensor& ref, torch::ScalarType dtype, double scale) {
+// `roundings` is 2 where the one-pass path rounds the gradient for an
+// incoming 1 and then again after scaling it.
+void expect_grad_near(const torch::Tensor& got, const torch::Tensor& ref, torch::ScalarType dtype, double scale,
+                      int roundings = 1) {
   auto g = got.to(torch::kCPU).to(torch::kDouble), r = ref.to(torch::kCPU);
   auto err = (g - r).abs();
-  auto tol = r.abs() * (half_ulp(dtype) + 1e-5) + (1e-5 * std::abs(scale) + tiny_step(dtype));
+  auto tol = r.abs() * (roundings * half_ulp(dtype) + 1e-5) + (1e-5 * std::abs(scale) + tiny_step(dtype));
   const auto bad = (err > tol).sum().item<int64_t>();
   EXPECT_EQ(bad, 0) << bad << " of " << g.numel() << " gradient elements off; worst error/tolerance "
                     << (err / tol).max().item<double>();
@@ -86,10 +89,13 @@ void expect_loss_near(double got, double ref) {
 int64_t kept(const torch::Tensor& targets) { return (targets != -100).sum().item<int64_t>(); }
 
 // Through fused_cross_entropy (the autograd function), every dtype,
-// reduction and shape, with and without the in-place backward. The logits
+// reduction and shape, with and without the in-place backward, for an
+// incoming gradient of 1 (nothing scales the loss) and of 0.75. The logits
 // are a non-leaf (x * 1, as a model's output), so that the gradient reaching
 // the leaf is a copy of what the loss wrote: and with overwrite_logits, the
-// logits' memory must hold that gradient afterwards.
+// logits' memory must hold that gradient afterwards. In place, bf16 and fp32
+// take the one-pass path (every row here fits in shared memory), fp16 the
+// two-pass one.
 TEST(FusedCrossEntropy, MatchesFloat64LibTorch_CUDA) {
   SKIP_UNLESS_KERNELS();
   const torch::Device gpu(torch::kCUDA, 0);
@@ -99,34 +105,111 @@ TEST(FusedCrossEntropy, MatchesFloat64LibTorch_CUDA) {
       auto logits = make_logits(s.n, s.v, dtype, gpu);
       auto targets = make_targets(s.n, s.v, gpu);
       for (const bool sum : {false, true})
-        for (const bool in_place : {false, true}) {
-          SCOPED_TRACE(c10::str(dtype, " N=", s.n, " V=", s.v, sum ? " sum" : " mean", in_place ? " in place" : ""));
-          const double g = 0.75;
-          const auto ref = reference(logits, targets, sum, g);
-          auto leaf = logits.clone().requires_grad_();
-          auto x = leaf * 1;
-          ASSERT_TRUE(ddp::fused_cross_entropy_applies(x, targets));
-          auto loss = ddp::fused_cross_entropy(x, targets, sum, in_place);
-          EXPECT_EQ(loss.scalar_type(), torch::kFloat);
-          EXPECT_EQ(loss.dim(), 0);
-          loss.backward(torch::full({}, g, loss.options()));
-          expect_loss_near(loss.item<double>(), ref.loss);
-          ASSERT_TRUE(leaf.grad().defined());
-          EXPECT_EQ(leaf.grad().scalar_type(), dtype);
-          const double scale = sum ? g : g / static_cast<double>(kept(targets));
-          expect_grad_near(leaf.grad(), ref.grad, dtype, scale);
-          // Ignored rows get exactly 0.
-          auto ignored = (targets == -100).nonzero().squeeze(1);
-          if (ignored.numel() > 0) {
-            EXPECT_EQ(leaf.grad().index_select(0, ignored).abs().max().item<double>(), 0.0);
+        for (const bool in_place : {false, true})
+          for (const double g : {1.0, 0.75}) {
+            SCOPED_TRACE(c10::str(dtype, " N=", s.n, " V=", s.v, sum ? " sum" : " mean", in_place ? " in place" : "",
+                                  " g=", g));
+            const auto ref = reference(logits, targets, sum, g);
+            auto leaf = logits.clone().requires_grad_();
+            auto x = leaf * 1;
+            ASSERT_TRUE(ddp::fused_cross_entropy_applies(x, targets));
+            const bool one_pass = ddp::fused_cross_entropy_takes_one_pass(x, targets, in_place);
+            EXPECT_EQ(one_pass, in_place && dtype != torch::kHalf);
+            auto loss = ddp::fused_cross_entropy(x, targets, sum, in_place);
+            EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+            EXPECT_EQ(loss.dim(), 0);
+            loss.backward(torch::full({}, g, loss.options()));
+            expect_loss_near(loss.item<double>(), ref.loss);
+            ASSERT_TRUE(leaf.grad().defined());
+            EXPECT_EQ(leaf.grad().scalar_type(), dtype);
+            const double scale = sum ? g : g / static_cast<double>(kept(targets));
+            expect_grad_near(leaf.grad(), ref.grad, dtype, scale, one_pass && g != 1.0 ? 2 : 1);
+            // Ignored rows get exactly 0.
+            auto ignored = (targets == -100).nonzero().squeeze(1);
+            if (ignored.numel() > 0) {
+              EXPECT_EQ(leaf.grad().index_select(0, ignored).abs().max().item<double>(), 0.0);
+            }
+            if (in_place) {
+              EXPECT_TRUE(torch::equal(x.detach(), leaf.grad())) << "the logits do not hold the gradient";
+            } else {
+              EXPECT_TRUE(torch::equal(x.detach(), logits)) << "the logits changed";
+            }
           }
-          if (in_place) {
-            EXPECT_TRUE(torch::equal(x.detach(), leaf.grad())) << "the logits do not hold the gradient";
-          } else {
-            EXPECT_TRUE(torch::equal(x.detach(), logits)) << "the logits changed";
-          }
+    }
+}
+
+// The loss and gradient of one pass against the two-pass kernels, to the
+// bit: the same row sums in the same order, and the same fp32 arithmetic
+// rounded once, for an incoming gradient of 1 and of a power of 2 (an exact
+// scale, so rounding before or after it gives the same bits). Rows of every
+// alignment (V = 7 bf16 rows start every 14 bytes) and GPT-2's row.
+TEST(FusedCrossEntropy, OnePassEqualsTwoPassToTheBit_CUDA) {
+  SKIP_UNLESS_KERNELS();
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(11);
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat})
+    for (const auto& s : kShapes) {
+      auto logits = make_logits(s.n, s.v, dtype, gpu);
+      auto targets = make_targets(s.n, s.v, gpu);
+      for (const bool sum : {false, true})
+        for (const double g : {1.0, 0.5}) {
+          SCOPED_TRACE(c10::str(dtype, " N=", s.n, " V=", s.v, sum ? " sum" : " mean", " g=", g));
+          auto run = [&](bool one_pass) {
+            ddp::use_one_pass_cross_entropy(one_pass);
+            auto leaf = logits.clone().requires_grad_();
+            auto x = leaf * 1;
+            EXPECT_EQ(ddp::fused_cross_entropy_takes_one_pass(x, targets, true), one_pass);
+            auto loss = ddp::fused_cross_entropy(x, targets, sum, true);
+            loss.backward(torch::full({}, g, loss.options()));
+            ddp::use_one_pass_cross_entropy(true);
+            return std::make_pair(loss.detach(), leaf.grad());
+          };
+          const auto [loss1, grad1] = run(true);
+          const auto [loss2, grad2] = run(false);
+          EXPECT_TRUE(torch::equal(loss1, loss2)) << loss1.item<double>() << " vs " << loss2.item<double>();
+          EXPECT_TRUE(torch::equal(grad1, grad2))
+              << (grad1 != grad2).sum().item<int64_t>() << " of " << grad1.numel() << " gradient elements differ";
         }
     }
+}
+
+// The one-pass path stays out where it must: a row too long for shared
+// memory (400,000 bytes of bf16), fp16, logits that need no gradient (an
+// evaluation) and a caller that keeps its logits; each still gives the loss.
+TEST(FusedCrossEntropy, OnePassOnlyWhereItApplies_CUDA) {
+  SKIP_UNLESS_KERNELS();
+  const torch::Device gpu(torch::kCUDA, 0);
+  torch::manual_seed(12);
+  auto check = [&](const torch::Tensor& logits, const torch::Tensor& targets, bool requires_grad, bool overwrite) {
+    auto leaf = logits.clone().requires_grad_(requires_grad);
+    auto x = leaf * 1;
+    EXPECT_FALSE(ddp::fused_cross_entropy_takes_one_pass(x, targets, overwrite));
+    auto loss = ddp::fused_cross_entropy(x, targets, false, overwrite);
+    const auto ref = reference(logits, targets, false, 1.0);
+    expect_loss_near(loss.item<double>(), ref.loss);
+    if (requires_grad) {
+      loss.backward();
+      expect_grad_near(leaf.grad(), ref.grad, logits.scalar_type(), 1.0 / static_cast<double>(kept(targets)));
+    } else {
+      EXPECT_TRUE(torch::equal(x, logits)) << "logits that need no gradient were overwritten";
+    }
+  };
+  {
+    SCOPED_TRACE("V = 200,000 bf16");
+    check(make_logits(3, 200000, torch::kBFloat16, gpu), make_targets(3, 200000, gpu), true, true);
+  }
+  {
+    SCOPED_TRACE("fp16");
+    check(make_logits(16, 1000, torch::kHalf, gpu), make_targets(16, 1000, gpu), true, true);
+  }
+  {
+    SCOPED_TRACE("no gradient wanted");
+    check(make_logits(16, 1000, torch::kBFloat16, gpu), make_targets(16, 1000, gpu), false, true);
+  }
+  {
+    SCOPED_TRACE("logits kept");
+    check(make_logits(16, 1000, torch::kBFloat16, gpu), make_targets(16, 1000, gpu), true, false);
+  }
 }
 
 // Logits that start 2 bytes past a 16-byte boundary: every row has an

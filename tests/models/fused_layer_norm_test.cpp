@@ -11,6 +11,10 @@
 #include "support/small_gpt.h"
 #include "support/testing.h"
 
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/layer_norm.h"
+#endif
+
 namespace ddp::models {
 namespace {
 
@@ -45,14 +49,37 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
   const torch::Device gpu(torch::kCUDA, 0);
   const auto f32 = torch::TensorOptions().device(gpu);
   FusedLayerNormOn on;
-  for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {3, 7, 100}, {5, 33}, {2, 1}})
+  // Widths of 128 k columns, k <= 6, take the vectorised kernels (65,536
+  // rows of 128: more than the GPU holds warps, whatever the registers, so a
+  // warp walks several); other widths, and x 4 bytes off 16-byte alignment
+  // ("shifted"), the scalar ones.
+  struct Case {
+    std::vector<int64_t> shape;
+    bool shifted = false;
+  };
+  for (const auto& [shape, shifted] : std::vector<Case>{{{4, 64, 768}},
+                                                        {{16, 256, 768}},
+                                                        {{9, 640}},
+                                                        {{2, 5, 128}},
+                                                        {{64, 1024, 128}},
+                                                        {{3, 11, 384}},
+                                                        {{3, 1024}},
+                                                        {{4, 64, 768}, true},
+                                                        {{3, 7, 100}},
+                                                        {{5, 33}},
+                                                        {{2, 1}}})
     for (bool with_branch : {true, false})
       for (bool with_bias : {true, false}) {
-        SCOPED_TRACE(::testing::PrintToString(shape) + " branch=" + std::to_string(with_branch) +
-                     " bias=" + std::to_string(with_bias));
+        SCOPED_TRACE(::testing::PrintToString(shape) + (shifted ? " shifted" : "") + " branch=" +
+                     std::to_string(with_branch) + " bias=" + std::to_string(with_bias));
         torch::manual_seed(7);
         const int64_t c = shape.back();
-        auto x = (torch::randn(shape, f32) * 3 + 1).requires_grad_();
+        auto x = torch::randn(shape, f32) * 3 + 1;
+        if (shifted) {
+          auto storage = torch::empty({x.numel() + 1}, f32);
+          x = storage.narrow(0, 1, x.numel()).view(shape).copy_(x);
+        }
+        x.requires_grad_();
         auto branch = with_branch ? torch::randn(shape, f32).to(torch::kBFloat16).requires_grad_() : torch::Tensor();
         auto w = (torch::rand({c}, f32) + 0.5).requires_grad_();
         auto b = with_bias ? torch::randn({c}, f32).requires_grad_() : torch::Tensor();
@@ -60,6 +87,10 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
         const auto g_out = torch::randn(shape, f32).to(torch::kBFloat16).to(torch::kFloat);
         const auto g_sum = torch::randn(shape, f32);
 
+#ifdef DDP_WITH_CUDA_KERNELS
+        const bool want_vectorised = c % 128 == 0 && c / 128 <= 6 && !shifted;
+        EXPECT_EQ(cuda::add_layer_norm_vectorised(c, {x, branch, w, b}), want_vectorised);
+#endif
         torch::Tensor sum, out;
         {
           compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
@@ -104,11 +135,11 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
 }
 
 // Losses of `steps` bf16 AdamW steps of a small GPT, with the kernels or
-// LibTorch's ops.
-std::vector<double> layer_norm_gpt_losses(bool fused, bool graph, int steps) {
+// LibTorch's ops. Width 64 takes the scalar kernels, 128 the vectorised ones.
+std::vector<double> layer_norm_gpt_losses(bool fused, bool graph, int steps, int64_t width) {
   use_fused_layer_norm(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
-      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
+      GptOptions().n_layer(3).n_head(4).n_embd(width).block_size(32).vocab_size(97), graph, steps);
   use_fused_layer_norm(false);
   return losses;
 }
@@ -122,21 +153,27 @@ using ddp::testing::max_rel_diff;
 TEST(FusedLayerNorm, GptTrainsAsWithLibTorchsOps_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto fused = layer_norm_gpt_losses(true, false, 12);
-  auto native = layer_norm_gpt_losses(false, false, 12);
-  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
-  EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
-  EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
-                                               << ::testing::PrintToString(native);
+  for (int64_t width : {64, 128}) {
+    SCOPED_TRACE("n_embd " + std::to_string(width));
+    auto fused = layer_norm_gpt_losses(true, false, 12, width);
+    auto native = layer_norm_gpt_losses(false, false, 12, width);
+    EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
+    EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
+    EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
+                                                 << ::testing::PrintToString(native);
+  }
 }
 
 TEST(FusedLayerNorm, GptGraphedEqualsEager_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   if (!have_fused_layer_norm()) GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-  auto eager = layer_norm_gpt_losses(true, false, 8);
-  auto graphed = layer_norm_gpt_losses(true, true, 8);
-  EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs "
-                                                << ::testing::PrintToString(eager);
+  for (int64_t width : {64, 128}) {
+    SCOPED_TRACE("n_embd " + std::to_string(width));
+    auto eager = layer_norm_gpt_losses(true, false, 8, width);
+    auto graphed = layer_norm_gpt_losses(true, true, 8, width);
+    EXPECT_LE(max_rel_diff(graphed, eager), 2e-2) << ::testing::PrintToString(graphed) << " vs "
+                                                  << ::testing::PrintToString(eager);
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "support/testing.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
 #endif
 
@@ -30,6 +31,9 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_applies(x, w, b));
   EXPECT_TRUE(torch::equal(linear_bias(x, w, b), torch::linear(x, w, b)));
   EXPECT_TRUE(torch::equal(linear_gelu(x, w, b), torch::gelu(torch::linear(x, w, b))));
+  auto w2 = torch::randn({8, 16}), b2 = torch::randn({8});
+  EXPECT_TRUE(torch::equal(mlp_gelu_tanh(x, w, b, w2, b2),
+                           torch::linear(torch::gelu(torch::linear(x, w, b), "tanh"), w2, b2)));
 }
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -60,25 +64,31 @@ TEST(FusedLinear, ColumnSumMatchesFloat64_CUDA) {
   EXPECT_FALSE(cuda::column_sum_supported(torch::randn({4, 16}, opts)));                        // fp32
 }
 
-// The exact GELU's backward against ATen's, and its column sums.
+// Both GELUs' backward against ATen's, and their column sums.
 TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
   torch::manual_seed(6);
-  for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}}) {
-    SCOPED_TRACE(::testing::PrintToString(shape));
-    auto dy = torch::randn(shape, opts).to(torch::kBFloat16);
-    auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
-    auto r = cuda::gelu_backward_column_sum(dy, h);
-    auto want = at::gelu_backward(dy, h);
-    ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
-    // Within one unit of bf16 rounding of each element (the same formula in
-    // fp32; erf and exp may round differently in the last fp32 bit).
-    auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
-    auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
-    EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();
-    auto sums = r[0].to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
-    EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
+  for (auto form : {cuda::Gelu::kErf, cuda::Gelu::kTanh}) {
+    const std::string approximate = form == cuda::Gelu::kTanh ? "tanh" : "none";
+    for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}}) {
+      SCOPED_TRACE(approximate + " " + ::testing::PrintToString(shape));
+      auto dy = torch::randn(shape, opts).to(torch::kBFloat16);
+      auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
+      auto r = cuda::gelu_backward_column_sum(dy, h, form);
+      auto want = at::gelu_backward(dy, h, approximate);
+      ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
+      // Within one unit of bf16 rounding of each element (the same formula in
+      // fp32; erf, exp and tanh may round differently in the last fp32 bit).
+      auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
+      auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
+      EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();
+      // The other GELU's gradient differs by more than that somewhere.
+      auto other = at::gelu_backward(dy, h, form == cuda::Gelu::kTanh ? "none" : "tanh");
+      EXPECT_FALSE((r[0].to(torch::kFloat) - other.to(torch::kFloat)).abs().le(bound).all().item<bool>());
+      auto sums = r[0].to(torch::kDouble).reshape({-1, shape.back()}).sum(0);
+      EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
+    }
   }
 }
 
@@ -119,12 +129,73 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   }
 }
 
-std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps) {
+// The tanh-GELU MLP (cuBLASLt epilogues) under bf16 autocast against
+// LibTorch's linear, gelu(tanh) and linear: outputs within bf16 rounding
+// (the epilogue rounds the GELU of the fp32 sum once, LibTorch rounds the
+// pre-activation first), gradients within 2^-7 of the largest.
+TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  ASSERT_TRUE(cuda::gemm_gelu_available());
+  FusedLinearOn on;
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(8);
+  auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
+  auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
+  auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
+  std::vector<torch::Tensor> ref;
+  for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
+  auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
+  torch::Tensor y, ry;
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu_tanh(x, w1, b1, w2, b2);
+    ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), "tanh"), ref[3], ref[4]);
+  }
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  ASSERT_EQ(y.sizes(), ry.sizes());
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_NE(y.grad_fn()->name().find("MlpGeluTanhFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
+  EXPECT_LE(rel_err(y, ry), 1.0 / 64);
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  const char* names[] = {"x", "w1", "b1", "w2", "b2"};
+  const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << names[i];
+    EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
+  }
+  EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
+  // Frozen weights and biases: the input's gradient alone, the same.
+  auto x2 = x.detach().clone().requires_grad_();
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu_tanh(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach());
+  }
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
+}
+
+std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {
   use_fused_linear(fused);
   auto losses = ddp::testing::small_gpt_bf16_losses(
-      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97), graph, steps);
+      GptOptions().n_layer(3).n_head(4).n_embd(64).block_size(32).vocab_size(97).gelu(gelu), graph, steps);
   use_fused_linear(false);
   return losses;
+}
+
+// A GPT with the tanh GELU trains with the epilogues as with LibTorch's
+// ops, eager and graphed.
+TEST(FusedLinear, TanhGptTrainsAsWithLibTorchsOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto fused = linear_gpt_losses(true, false, 12, GptGelu::kTanh);
+  auto native = linear_gpt_losses(false, false, 12, GptGelu::kTanh);
+  EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
+  EXPECT_LE(ddp::testing::max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
+                                               << ::testing::PrintToString(native);
+  auto graphed = linear_gpt_losses(true, true, 8, GptGelu::kTanh);
+  fused.resize(8);
+  EXPECT_LE(ddp::testing::max_rel_diff(graphed, fused), 2e-2) << ::testing::PrintToString(graphed) << " vs "
+                                                << ::testing::PrintToString(fused);
 }
 
 using ddp::testing::max_rel_diff;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/profiler_legacy.h>
 
+#include "ddp/cli.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/world.h"
 #include "ddp/error.h"
@@ -263,6 +264,43 @@ TEST(Gpt, CheckpointHoldsBothNamesAndLoadingKeepsTheTie) {
   std::vector<std::string> names;
   for (const auto& [name, t] : read_state_dict(dir + "/sd.pt")) names.push_back(name);
   EXPECT_EQ(names, reference()["names"].get<std::vector<std::string>>());
+}
+
+// --gelu tanh: the MLP computes GPT-2's tanh GELU (LibTorch's "tanh"
+// approximation), not the exact one; the architecture string says so and
+// reads back, and one without the suffix (every checkpoint from before the
+// option) reads as the exact GELU.
+TEST(Gpt, TanhGeluIsGpt2sApproximationAndTheArchSaysSo) {
+  torch::manual_seed(6);
+  auto o = tiny().gelu(GptGelu::kTanh);
+  GptMlp tanh_mlp(o), exact_mlp(tiny());
+  exact_mlp->c_fc->weight.data().copy_(tanh_mlp->c_fc->weight);
+  exact_mlp->c_fc->bias.data().copy_(tanh_mlp->c_fc->bias);
+  exact_mlp->c_proj->weight.data().copy_(tanh_mlp->c_proj->weight);
+  exact_mlp->c_proj->bias.data().copy_(tanh_mlp->c_proj->bias);
+  auto x = torch::randn({3, 5, 16}) * 2;
+  auto want = torch::linear(torch::gelu(torch::linear(x, tanh_mlp->c_fc->weight, tanh_mlp->c_fc->bias), "tanh"),
+                            tanh_mlp->c_proj->weight, tanh_mlp->c_proj->bias);
+  EXPECT_TRUE(torch::allclose(tanh_mlp(x), want, 1e-6, 1e-6));
+  EXPECT_GT((tanh_mlp(x) - exact_mlp(x)).abs().max().item<double>(), 1e-5) << "the two GELUs differ";
+  EXPECT_NE(gpt_arch(o).find("/gelu-tanh"), std::string::npos);
+  EXPECT_EQ(gpt_from_arch(gpt_arch(o)).gelu(), GptGelu::kTanh);
+  EXPECT_EQ(gpt_from_arch(gpt_arch(o) + "/bytes").gelu(), GptGelu::kTanh);
+  EXPECT_EQ(gpt_from_arch("gpt/L2/H2/C16/T8/V32/bias1/drop0/bytes").gelu(), GptGelu::kExact);
+  EXPECT_EQ(gpt_arch(tiny()).find("gelu"), std::string::npos);
+  // The task's flag builds it.
+  auto lm_config = [](std::vector<std::string> args) {
+    Config defaults;
+    LmTask().add_flags(defaults);
+    args.insert(args.begin(), "ddptrain");
+    std::vector<const char*> argv;
+    for (const auto& a : args) argv.push_back(a.c_str());
+    return parse_cli(static_cast<int>(argv.size()), argv.data(), defaults);
+  };
+  EXPECT_EQ(LmTask::model_options(lm_config({"--task", "lm", "--gelu", "tanh"})).gelu(), GptGelu::kTanh);
+  EXPECT_EQ(LmTask::model_options(lm_config({"--task", "lm"})).gelu(), GptGelu::kExact);
+  EXPECT_NE(ddp::testing::user_error([&] { lm_config({"--task", "lm", "--gelu", "quick"}); }).find("quick"),
+            std::string::npos);
 }
 
 TEST(Gpt, ImageTasksRefuseGptModelsWithAHint) {

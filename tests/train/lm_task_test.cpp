@@ -176,12 +176,14 @@ TEST(LmTask, TokensPerSecondFollowsAResumeOnAnotherNumberOfRanks) {
 // The resume command a finished lm run prints (no --task on it) continues
 // that run as a language model: the task comes from the checkpoint, as
 // every other flag does. It used to build the default image task, which
-// then looked for images in the fortunes folder.
+// then looked for images in the fortunes folder. The model is the first
+// run's, its --gelu tanh too.
 TEST(LmTask, ThePrintedResumeCommandContinuesTheLmRun) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   const auto dir = ddp::testing::temp_dir("lm_resume_cmd");
-  auto first = run_process(lm_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "256", "--test-samples", "64"}));
+  auto first = run_process(
+      lm_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "256", "--test-samples", "64", "--gelu", "tanh"}));
   ASSERT_EQ(first.exit_code, 0) << first.output;
   const auto at = first.output.find("resume:   ");
   ASSERT_NE(at, std::string::npos) << first.output;
@@ -195,6 +197,14 @@ TEST(LmTask, ThePrintedResumeCommandContinuesTheLmRun) {
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_NE(again.output.find("epoch 2/2  train_loss"), std::string::npos) << again.output;
   EXPECT_NE(again.output.find("test_perplexity"), std::string::npos) << again.output;
+  // The model it went on with is the first run's, tanh GELU and all.
+  int checkpoints = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.path().extension() != ".pt") continue;
+    ++checkpoints;
+    EXPECT_NE(ddp::read_checkpoint_meta(e.path().string()).arch.find("/gelu-tanh"), std::string::npos) << e.path();
+  }
+  EXPECT_GE(checkpoints, 2);
 }
 
 TEST(LmTask, TokenFilesTrainAndBadOnesAreOneLineErrors) {

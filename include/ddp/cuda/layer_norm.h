@@ -14,6 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <vector>
 
 namespace ddp::cuda {
@@ -23,6 +24,12 @@ namespace ddp::cuda {
 /// weight fp32 [C] and bias (if defined) fp32 [C], contiguous, same device.
 bool add_layer_norm_supported(const at::Tensor& x, const at::Tensor& branch, const at::Tensor& weight,
                               const at::Tensor& bias);
+
+/// True where the forward and the backward take the vectorised kernels: a
+/// width of 128 k columns, k <= 6 (GPT-2's 768 among them), and every
+/// defined tensor 16-byte aligned (forward: x, branch, weight, bias;
+/// backward: dout, dsum, sum, weight). Elsewhere the scalar kernels run.
+bool add_layer_norm_vectorised(int64_t cols, std::initializer_list<at::Tensor> tensors);
 
 /// Forward: returns {sum, out, mean, rstd}. sum = x + branch (fp32; x itself
 /// when branch is undefined); out = (sum - mean) * rstd * weight + bias in

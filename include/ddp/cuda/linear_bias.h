@@ -1,5 +1,5 @@
 // A linear layer's bias gradient on CUDA: the column sums of its output's
-// gradient, in fp32, at a copy's bandwidth; and the exact GELU's backward
+// gradient, in fp32, at a copy's bandwidth; and a GELU's backward
 // with the bias gradient of the layer before it in the same pass.
 //
 // Why by hand: autograd sums a [tokens, features] bf16 gradient over its
@@ -22,10 +22,13 @@ bool column_sum_supported(const at::Tensor& g);
 /// the bias gradient of y = x W^T + b for y's gradient g. Deterministic.
 at::Tensor column_sum(const at::Tensor& g);
 
-/// The exact (erf) GELU's backward with the column sums of its result:
-/// {dh, db} for dh = dy * gelu'(h) in bf16 (as ATen's gelu_backward computes
-/// it, in fp32, then rounded) and db = column_sum(dh) in fp32. dy and h:
-/// bf16 tensors of one shape that column_sum_supported takes.
-std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h);
+/// Which GELU: the exact one (erf), or GPT-2's tanh approximation.
+enum class Gelu { kErf, kTanh };
+
+/// A GELU's backward with the column sums of its result: {dh, db} for
+/// dh = dy * gelu'(h) in bf16 (as ATen's gelu_backward computes it, in fp32,
+/// then rounded) and db = column_sum(dh) in fp32. dy and h: bf16 tensors of
+/// one shape that column_sum_supported takes.
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form = Gelu::kErf);
 
 }  // namespace ddp::cuda

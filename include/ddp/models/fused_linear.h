@@ -28,4 +28,14 @@ torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, c
 /// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
+/// The GPT's MLP with the tanh GELU: gelu_tanh(x W1^T + b1) W2^T + b2, as
+/// torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2).
+/// Where the kernels apply to both layers (widths multiples of 8) and
+/// cuBLASLt is loaded, the first matmul computes the bias and GELU in its
+/// epilogue, keeping the pre-activation (cuda/gemm_gelu.h); the backward
+/// applies the GELU's derivative and sums b1's gradient in one pass
+/// (cuda/linear_bias.h).
+torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
+                            const torch::Tensor& w2, const torch::Tensor& b2);
+
 }  // namespace ddp::models

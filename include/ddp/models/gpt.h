@@ -29,6 +29,12 @@
 
 namespace ddp::models {
 
+/// The MLP's GELU: the exact one (erf), as nanoGPT's nn.GELU(), or GPT-2's
+/// own tanh approximation (HF's "gelu_new", llm.c's). With tanh, ddptrain's
+/// kernels (--linear-kernel auto, on a GPU) compute the GELU and its
+/// backward inside the MLP's matmuls (cuda/gemm_gelu.h).
+enum class GptGelu { kExact, kTanh };
+
 struct GptOptions {
   /// Transformer blocks.
   TORCH_ARG(int64_t, n_layer) = 2;
@@ -45,6 +51,8 @@ struct GptOptions {
   TORCH_ARG(double, dropout) = 0.0;
   /// Biases in the linear layers and LayerNorms (GPT-2 has them).
   TORCH_ARG(bool, bias) = true;
+  /// The MLP's GELU.
+  TORCH_ARG(GptGelu, gelu) = GptGelu::kExact;
 };
 
 /// The sizes --model names: gpt-nano (CPU-sized: 2 layers, 4 heads, width
@@ -56,7 +64,9 @@ GptOptions gpt_preset(const std::string& name);
 /// Whether --model `name` is one of the GPT names above.
 bool is_gpt(const std::string& name);
 /// "gpt/L2/H4/C64/T64/V256/bias1/drop0": the sizes, as the architecture
-/// string of a checkpoint; gpt_from_arch() reads it back.
+/// string of a checkpoint, with "/gelu-tanh" after them for the tanh GELU
+/// (so checkpoints from before it read as the exact GELU they have);
+/// gpt_from_arch() reads it back.
 std::string gpt_arch(const GptOptions& o);
 GptOptions gpt_from_arch(const std::string& arch);
 
@@ -87,6 +97,7 @@ class GptMlpImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
+  GptGelu gelu = GptGelu::kExact;
 };
 TORCH_MODULE(GptMlp);
 

@@ -1,0 +1,34 @@
+// The GPT MLP's first layer with its GELU in the matmul's epilogue
+// (cuBLASLt): for a model with the tanh GELU, the GELU's own pass over the
+// MLP's widest activation disappears into the matmul.
+//
+// Why: in config (e) (GPT-2 124M, bf16) the exact GELU's forward takes
+// 0.83 ms a step (bench/RESULTS.md, session 13). cuBLASLt's GELU epilogue
+// computes the tanh approximation (the GELU of GPT-2 itself, and of llm.c),
+// so it serves a model that uses it. The backward stays a plain matmul and
+// gelu_backward_column_sum (linear_bias.h): cuBLASLt's DGELU_BGRAD epilogue
+// ran as a separate generic kernel on the H200, 3.99 ms a step against
+// about 1.3 ms for ours (session 15).
+//
+// cuBLASLt is reached through the copy that LibTorch's CUDA library has
+// already loaded (its functions looked up by name), not linked again: a
+// second copy from the CUDA toolkit, of another minor version, could load
+// first and break LibTorch's own calls.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <vector>
+
+namespace ddp::cuda {
+
+/// True where the functions below run: a CUDA build whose LibTorch has
+/// loaded cuBLASLt.
+bool gemm_gelu_available();
+
+/// {y, pre} for pre = x W^T + b and y = gelu_tanh(pre), in one matmul
+/// (epilogue GELU_AUX_BIAS). x: [M, K], w: [N, K], b: [N], all bf16 and
+/// contiguous on one GPU, N a multiple of 8. y and pre: [M, N] bf16.
+std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+}  // namespace ddp::cuda

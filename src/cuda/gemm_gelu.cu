@@ -1,0 +1,177 @@
+// cuBLASLt matmuls with GELU epilogues (see the header).
+//
+// cuBLASLt is column-major. A row-major [R, C] matrix is a column-major
+// C x R one with leading dimension C, so the row-major products here are
+// written as their transposes: pre^T (N x M) = W (as K x N, transposed)
+// times x^T (K x M). The epilogue's bias then runs along the rows of the
+// column-major result, that is, over the layer's features, and its
+// auxiliary matrix (the pre-activation) has the result's layout.
+#include "ddp/cuda/gemm_gelu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+namespace ddp::cuda {
+namespace {
+
+// The cuBLASLt functions used here, looked up in the copy LibTorch loaded.
+struct Lt {
+  decltype(&cublasLtCreate) create = nullptr;
+  decltype(&cublasLtMatmulDescCreate) desc_create = nullptr;
+  decltype(&cublasLtMatmulDescDestroy) desc_destroy = nullptr;
+  decltype(&cublasLtMatmulDescSetAttribute) desc_set = nullptr;
+  decltype(&cublasLtMatrixLayoutCreate) layout_create = nullptr;
+  decltype(&cublasLtMatrixLayoutDestroy) layout_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceCreate) pref_create = nullptr;
+  decltype(&cublasLtMatmulPreferenceDestroy) pref_destroy = nullptr;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
+  decltype(&cublasLtMatmul) matmul = nullptr;
+};
+
+template <typename F>
+bool find(F& f, const char* name) {
+  f = reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+  return f != nullptr;
+}
+
+const Lt* lt() {
+  static const Lt* loaded = [] {
+    auto* l = new Lt;  // kept for the process
+    const bool all = find(l->create, "cublasLtCreate") && find(l->desc_create, "cublasLtMatmulDescCreate") &&
+                     find(l->desc_destroy, "cublasLtMatmulDescDestroy") &&
+                     find(l->desc_set, "cublasLtMatmulDescSetAttribute") &&
+                     find(l->layout_create, "cublasLtMatrixLayoutCreate") &&
+                     find(l->layout_destroy, "cublasLtMatrixLayoutDestroy") &&
+                     find(l->pref_create, "cublasLtMatmulPreferenceCreate") &&
+                     find(l->pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
+                     find(l->pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
+                     find(l->heuristic, "cublasLtMatmulAlgoGetHeuristic") && find(l->matmul, "cublasLtMatmul");
+    return all ? l : nullptr;
+  }();
+  return loaded;
+}
+
+void check(cublasStatus_t s, const char* what) {
+  TORCH_CHECK(s == CUBLAS_STATUS_SUCCESS, "cuBLASLt ", what, " failed with status ", static_cast<int>(s));
+}
+
+// One handle per device, for the process (never destroyed: at exit the
+// CUDA context may be gone first).
+cublasLtHandle_t handle_for(int device) {
+  static std::mutex mutex;
+  static auto& handles = *new std::map<int, cublasLtHandle_t>;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  cublasLtHandle_t h = nullptr;
+  check(lt()->create(&h), "create");
+  handles[device] = h;
+  return h;
+}
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+// The descriptors of one matmul, destroyed with it.
+struct Plan {
+  const Lt& l;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  explicit Plan(const Lt& lt) : l(lt) {}
+  ~Plan() {
+    if (d) l.layout_destroy(d);
+    if (b) l.layout_destroy(b);
+    if (a) l.layout_destroy(a);
+    if (op) l.desc_destroy(op);
+  }
+  template <typename T>
+  void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
+    check(l.desc_set(op, attr, &value, sizeof(value)), "set attribute");
+  }
+};
+
+// The largest power of two, up to 256, that divides the tensor's address.
+uint32_t alignment(const at::Tensor& t) {
+  const auto address = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  uint32_t a = 1;
+  while (a < 256 && address % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+// Runs the matmul `p` describes on a, b into d, with cuBLASLt's first
+// heuristic choice for the operands' actual alignment (a view at an
+// offset must not get an algorithm that assumes 256 bytes). False if it
+// offers none.
+bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
+  const Lt& l = p.l;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(l.pref_create(&pref), "preference");
+  const uint64_t bytes = kWorkspaceBytes;
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
+  const uint32_t align_a = alignment(a), align_b = alignment(b), align_d = alignment(d);
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
+  cublasLtMatmulHeuristicResult_t found{};
+  int count = 0;
+  const auto h = handle_for(d.get_device());
+  const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, 1, &found, &count);
+  l.pref_destroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+  auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
+  const float one = 1.f, zero = 0.f;
+  check(l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
+                 &found.algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()),
+        "matmul");
+  return true;
+}
+
+void check_operand(const at::Tensor& t, const char* name, int64_t dims) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == dims, "gemm_gelu: ", name,
+              " must be a contiguous bf16 CUDA tensor of ", dims, " dimension(s), got ", t.sizes(), " ",
+              t.scalar_type());
+}
+
+}  // namespace
+
+bool gemm_gelu_available() { return lt() != nullptr; }
+
+std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  TORCH_CHECK(gemm_gelu_available(), "gemm_gelu: cuBLASLt is not loaded in this process");
+  check_operand(x, "x", 2);
+  check_operand(w, "w", 2);
+  check_operand(b, "b", 1);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && b.size(0) == n && n % 8 == 0, "gemm_gelu: x ", x.sizes(), ", w ", w.sizes(), ", b ",
+              b.sizes(), " do not fit (features a multiple of 8)");
+  TORCH_CHECK(alignment(b) >= 16, "gemm_gelu: the bias must be 16-byte aligned (a fresh tensor is)");
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({m, n}, x.options());
+  auto pre = at::empty({m, n}, x.options());
+  Plan p(*lt());
+  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
+  p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
+  p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(n));
+  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, n, k), "layout");  // W: K x N, transposed
+  check(p.l.layout_create(&p.b, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
+  check(p.l.layout_create(&p.d, CUDA_R_16BF, n, m, n), "layout");  // y^T: N x M
+  TORCH_CHECK(run(p, w, x, y), "gemm_gelu: cuBLASLt has no GELU_AUX_BIAS algorithm for x ", x.sizes(), " w ", w.sizes());
+  return {y, pre};
+}
+
+}  // namespace ddp::cuda

@@ -1,0 +1,79 @@
+// cuBLASLt's GELU epilogue (cuda/gemm_gelu.h) against LibTorch's linear and
+// tanh GELU computed in float64 on the same bf16 values.
+// Bounds: the results are bf16 (8 bits of mantissa), so an element may be
+// off by about one bf16 step of its own size, plus the fp32 summation's
+// rounding over K products; 2^-7 relative to the larger of the value and
+// the tensor's typical size covers both, and a wrong transpose, bias or
+// epilogue is off by far more.
+#include <gtest/gtest.h>
+
+#include "support/testing.h"
+
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
+#endif
+
+namespace {
+
+#ifdef DDP_WITH_CUDA_KERNELS
+// The largest |a - b| over max(|b|, rms(b)), in float64.
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  auto x = a.to(torch::kDouble).cpu(), y = b.to(torch::kDouble).cpu();
+  const double rms = y.pow(2).mean().sqrt().item<double>();
+  return ((x - y).abs() / y.abs().clamp_min(rms)).max().item<double>();
+}
+
+torch::Tensor bf16(torch::Tensor t) { return t.to(torch::kCUDA).to(torch::kBFloat16).contiguous(); }
+
+// Shapes: GPT-2's MLP at a few tokens, and sizes that fill no tile evenly.
+struct GemmShape {
+  int64_t m, k, n;
+};
+const std::vector<GemmShape> kGemmShapes{{64, 768, 3072}, {37, 96, 128}, {1, 64, 8}};
+#endif
+
+TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  ASSERT_TRUE(ddp::cuda::gemm_gelu_available()) << "LibTorch's CUDA library should have loaded cuBLASLt";
+  torch::manual_seed(3);
+  for (const auto& s : kGemmShapes)
+    for (bool offset : {false, true}) {
+      // offset: x is rows 1.. of a larger matrix, a view whose address is
+      // aligned to 2 k bytes only, not to the 256 a fresh tensor has.
+      SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n) +
+                   (offset ? " x at an offset" : ""));
+      auto x = bf16(torch::randn({s.m + 1, s.k})).narrow(0, offset ? 1 : 0, s.m);
+      auto w = bf16(torch::randn({s.n, s.k}) * 0.05), b = bf16(torch::randn({s.n}) * 0.5);
+      auto r = ddp::cuda::linear_gelu_tanh(x, w, b);
+      ASSERT_EQ(r.size(), 2u);
+      auto pre = torch::linear(x.to(torch::kDouble), w.to(torch::kDouble), b.to(torch::kDouble));
+      auto y = torch::gelu(pre, "tanh");
+      EXPECT_LT(relative_error(r[1], pre), 1.0 / 128) << "the pre-activation";
+      EXPECT_LT(relative_error(r[0], y), 1.0 / 128) << "the GELU";
+      EXPECT_EQ(r[0].sizes(), (std::vector<int64_t>{s.m, s.n}));
+      EXPECT_EQ(r[0].scalar_type(), torch::kBFloat16);
+    }
+#endif
+}
+
+// Wrong shapes and dtypes are refused with what was passed.
+TEST(GemmGelu, RefusesWhatItCannotTake_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  auto x = bf16(torch::randn({4, 16})), w = bf16(torch::randn({12, 16})), b = bf16(torch::randn({12}));
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x, w, b), c10::Error);  // 12 features: not a multiple of 8
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x.to(torch::kFloat), bf16(torch::randn({16, 16})), bf16(torch::randn({16}))),
+               c10::Error);
+  auto w16 = bf16(torch::randn({16, 16}));
+  EXPECT_NO_THROW(ddp::cuda::linear_gelu_tanh(x, w16, bf16(torch::randn({16}))));
+  EXPECT_THROW(ddp::cuda::linear_gelu_tanh(x, w16, bf16(torch::randn({17})).narrow(0, 1, 16)),
+               c10::Error);  // a bias 2 bytes off alignment
+#endif
+}
+
+}  // namespace
