@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 15, branch gelu-epilogue: what the device calls must check before the
-# branch can be merged, in two calls of under 10 minutes each (the second on
+# Issue 15, branch gelu-epilogue: what the device calls had to check before the
+# branch was merged (it was, on 2026-12-05, after `quick`: bench/RESULTS.md,
+# session 20), in two calls of under 10 minutes each (the second on
 # the still-warm machine, whose build the first left):
 #   call 1: build with the tests (setup.sh, ~160 s); the CUDA tests of the
 #           code that has not yet run on a GPU (the tanh GELU's backward
