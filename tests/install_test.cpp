@@ -4,6 +4,8 @@
 #include <cctype>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -151,6 +153,45 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
   std::printf("install %.1f s, configure %.1f s, build %.1f s (ccache %s), train %.1f s, test_acc %.3f\n",
               inst.seconds, cfg.seconds, make.seconds, ccache ? "on" : "off", r.seconds,
               metrics[0]["test_acc"].get<double>());
+}
+
+// The unity build's switches (CMakeLists.txt; the README's build paragraph
+// names -DDDP_UNITY_BUILD=OFF): off, the library's files compile one at a
+// time; on, in batches of DDP_UNITY_BATCH; DDP_UNITY_BATCH=0, in one batch.
+// CMake writes the batches' sources when it configures, so configuring is
+// enough to see them: the library's files each batch includes.
+std::vector<std::vector<std::string>> unity_batches(const std::string& tag, const std::string& flag) {
+  const std::string build = ddp::testing::temp_dir(tag);
+  const auto cfg = run_process({"cmake", "-S", DDP_SOURCE_DIR, "-B", build, "-DDDP_BUILD_TESTS=OFF",
+                                std::string("-DTorch_DIR=") + DDP_TORCH_DIR, flag},
+                               {}, 300);
+  EXPECT_EQ(cfg.exit_code, 0) << cfg.output;
+  std::vector<std::vector<std::string>> batches;
+  const auto dir = build + "/CMakeFiles/ddp.dir/Unity";
+  if (!fs::exists(dir)) return batches;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    std::vector<std::string> files;
+    std::istringstream lines(read_file(e.path().string()));
+    for (std::string line; std::getline(lines, line);)
+      if (line.rfind("#include \"", 0) == 0) files.push_back(line.substr(10, line.size() - 11));
+    batches.push_back(files);
+  }
+  return batches;
+}
+
+TEST(Build, UnityBatchesFollowTheirOptions) {
+  EXPECT_TRUE(unity_batches("unity_off", "-DDDP_UNITY_BUILD=OFF").empty());
+  const auto eights = unity_batches("unity_on", "-DDDP_UNITY_BATCH=8");
+  const auto one = unity_batches("unity_one", "-DDDP_UNITY_BATCH=0");
+  ASSERT_GE(eights.size(), 2u);
+  std::set<std::string> all;
+  for (const auto& batch : eights) {
+    EXPECT_LE(batch.size(), 8u);
+    all.insert(batch.begin(), batch.end());
+  }
+  EXPECT_GE(all.size(), 40u);  // the library's .cpp files, less any with flags of their own
+  ASSERT_EQ(one.size(), 1u);
+  EXPECT_EQ(std::set<std::string>(one[0].begin(), one[0].end()), all);
 }
 
 }  // namespace
