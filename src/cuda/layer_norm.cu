@@ -353,8 +353,14 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
 
 std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const at::Tensor& dsum_in,
                                                 const at::Tensor& sum, const at::Tensor& mean, const at::Tensor& rstd,
-                                                const at::Tensor& weight, bool with_branch, bool with_bias) {
+                                                const at::Tensor& weight, bool with_branch, bool with_bias,
+                                                const at::Tensor& dweight_out, const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(sum.device());
+  // The sums of the partial rows, into the parameters' gradient slots
+  // where given (param_slots.h), else into fresh tensors.
+  auto column_sums = [](const at::Tensor& parts, const at::Tensor& out) {
+    return out.defined() ? at::sum_out(const_cast<at::Tensor&>(out), parts, 0) : parts.sum(0);
+  };
   const int64_t cols = sum.size(-1), rows = sum.numel() / cols;
   const auto dout = dout_in.to(at::kBFloat16).contiguous();
   const auto dsum = dsum_in.defined() ? dsum_in.to(at::kFloat).contiguous() : dsum_in;
@@ -387,7 +393,7 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // Two reductions, so that the two gradients do not share one storage.
-    return {dx, dbranch, parts[0].sum(0), with_bias ? parts[1].sum(0) : at::Tensor()};
+    return {dx, dbranch, column_sums(parts[0], dweight_out), with_bias ? column_sums(parts[1], dbias_out) : at::Tensor()};
   }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),
@@ -409,7 +415,8 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
                                                             as_mut<float>(dbias_parts), rows, static_cast<int>(cols),
                                                             rows_per_slice);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, dbranch, dweight_parts.sum(0), with_bias ? dbias_parts.sum(0) : at::Tensor()};
+  return {dx, dbranch, column_sums(dweight_parts, dweight_out),
+          with_bias ? column_sums(dbias_parts, dbias_out) : at::Tensor()};
 }
 
 }  // namespace ddp::cuda

@@ -157,11 +157,30 @@ torch::Tensor TrainStep::prepare(const torch::Tensor& x) const {
   return x;
 }
 
+namespace {
+// GradSync::bf16_copies open for a scope, closed on the way out, exceptions
+// included.
+struct BF16Copies {
+  BF16Copies(GradSync& s, bool on) : sync(s), open(on) {
+    if (open) sync.bf16_copies(true);
+  }
+  ~BF16Copies() {
+    if (open) sync.bf16_copies(false);
+  }
+  GradSync& sync;
+  bool open;
+};
+}  // namespace
+
 StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, double loss_scale) {
   StepOutput out{torch::Tensor()};
   {
     std::optional<GradSync::NoSync> no_sync;
     if (!last_micro) no_sync.emplace(*sync_);
+    // Under bf16 autocast, kernels that ask (param_slots.h) read the
+    // parameters' bf16 copies, made here once for the step, until backward
+    // ends.
+    BF16Copies bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
     {
       auto amp = autocast(world_.device().type());
       out = task_.training_step(batch);
@@ -177,7 +196,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     auto scaled = loss_scale != 1.0 ? loss * loss_scale : loss;
     if (fp16_) scaled = scaled * scale_;
     scaled.backward();
-  }
+  }  // the bf16 copies close before the optimizer changes the parameters
   if (last_micro) {
     torch::NoGradGuard no_grad;
     sync_->finish();
