@@ -435,6 +435,11 @@ torch::Tensor GradSync::take_gradient_slot(size_t index) {
   return same_memory(grad_views_[index]);
 }
 
+size_t GradSync::gradient_slots_taken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<size_t>(std::count(slot_taken_.begin(), slot_taken_.end(), 1));
+}
+
 namespace param_slots {
 namespace {
 template <typename F>

@@ -88,6 +88,7 @@ TEST_F(ParamSlots, GradientWrittenIntoItsSlotLandsInTheFlatBufferWithoutACopy) {
       CopyCounter count;
       (y * g).sum().backward();
     }
+    EXPECT_EQ(sync->gradient_slots_taken(), 1u);
     sync->finish();
     EXPECT_EQ(CopyCounter::copies().load(), 0) << "the gradient was copied";
     ASSERT_TRUE(m.w.grad().defined());

@@ -125,6 +125,11 @@ class GradSync {
   /// param_slots.h's functions for this GradSync's parameter `index`.
   torch::Tensor bf16_copy(size_t index);
   torch::Tensor take_gradient_slot(size_t index);
+  /// Gradient slots handed out since the last zero_grad, and whether the
+  /// bf16 copies exist: what tests check to see that a model's kernels use
+  /// them.
+  size_t gradient_slots_taken() const;
+  bool has_bf16_copies() const { return !bf16_views_.empty(); }
 
   /// Where each trainable parameter (in registration order) lives in the
   /// flat buffers.
@@ -188,7 +193,7 @@ class GradSync {
   std::vector<torch::Tensor> flat_bf16_, bf16_views_;
   bool bf16_open_ = false, bf16_wanted_ = false;
   std::vector<char> slot_taken_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
 };
 
 }  // namespace ddp
