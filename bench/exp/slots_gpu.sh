@@ -30,6 +30,7 @@ for i in 1 2; do
     echo -n "$tree "; timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
   done
 done | tee "$OUT/ab.jsonl"
+grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 log "profile, graphed"
 LINE=$(timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
