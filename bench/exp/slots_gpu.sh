@@ -36,7 +36,7 @@ LINE=$(timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-g
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
 python3 bench/kernel_breakdown.py "$OUT/trace.json" --steps 10 --wall-ms "$WALL" --gpt --top 40 --gaps 15 --by-stream | tee "$OUT/breakdown.txt"
 gzip -f "$OUT/trace.json"
-if (( SECONDS < 480 )); then
+if (( SECONDS < 420 )); then
   log "profile, eager, by op"
   LINE=$(timeout 90 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --profile-trace "$OUT/trace_eager.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
   WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
