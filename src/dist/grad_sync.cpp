@@ -394,11 +394,11 @@ void GradSync::finish() {
 // ---- param_slots.h ----------------------------------------------------------
 
 void GradSync::make_bf16_copies() {
-  torch::NoGradGuard no_grad;
   flat_bf16_.clear();
   for (const auto& flat : flat_params_)
-    flat_bf16_.push_back(flat.scalar_type() == torch::kFloat ? torch::empty(flat.sizes(), flat.options().dtype(torch::kBFloat16))
-                                                             : torch::Tensor());
+    flat_bf16_.push_back(flat.scalar_type() == torch::kFloat
+                             ? torch::empty(flat.sizes(), flat.options().dtype(torch::kBFloat16))
+                             : torch::Tensor());
   bf16_views_.assign(params_.size(), torch::Tensor());
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& s = slices_[i];
@@ -438,6 +438,11 @@ torch::Tensor GradSync::take_gradient_slot(size_t index) {
 size_t GradSync::gradient_slots_taken() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<size_t>(std::count(slot_taken_.begin(), slot_taken_.end(), 1));
+}
+
+bool GradSync::has_bf16_copies() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !bf16_views_.empty();
 }
 
 namespace param_slots {

@@ -31,9 +31,10 @@ torch::Tensor bias_or_zeros(const torch::Tensor& bias, const torch::Tensor& weig
 }
 
 // Where input `i`'s gradient goes: its slot in the flat gradient buffer
-// when it is a parameter that has one (param_slots.h), else a fresh tensor.
-torch::Tensor ln_gradient_slot(AutogradContext* ctx, size_t i, const torch::Tensor& param) {
-  return ctx->needs_input_grad(i) ? param_slots::take_gradient_slot(param) : torch::Tensor();
+// when it is a parameter that has one (param_slots.h), else undefined (the
+// kernels then make a fresh tensor). `present` false: no such input.
+torch::Tensor ln_gradient_slot(AutogradContext* ctx, size_t i, const torch::Tensor& param, bool present = true) {
+  return present && ctx->needs_input_grad(i) ? param_slots::take_gradient_slot(param) : torch::Tensor();
 }
 
 // {x + branch, LayerNorm(x + branch) in bf16}.
@@ -52,7 +53,7 @@ struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
     if (!grads[1].defined()) return {grads[0], grads[0].defined() ? grads[0].to(torch::kBFloat16) : torch::Tensor(),
                                      torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
     auto g = cuda::add_layer_norm_backward(grads[1], grads[0], s[0], s[1], s[2], s[3], /*with_branch=*/true, with_bias,
-                                           ln_gradient_slot(ctx, 2, s[3]), with_bias ? ln_gradient_slot(ctx, 3, s[4]) : torch::Tensor());
+                                           ln_gradient_slot(ctx, 2, s[3]), ln_gradient_slot(ctx, 3, s[4], with_bias));
     return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };
@@ -70,7 +71,8 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     auto s = ctx->get_saved_variables();
     const bool with_bias = ctx->saved_data["bias"].toBool();
     auto g = cuda::add_layer_norm_backward(grads[0], torch::Tensor(), s[0], s[1], s[2], s[3], /*with_branch=*/false,
-                                           with_bias, ln_gradient_slot(ctx, 1, s[3]), with_bias ? ln_gradient_slot(ctx, 2, s[4]) : torch::Tensor());
+                                           with_bias, ln_gradient_slot(ctx, 1, s[3]),
+                                           ln_gradient_slot(ctx, 2, s[4], with_bias));
     return {g[0], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };

@@ -157,21 +157,6 @@ torch::Tensor TrainStep::prepare(const torch::Tensor& x) const {
   return x;
 }
 
-namespace {
-// GradSync::bf16_copies open for a scope, closed on the way out, exceptions
-// included.
-struct BF16Copies {
-  BF16Copies(GradSync& s, bool on) : sync(s), open(on) {
-    if (open) sync.bf16_copies(true);
-  }
-  ~BF16Copies() {
-    if (open) sync.bf16_copies(false);
-  }
-  GradSync& sync;
-  bool open;
-};
-}  // namespace
-
 StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, double loss_scale) {
   StepOutput out{torch::Tensor()};
   {
@@ -180,7 +165,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     // Under bf16 autocast, kernels that ask (param_slots.h) read the
     // parameters' bf16 copies, made here once for the step, until backward
     // ends.
-    BF16Copies bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
+    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
     {
       auto amp = autocast(world_.device().type());
       out = task_.training_step(batch);

@@ -121,6 +121,20 @@ class GradSync {
   /// copies (one kernel per flat buffer) once some kernel has asked for a
   /// copy; until then it makes none.
   void bf16_copies(bool open);
+  /// bf16_copies open (when `on`) for a scope, closed on the way out,
+  /// exceptions included.
+  class BF16Window {
+   public:
+    BF16Window(GradSync& s, bool on) : s_(s), on_(on) {
+      if (on_) s_.bf16_copies(true);
+    }
+    ~BF16Window() {
+      if (on_) s_.bf16_copies(false);
+    }
+   private:
+    GradSync& s_;
+    bool on_;
+  };
 
   /// param_slots.h's functions for this GradSync's parameter `index`.
   torch::Tensor bf16_copy(size_t index);
@@ -129,7 +143,7 @@ class GradSync {
   /// bf16 copies exist: what tests check to see that a model's kernels use
   /// them.
   size_t gradient_slots_taken() const;
-  bool has_bf16_copies() const { return !bf16_views_.empty(); }
+  bool has_bf16_copies() const;
 
   /// Where each trainable parameter (in registration order) lives in the
   /// flat buffers.
