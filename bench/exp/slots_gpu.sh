@@ -38,6 +38,9 @@ ab() {
 }
 log "CUDA tests of the changed kernels"; tests 'ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm' tests1
 log "(e) A/B, graphed, tanh GELU"; ab
+log "(e) torch.compile, tanh GELU (the contender, same machine)"
+timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
+  --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
 log "CUDA tests: GPT, LM, cross-entropy"; tests 'CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA' tests2
 log "(e) A/B again"; ab
 log "profile, graphed"
