@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 
 namespace ddp::cuda {
 namespace {
@@ -428,6 +429,13 @@ void launch_scale(const at::Tensor& x, const at::Tensor& grad, cudaStream_t stre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Both forwards' fp32 outputs: the per-row losses, the loss, the count of
+// targets.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> loss_buffers(const at::Tensor& logits) {
+  const auto f32 = logits.options().dtype(at::kFloat);
+  return {at::empty({logits.size(0)}, f32), at::empty({}, f32), at::empty({}, f32)};
+}
+
 }  // namespace
 
 bool cross_entropy_supported(const at::Tensor& logits, const at::Tensor& targets) {
@@ -447,11 +455,8 @@ std::vector<at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at
   c10::cuda::CUDAGuard guard(logits.device());
   const auto targets = targets_in.contiguous();
   const int64_t N = logits.size(0);
-  const auto f32 = logits.options().dtype(at::kFloat);
-  auto lse = at::empty({N}, f32);
-  auto row_loss = at::empty({N}, f32);
-  auto loss = at::empty({}, f32);
-  auto count = at::empty({}, f32);
+  auto [row_loss, loss, count] = loss_buffers(logits);
+  auto lse = at::empty_like(row_loss);
   auto stream = at::cuda::getCurrentCUDAStream();
   switch (logits.scalar_type()) {
     case at::kBFloat16: launch_forward<__nv_bfloat16>(logits, targets, ignore_index, lse, row_loss, stream); break;
@@ -509,10 +514,7 @@ std::vector<at::Tensor> cross_entropy_one_pass(const at::Tensor& logits, const a
   c10::cuda::CUDAGuard guard(logits.device());
   const auto targets = targets_in.contiguous();
   const int64_t N = logits.size(0);
-  const auto f32 = logits.options().dtype(at::kFloat);
-  auto row_loss = at::empty({N}, f32);
-  auto loss = at::empty({}, f32);
-  auto count = at::empty({}, f32);
+  auto [row_loss, loss, count] = loss_buffers(logits);
   auto stream = at::cuda::getCurrentCUDAStream();
   count_kernel<<<1, 1024, 0, stream>>>(as<int64_t>(targets), N, ignore_index, as_mut<float>(count));
   C10_CUDA_KERNEL_LAUNCH_CHECK();

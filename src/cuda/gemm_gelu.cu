@@ -174,4 +174,26 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   return {y, pre};
 }
 
+void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(gemm_gelu_available(), "weight_grad: cuBLASLt is not loaded in this process");
+  check_operand(g, "g", 2);
+  check_operand(x, "x", 2);
+  const int64_t m = g.size(0), n = g.size(1), k = x.size(1);
+  TORCH_CHECK(x.size(0) == m && out.is_cuda() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+                  out.size(0) == n && out.size(1) == k && out.stride(1) == 1 && out.stride(0) == k,
+              "weight_grad: g ", g.sizes(), ", x ", x.sizes(), " and out ", out.sizes(), " ", out.scalar_type(),
+              " do not fit (out: a contiguous fp32 [g's columns, x's columns])");
+  const c10::cuda::CUDAGuard guard(g.device());
+  Plan p(*lt());
+  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
+  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_T);
+  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
+  check(p.l.layout_create(&p.b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M, transposed
+  check(p.l.layout_create(&p.d, CUDA_R_32F, k, n, k), "layout");   // out^T: K x N
+  at::Tensor d = out;
+  TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt has no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
+              x.sizes());
+}
+
 }  // namespace ddp::cuda

@@ -11,15 +11,16 @@
 // bias gradients, sums over the rows of dout * xhat and dout, come from a
 // second kernel: each block sums a slice of rows for a run of columns
 // (threads along the columns, so reads coalesce), and the slices' partial
-// sums are added by at::sum: a fixed order, so the result is deterministic.
+// sums, the weight's and the bias's, are added by one more kernel
+// (sum_rows_kernel): a fixed order, so the result is deterministic.
 //
 // Rows of C = 128 k columns, k <= 6 (GPT-2's 768), take vectorised
 // kernels instead: a lane owns 4 adjacent columns of each 128-column chunk
 // (16-byte fp32 and 8-byte bf16 accesses) and keeps its part of the row in
 // registers between the passes. The backward's warps stay resident and walk
 // rows, each summing the weight and bias gradients of its columns over its
-// rows into one partial row (added by at::sum, in a fixed order): dout and
-// sum are read once, not again by a second kernel.
+// rows into one partial row (added by sum_rows_kernel, in a fixed order):
+// dout and sum are read once, not again by a second kernel.
 #include "ddp/cuda/layer_norm.h"
 #include "bf16_vec.cuh"
 #include "tensor_access.cuh"
@@ -136,6 +137,29 @@ __global__ void param_grads_kernel(const __nv_bfloat16* __restrict__ dout, const
 }
 
 int64_t row_blocks(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
+
+// The weight's and the bias's gradients from their partial rows, in one
+// launch (blockIdx.y: 0 the weight, 1 the bias; no bias: out_b null): each
+// block sums 32 columns, its 32 lanes per column taking every 32nd row,
+// then a tree over the lanes. A fixed order, so the sums are deterministic.
+constexpr int kSumLanes = 32;
+__global__ void sum_rows_kernel(const float* __restrict__ parts_w, const float* __restrict__ parts_b, int64_t rows,
+                                int cols, float* __restrict__ out_w, float* __restrict__ out_b) {
+  __shared__ float s[kSumLanes][33];
+  const float* part = blockIdx.y == 0 ? parts_w : parts_b;
+  float* out = blockIdx.y == 0 ? out_w : out_b;
+  if (out == nullptr) return;
+  const int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
+  float a = 0.f;
+  if (c < cols)
+    for (int64_t r = ty; r < rows; r += kSumLanes) a += part[r * cols + c];
+  s[ty][tx] = a;
+  for (int k = kSumLanes / 2; k > 0; k >>= 1) {
+    __syncthreads();
+    if (ty < k) s[ty][tx] += s[ty + k][tx];
+  }
+  if (ty == 0 && c < cols) out[c] = s[0][tx];
+}
 
 // ---- vectorised kernels: C = 128 k, k <= kMaxChunks -------------------------
 
@@ -353,9 +377,28 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
 
 std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const at::Tensor& dsum_in,
                                                 const at::Tensor& sum, const at::Tensor& mean, const at::Tensor& rstd,
-                                                const at::Tensor& weight, bool with_branch, bool with_bias) {
+                                                const at::Tensor& weight, bool with_branch, bool with_bias,
+                                                const at::Tensor& dweight_out, const at::Tensor& dbias_out) {
   const c10::cuda::CUDAGuard guard(sum.device());
   const int64_t cols = sum.size(-1), rows = sum.numel() / cols;
+  // The weight's and the bias's gradients, the sums of their partial rows:
+  // into the parameters' gradient slots where given (param_slots.h), else
+  // into fresh tensors.
+  auto column_sums = [&](const at::Tensor& parts_w, const at::Tensor& parts_b) -> std::vector<at::Tensor> {
+    auto fresh = [&](const at::Tensor& out) {
+      TORCH_CHECK(!out.defined() || (out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == cols &&
+                                     out.device() == sum.device()),
+                  "add_layer_norm_backward: a gradient slot must be a contiguous fp32 vector of ", cols);
+      return out.defined() ? out : at::empty({cols}, sum.options());
+    };
+    auto dw = fresh(dweight_out), db = with_bias ? fresh(dbias_out) : at::Tensor();
+    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), with_bias ? 2 : 1);
+    sum_rows_kernel<<<grid, dim3(32, kSumLanes), 0, at::cuda::getCurrentCUDAStream()>>>(
+        as<float>(parts_w), with_bias ? as<float>(parts_b) : nullptr, parts_w.numel() / cols, static_cast<int>(cols),
+        as_mut<float>(dw), with_bias ? as_mut<float>(db) : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {dw, db};
+  };
   const auto dout = dout_in.to(at::kBFloat16).contiguous();
   const auto dsum = dsum_in.defined() ? dsum_in.to(at::kFloat).contiguous() : dsum_in;
   TORCH_CHECK(dout.sizes() == sum.sizes() && (!dsum.defined() || dsum.sizes() == sum.sizes()),
@@ -386,8 +429,8 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
       else launch(backward_vec_kernel<kChunks, false, false>);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // Two reductions, so that the two gradients do not share one storage.
-    return {dx, dbranch, parts[0].sum(0), with_bias ? parts[1].sum(0) : at::Tensor()};
+    auto d = column_sums(parts[0], parts[1]);
+    return {dx, dbranch, d[0], d[1]};
   }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),
@@ -409,7 +452,8 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
                                                             as_mut<float>(dbias_parts), rows, static_cast<int>(cols),
                                                             rows_per_slice);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dx, dbranch, dweight_parts.sum(0), with_bias ? dbias_parts.sum(0) : at::Tensor()};
+  auto d = column_sums(dweight_parts, dbias_parts);
+  return {dx, dbranch, d[0], d[1]};
 }
 
 }  // namespace ddp::cuda

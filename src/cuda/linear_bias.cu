@@ -183,21 +183,34 @@ bool column_sum_supported(const at::Tensor& g) {
          g.size(-1) % kVec == 0 && g.numel() > 0 && aligned(g);
 }
 
-at::Tensor column_sum(const at::Tensor& g) {
+namespace {
+// The caller's output, checked, or a fresh one.
+at::Tensor sums_into(const at::Tensor& out, const at::Tensor& like) {
+  if (!out.defined()) return at::empty({like.size(-1)}, like.options().dtype(at::kFloat));
+  TORCH_CHECK(out.is_cuda() && out.get_device() == like.get_device() && out.scalar_type() == at::kFloat &&
+                  out.dim() == 1 && out.size(0) == like.size(-1) && out.is_contiguous(),
+              "column_sum: out must be a contiguous fp32 vector of ", like.size(-1), " on ", like.device(), ", got ",
+              out.sizes(), " ", out.scalar_type());
+  return out;
+}
+}  // namespace
+
+at::Tensor column_sum(const at::Tensor& g, const at::Tensor& out_in) {
   TORCH_CHECK(column_sum_supported(g), "column_sum: unsupported input ", g.sizes(), " ", g.scalar_type());
   c10::cuda::CUDAGuard guard(g.device());
-  auto out = at::empty({g.size(-1)}, g.options().dtype(at::kFloat));
+  auto out = sums_into(out_in, g);
   launch<false>(g, at::Tensor(), at::Tensor(), out);
   return out;
 }
 
-std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form) {
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form,
+                                                 const at::Tensor& out_in) {
   TORCH_CHECK(column_sum_supported(dy) && column_sum_supported(h) && dy.sizes() == h.sizes(),
               "gelu_backward_column_sum: unsupported inputs ", dy.sizes(), " ", dy.scalar_type(), " and ", h.sizes(),
               " ", h.scalar_type());
   c10::cuda::CUDAGuard guard(dy.device());
   auto dh = at::empty_like(h);
-  auto out = at::empty({h.size(-1)}, h.options().dtype(at::kFloat));
+  auto out = sums_into(out_in, h);
   if (form == Gelu::kTanh) {
     launch<true, Gelu::kTanh>(dy, h, dh, out);
   } else {

@@ -7,14 +7,40 @@
 #include <map>
 #include <set>
 #include <tuple>
+#include <unordered_map>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "ddp/dist/param_slots.h"
 #include "ddp/error.h"
 
 namespace ddp {
 namespace {
+
+// param_slots.h's lookup: each live GradSync's parameters, by tensor. A
+// parameter keeps its TensorImpl when GradSync moves its data into the flat
+// buffer (set_data), so the key holds for the GradSync's life.
+struct SlotRegistry {
+  std::mutex mu;
+  std::unordered_map<const c10::TensorImpl*, std::pair<GradSync*, size_t>> where;
+};
+SlotRegistry& slot_registry() {
+  static auto* r = new SlotRegistry;  // kept for the process: autograd threads may outlive main's statics
+  return *r;
+}
+
+// A tensor over `view`'s memory, with its shape and strides, that is not an
+// autograd view of it: autograd's gradient accumulation adopts such a tensor
+// as .grad instead of copying it (it copies views and shared tensors).
+torch::Tensor same_memory(const torch::Tensor& view) {
+  return torch::empty({0}, view.options()).set_(view.storage(), view.storage_offset(), view.sizes(), view.strides());
+}
+
+bool is_same_memory(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.defined() && b.defined() && a.data_ptr() == b.data_ptr() && a.scalar_type() == b.scalar_type() &&
+         a.sizes() == b.sizes() && a.strides() == b.strides();
+}
 
 // Runs after a parameter's AccumulateGrad node has added this step's gradient
 // into .grad, so the bucket's bytes are final when the count reaches zero.
@@ -210,6 +236,12 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     b.view = last_storage.narrow(0, b.offset, b.numel + num_flags);
   }
 
+  slot_taken_.assign(params_.size(), 0);
+  {
+    auto& r = slot_registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (size_t i = 0; i < params_.size(); ++i) r.where[params_[i].unsafeGetTensorImpl()] = {this, i};
+  }
   for (size_t i = 0; i < params_.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     hook_keys_.push_back(acc->add_post_hook(std::make_unique<ReadyHook>([this, i] { mark_ready(i); })));
@@ -219,6 +251,14 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
 }
 
 GradSync::~GradSync() {
+  {
+    auto& r = slot_registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      auto it = r.where.find(params_[i].unsafeGetTensorImpl());
+      if (it != r.where.end() && it->second.first == this) r.where.erase(it);
+    }
+  }
   // Wait for anything in flight so no collective outlives its buffer.
   for (auto& b : buckets_)
     if (b.work) try { b.work->wait(); } catch (...) {}
@@ -244,6 +284,8 @@ void GradSync::zero_grad(bool set_to_none) {
     for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = grad_views_[i];
   }
   std::fill(fired_.begin(), fired_.end(), 0);  // no gradient is there now
+  std::lock_guard<std::mutex> lock(mu_);
+  std::fill(slot_taken_.begin(), slot_taken_.end(), 0);
 }
 
 // A parameter whose .grad is not its view (set to none, or replaced by the
@@ -279,8 +321,9 @@ void GradSync::mark_ready(size_t param_index) {
   const auto& view = grad_views_[param_index];
   if (!p.grad().defined() || !p.grad().is_same(view)) {
     torch::NoGradGuard no_grad;
-    if (p.grad().defined()) view.copy_(p.grad());
-    else view.zero_();
+    // A gradient written into its slot (take_gradient_slot) is there already.
+    if (!p.grad().defined()) view.zero_();
+    else if (!is_same_memory(p.grad(), view)) view.copy_(p.grad());
     p.mutable_grad() = view;
   }
   if (!sync_enabled_ || world_.size() == 1) {
@@ -347,6 +390,81 @@ void GradSync::finish() {
   }
   reset_step();
 }
+
+// ---- param_slots.h ----------------------------------------------------------
+
+void GradSync::make_bf16_copies() {
+  flat_bf16_.clear();
+  for (const auto& flat : flat_params_)
+    flat_bf16_.push_back(flat.scalar_type() == torch::kFloat
+                             ? torch::empty(flat.sizes(), flat.options().dtype(torch::kBFloat16))
+                             : torch::Tensor());
+  bf16_views_.assign(params_.size(), torch::Tensor());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& s = slices_[i];
+    if (flat_bf16_[s.flat].defined())
+      bf16_views_[i] = shaped_view(flat_bf16_[s.flat], s.offset, params_[i], options_.channels_last());
+  }
+}
+
+void GradSync::bf16_copies(bool open) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (open && bf16_wanted_) {
+    if (bf16_views_.empty()) make_bf16_copies();
+    torch::NoGradGuard no_grad;
+    for (size_t k = 0; k < flat_bf16_.size(); ++k)
+      if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
+  }
+  bf16_open_ = open;
+}
+
+torch::Tensor GradSync::bf16_copy(size_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!bf16_open_) return torch::Tensor();
+  if (bf16_views_.empty()) {
+    bf16_wanted_ = true;  // made from the next step on
+    return torch::Tensor();
+  }
+  return bf16_views_[index];
+}
+
+torch::Tensor GradSync::take_gradient_slot(size_t index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slot_taken_[index] || params_[index].grad().defined()) return torch::Tensor();
+  slot_taken_[index] = 1;
+  return same_memory(grad_views_[index]);
+}
+
+size_t GradSync::gradient_slots_taken() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<size_t>(std::count(slot_taken_.begin(), slot_taken_.end(), 1));
+}
+
+bool GradSync::has_bf16_copies() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !bf16_views_.empty();
+}
+
+namespace param_slots {
+namespace {
+template <typename F>
+torch::Tensor ask(const torch::Tensor& param, F f) {
+  if (!param.defined()) return torch::Tensor();
+  auto& r = slot_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.where.find(param.unsafeGetTensorImpl());
+  return it == r.where.end() ? torch::Tensor() : f(*it->second.first, it->second.second);
+}
+}  // namespace
+
+torch::Tensor bf16_copy(const torch::Tensor& param) {
+  return ask(param, [](GradSync& s, size_t i) { return s.bf16_copy(i); });
+}
+
+torch::Tensor take_gradient_slot(const torch::Tensor& param) {
+  return ask(param, [](GradSync& s, size_t i) { return s.take_gradient_slot(i); });
+}
+}  // namespace param_slots
 
 void GradSync::broadcast_buffers() {
   if (world_.size() == 1 || buffers_.empty()) return;

@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "ddp/compat.h"
+#include "ddp/dist/param_slots.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
 #include "ddp/cuda/layer_norm.h"
@@ -29,13 +30,20 @@ torch::Tensor bias_or_zeros(const torch::Tensor& bias, const torch::Tensor& weig
   return bias.defined() ? bias : torch::zeros_like(weight);
 }
 
+// Where input `i`'s gradient goes: its slot in the flat gradient buffer
+// when it is a parameter that has one (param_slots.h), else undefined (the
+// kernels then make a fresh tensor). `present` false: no such input.
+torch::Tensor ln_gradient_slot(AutogradContext* ctx, size_t i, const torch::Tensor& param, bool present = true) {
+  return present && ctx->needs_input_grad(i) ? param_slots::take_gradient_slot(param) : torch::Tensor();
+}
+
 // {x + branch, LayerNorm(x + branch) in bf16}.
 struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
   static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor branch, torch::Tensor weight,
                                torch::Tensor bias, double eps, bool with_bias) {
     // {sum, out, mean, rstd}
     auto r = cuda::add_layer_norm_forward(x, branch, weight, with_bias ? bias : torch::Tensor(), eps);
-    ctx->save_for_backward({r[0], r[2], r[3], weight});
+    ctx->save_for_backward({r[0], r[2], r[3], weight, bias});
     ctx->saved_data["bias"] = with_bias;
     return {r[0], r[1]};
   }
@@ -44,7 +52,8 @@ struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
     const bool with_bias = ctx->saved_data["bias"].toBool();
     if (!grads[1].defined()) return {grads[0], grads[0].defined() ? grads[0].to(torch::kBFloat16) : torch::Tensor(),
                                      torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
-    auto g = cuda::add_layer_norm_backward(grads[1], grads[0], s[0], s[1], s[2], s[3], /*with_branch=*/true, with_bias);
+    auto g = cuda::add_layer_norm_backward(grads[1], grads[0], s[0], s[1], s[2], s[3], /*with_branch=*/true, with_bias,
+                                           ln_gradient_slot(ctx, 2, s[3]), ln_gradient_slot(ctx, 3, s[4], with_bias));
     return {g[0], g[1], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };
@@ -54,7 +63,7 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor weight, torch::Tensor bias,
                                double eps, bool with_bias) {
     auto r = cuda::add_layer_norm_forward(x, torch::Tensor(), weight, with_bias ? bias : torch::Tensor(), eps);
-    ctx->save_for_backward({x, r[2], r[3], weight});
+    ctx->save_for_backward({x, r[2], r[3], weight, bias});
     ctx->saved_data["bias"] = with_bias;
     return r[1];
   }
@@ -62,7 +71,8 @@ struct LayerNormFn : torch::autograd::Function<LayerNormFn> {
     auto s = ctx->get_saved_variables();
     const bool with_bias = ctx->saved_data["bias"].toBool();
     auto g = cuda::add_layer_norm_backward(grads[0], torch::Tensor(), s[0], s[1], s[2], s[3], /*with_branch=*/false,
-                                           with_bias);
+                                           with_bias, ln_gradient_slot(ctx, 1, s[3]),
+                                           ln_gradient_slot(ctx, 2, s[4], with_bias));
     return {g[0], g[2], g[3], torch::Tensor(), torch::Tensor()};
   }
 };

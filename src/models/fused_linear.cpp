@@ -7,6 +7,7 @@
 #include <atomic>
 
 #include "ddp/compat.h"
+#include "ddp/dist/param_slots.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
 #include "ddp/cuda/gemm_gelu.h"
@@ -22,84 +23,127 @@ std::atomic<bool> g_fused_linear{false};
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// y = x W^T + b (then gelu(y) with `gelu`), x and W in bf16 (cast by the
-// caller, so that W's cast is on autograd's tape as autocast's is), b the
-// fp32 parameter. Backward: dx = g W and dW = g^T x, the matmuls autograd
-// runs for at::linear; db = the column sums of g in fp32; with `gelu`, g is
-// first the GELU's backward, in the same pass as db.
+// A parameter in bf16 for a matmul: the training step's bf16 copy where
+// there is one (param_slots.h), else a cast (outside autograd's tape: the
+// functions below take the fp32 parameters and return fp32 gradients).
+torch::Tensor in_bf16(const torch::Tensor& p) {
+  auto copy = param_slots::bf16_copy(p);
+  return copy.defined() ? copy : p.to(torch::kBFloat16);
+}
+
+// Where a parameter's gradient goes: its slot in the flat gradient buffer
+// when it has one (param_slots.h), else a fresh fp32 tensor of its shape.
+torch::Tensor gradient_home(const torch::Tensor& param) {
+  auto slot = param_slots::take_gradient_slot(param);
+  return slot.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
+}
+
+// dW = g^T x in fp32, into W's gradient slot where it has one.
+torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, const torch::Tensor& x2) {
+  auto dw = gradient_home(param);
+  cuda::weight_grad(g2, x2, dw);
+  return dw;
+}
+
+// A bias's gradient: the column sums of g (with the GELU's backward first
+// when `gelu` is given), into the bias's slot where it has one (no bias:
+// undefined, and the sums are thrown away). {g', db}.
+std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Tensor& g, const torch::Tensor& pre,
+                                     std::optional<cuda::Gelu> gelu) {
+  auto db = param.defined() ? gradient_home(param) : torch::Tensor();
+  if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
+  return {g, cuda::column_sum(g, db)};
+}
+
+// A bf16 [.., C] gradient as the contiguous [rows, C] matrix the kernels take.
+torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
+  auto g = grad.to(torch::kBFloat16).reshape({-1, cols}).contiguous();
+  return cuda::column_sum_supported(g) ? g : g.clone();  // a view at an unaligned offset
+}
+
+// y = x W^T (+ b) (then gelu(y) with `gelu`), x in bf16 (cast by the
+// caller, as autocast would), W and b the fp32 parameters, read in bf16.
+// Backward: dx = g W, the matmul autograd runs for at::linear; dW = g^T x
+// and db = the column sums of g, both in fp32 (weight_grad, column_sum);
+// with `gelu`, g is first the GELU's backward, in the same pass as db.
+// Without a bias (the GPT's output head), `b` is W again and unused.
 struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool gelu) {
-    auto h = at::linear(x, w, b.to(x.scalar_type()));
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
+                               bool gelu) {
+    auto w16 = in_bf16(w);
+    auto h = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
+    ctx->saved_data["bias"] = has_bias;
     ctx->saved_data["gelu"] = gelu;
     if (!gelu) {
-      ctx->save_for_backward({x, w});
+      ctx->save_for_backward({x, w16, w, b});
       return h;
     }
-    ctx->save_for_backward({x, w, h});
+    ctx->save_for_backward({x, w16, w, b, h});
     return at::gelu(h);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
-    const auto& x = s[0];
-    const auto& w = s[1];
-    auto g = grads[0].to(x.scalar_type()).contiguous();
-    if (!cuda::column_sum_supported(g)) g = g.clone();  // a view at an unaligned offset
+    const auto &x = s[0], &w16 = s[1], &w = s[2], &b = s[3];
+    const int64_t out = w16.size(0), in = w16.size(1);
+    auto g = as_rows(grads[0], out);
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    const auto bias = has_bias && ctx->needs_input_grad(2) ? b : torch::Tensor();
     torch::Tensor db;
     if (ctx->saved_data["gelu"].toBool()) {
-      auto r = cuda::gelu_backward_column_sum(g, s[2]);
+      auto r = bias_grad(bias, g, as_rows(s[4], out), cuda::Gelu::kErf);
       g = r[0];
       db = r[1];
-    } else {
-      db = cuda::column_sum(g);
+    } else if (bias.defined()) {
+      db = bias_grad(bias, g, torch::Tensor(), std::nullopt)[1];
     }
-    const int64_t out = w.size(0), in = w.size(1);
-    auto g2 = g.view({-1, out});
+    auto x2 = x.reshape({-1, in}).contiguous();
     torch::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::mm(g2, w).view(x.sizes());
-    if (ctx->needs_input_grad(1)) dw = at::mm(g2.t(), x.reshape({-1, in}));
-    return {dx, dw, db, torch::Tensor()};
+    if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
+    if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
+    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
 torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu) {
-  const auto dtype = torch::kBFloat16;
-  return LinearBiasFn::apply(x.to(dtype), weight.to(dtype), bias, gelu);
+  return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu);
 }
 
-// z = gelu_tanh(x W1^T + b1) W2^T + b2, x and the weights in bf16 (cast by
-// the caller), the biases the fp32 parameters. Forward: the first matmul
-// with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps pre = x W1^T + b1), the
-// second as at::linear. Backward: db2 = column sums of g; dW2 = g^T y;
-// dh = (g W2) * gelu_tanh'(pre) and db1, its column sums, in one pass after
-// the matmul; dW1 = dh^T x; dx = dh W1.
+// z = gelu_tanh(x W1^T + b1) W2^T + b2, x in bf16 (cast by the caller), the
+// weights and biases the fp32 parameters, read in bf16. Forward: the first
+// matmul with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps
+// pre = x W1^T + b1), the second as at::linear. Backward: db2 = column sums
+// of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) and db1, its column
+// sums, in one pass after the matmul; dW1 = dh^T x; dx = dh W1. The weight
+// and bias gradients in fp32, into their slots where they have them.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
                                torch::Tensor w2, torch::Tensor b2) {
     const int64_t in = x.size(-1);
     auto x2 = x.reshape({-1, in}).contiguous();
-    auto r = cuda::linear_gelu_tanh(x2, w1, b1.to(x.scalar_type()));
-    auto z = at::linear(r[0], w2, b2.to(x.scalar_type()));
-    ctx->save_for_backward({x2, w1, w2, r[0], r[1]});
+    auto w1_16 = in_bf16(w1), w2_16 = in_bf16(w2);
+    auto r = cuda::linear_gelu_tanh(x2, w1_16, in_bf16(b1));
+    auto z = at::linear(r[0], w2_16, in_bf16(b2));
+    ctx->save_for_backward({x2, w1_16, w2_16, r[0], r[1], w1, b1, w2, b2});
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     return z.view(sizes);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
-    const auto &x2 = s[0], &w1 = s[1], &w2 = s[2], &y = s[3], &pre = s[4];
-    auto g = grads[0].to(x2.scalar_type()).reshape({-1, w2.size(0)}).contiguous();
-    if (!cuda::column_sum_supported(g)) g = g.clone();  // a view at an unaligned offset
+    const auto &x2 = s[0], &w1_16 = s[1], &w2_16 = s[2], &y = s[3], &pre = s[4];
+    const auto &w1 = s[5], &b1 = s[6], &w2 = s[7], &b2 = s[8];
+    auto g = as_rows(grads[0], w2_16.size(0));
     torch::Tensor db2, dw2, dw1;
-    if (ctx->needs_input_grad(4)) db2 = cuda::column_sum(g);
-    if (ctx->needs_input_grad(3)) dw2 = at::mm(g.t(), y);
-    auto r = cuda::gelu_backward_column_sum(at::mm(g, w2), pre, cuda::Gelu::kTanh);
+    if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
+    if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
+    auto r = bias_grad(b1, at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
     const auto& dh = r[0];
-    if (ctx->needs_input_grad(1)) dw1 = at::mm(dh.t(), x2);
+    if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
-      sizes.back() = w1.size(1);
-      dx = at::mm(dh, w1).view(sizes);
+      sizes.back() = w1_16.size(1);
+      dx = at::mm(dh, w1_16).view(sizes);
     }
     return {dx, dw1, r[1], dw2, db2};
   }
@@ -113,9 +157,10 @@ bool fused_linear_enabled() { return g_fused_linear.load(); }
 
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  return g_fused_linear.load() && x.is_cuda() && x.dim() >= 2 && bias.defined() &&
-         bias.scalar_type() == torch::kFloat && weight.dim() == 2 && weight.size(0) % 8 == 0 &&
-         x.size(-1) == weight.size(1) && compat::autocast_dtype(c10::DeviceType::CUDA) == torch::kBFloat16;
+  return g_fused_linear.load() && x.is_cuda() && x.dim() >= 2 && (!bias.defined() || bias.scalar_type() == torch::kFloat) &&
+         weight.dim() == 2 && weight.scalar_type() == torch::kFloat && weight.size(0) % 8 == 0 &&
+         x.size(-1) == weight.size(1) && compat::autocast_dtype(c10::DeviceType::CUDA) == torch::kBFloat16 &&
+         cuda::gemm_gelu_available();
 #else
   (void)x, (void)weight, (void)bias;
   return false;
@@ -133,10 +178,8 @@ torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, con
                             const torch::Tensor& w2, const torch::Tensor& b2) {
 #ifdef DDP_WITH_CUDA_KERNELS
   if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
-      w2.dim() == 2 && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0) && cuda::gemm_gelu_available()) {
-    const auto dtype = torch::kBFloat16;
-    return MlpGeluTanhFn::apply(x.to(dtype), w1.to(dtype), b1, w2.to(dtype), b2);
-  }
+      w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0))
+    return MlpGeluTanhFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2);
 #endif
   return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2);
 }

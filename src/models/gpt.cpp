@@ -145,7 +145,7 @@ TiedHeadImpl::TiedHeadImpl(const torch::Tensor& shared_weight) {
   weight = register_parameter("weight", shared_weight);
 }
 
-torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight); }
+torch::Tensor TiedHeadImpl::forward(const torch::Tensor& x) { return linear_bias(x, weight, torch::Tensor()); }
 
 GptImpl::GptImpl(GptOptions o) : options(std::move(o)) {
   check_options(options);
@@ -182,8 +182,11 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   check_user(t <= options.block_size(), "a sequence of " + std::to_string(t) + " tokens is longer than the model's context of " +
                                             std::to_string(options.block_size()) + ".",
              "crop the input to the last " + std::to_string(options.block_size()) + " tokens, or train with a larger --context.");
-  auto pos = torch::arange(t, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-  auto x = transformer->wte(idx) + transformer->wpe(pos);
+  // The positions' embeddings are the first t rows of wpe, added by
+  // broadcasting: the values of wpe(arange(t)), whose gradient is a sum
+  // over the batch instead of an embedding backward (a sort and several
+  // kernels on CUDA).
+  auto x = transformer->wte(idx) + transformer->wpe->weight.narrow(0, 0, t);
   if (options.dropout() > 0) x = transformer->drop(x);
   if (!models::fused_layer_norm_applies(x, torch::Tensor(), transformer->ln_f->weight, transformer->ln_f->bias)) {
     for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);

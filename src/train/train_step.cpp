@@ -162,6 +162,10 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
   {
     std::optional<GradSync::NoSync> no_sync;
     if (!last_micro) no_sync.emplace(*sync_);
+    // Under bf16 autocast, kernels that ask (param_slots.h) read the
+    // parameters' bf16 copies, made here once for the step, until backward
+    // ends.
+    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
     {
       auto amp = autocast(world_.device().type());
       out = task_.training_step(batch);
@@ -177,7 +181,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     auto scaled = loss_scale != 1.0 ? loss * loss_scale : loss;
     if (fp16_) scaled = scaled * scale_;
     scaled.backward();
-  }
+  }  // the bf16 copies close before the optimizer changes the parameters
   if (last_micro) {
     torch::NoGradGuard no_grad;
     sync_->finish();

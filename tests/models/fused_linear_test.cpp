@@ -6,6 +6,8 @@
 #include "ddp/models/fused_linear.h"
 
 #include "ddp/compat.h"
+#include "ddp/dist/grad_sync.h"
+#include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/gpt.h"
 #include "support/small_gpt.h"
 #include "support/testing.h"
@@ -173,6 +175,59 @@ TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
   }
   (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
   EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
+}
+
+// Under a training step's GradSync, the GPT's linear and LayerNorm kernels
+// write every weight, bias and LayerNorm gradient straight into its slot of
+// the flat buffer, read the step's bf16 copies of the weights, and give the
+// gradients, to the bit, that the same kernels give without the slots (with
+// casts and fresh tensors): the same fp32 matmuls on the same bf16 values.
+TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  FusedLinearOn on;
+  use_fused_layer_norm(true);
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(GptGelu::kTanh);
+  torch::manual_seed(21);
+  Gpt model(options), plain(options);
+  {
+    torch::NoGradGuard no_grad;
+    auto from = model->named_parameters();
+    for (auto& p : plain->named_parameters()) p.value().copy_(from[p.key()]);
+  }
+  model->to(gpu);
+  plain->to(gpu);
+  auto idx = torch::randint(0, 96, {4, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+  auto target = torch::randint(0, 96, {4 * 32}, idx.options());
+  auto loss_of = [&](Gpt& m) {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 96}).to(torch::kFloat), target);
+  };
+  auto world = ddp::testing::one_rank_world(true);
+  GradSync sync(*model, *world);
+  for (int step = 0; step < 2; ++step) {  // the first step asks for the bf16 copies, the second has them
+    SCOPED_TRACE("step " + std::to_string(step));
+    sync.zero_grad(/*set_to_none=*/true);
+    sync.bf16_copies(true);
+    loss_of(model).backward();
+    const size_t slots = sync.gradient_slots_taken();
+    sync.bf16_copies(false);
+    sync.finish();
+    // Each block: 4 weights, 4 biases, 2 LayerNorms of 2; ln_f's 2; the
+    // head's weight, wte (autograd adds the embedding's gradient to it). Not
+    // wpe (a slice of it is added: autograd's sum).
+    EXPECT_EQ(slots, 2u * (4 + 4 + 4) + 2 + 1);
+  }
+  EXPECT_TRUE(sync.has_bf16_copies());
+  loss_of(plain).backward();
+  auto got = model->named_parameters();
+  for (const auto& p : plain->named_parameters()) {
+    if (p.key() == "lm_head.weight") continue;  // the same tensor as wte
+    ASSERT_TRUE(got[p.key()].grad().defined()) << p.key();
+    EXPECT_TRUE(torch::equal(got[p.key()].grad(), p.value().grad()))
+        << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
+  }
+  use_fused_layer_norm(false);
 }
 
 std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {

@@ -14,6 +14,7 @@
 
 #include "ddp/error.h"
 #include "ddp/dist/grad_sync.h"
+#include "ddp/dist/param_slots.h"
 #include "ddp/dist/launch.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
@@ -434,6 +435,51 @@ void abandon(World& world, const std::string& out, const std::string& mode) {
   save(flat_state(*net), out + "/params_rank" + std::to_string(world.rank()) + ".pt");
 }
 
+// y = x W^T whose weight gradient goes into W's slot (param_slots.h): as
+// ddptrain's CUDA linear layers write theirs.
+struct SlotLinear : torch::autograd::Function<SlotLinear> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor x, torch::Tensor w) {
+    ctx->save_for_backward({x, w});
+    return x.matmul(w.t());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    auto dw = param_slots::take_gradient_slot(s[1]);
+    if (!dw.defined()) throw std::runtime_error("param_slots: no slot for the weight");
+    at::mm_out(dw, grads[0].t(), s[0]);
+    return {grads[0].matmul(s[1]), dw};
+  }
+};
+
+// Each rank writes its own weight gradient into the slot (two steps, small
+// buckets); after finish(), .grad must be the ranks' average, computed here
+// from both ranks' inputs.
+void slots(World& world, const std::string& out) {
+  torch::manual_seed(4);
+  torch::nn::Linear a(6, 8), b(8, 8);
+  torch::nn::Sequential net(a, b);
+  GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.0001));
+  for (int step = 0; step < 2; ++step) {
+    auto input = [&](int rank) {
+      torch::manual_seed(100 + 10 * step + rank);
+      return torch::randn({4, 8});
+    };
+    const auto x = input(world.rank());
+    sync.zero_grad(/*set_to_none=*/true);
+    torch::tanh(SlotLinear::apply(x, b->weight)).pow(2).sum().backward();
+    sync.finish();
+    torch::Tensor want = torch::zeros({8, 8});
+    for (int rank = 0; rank < world.size(); ++rank) {
+      auto w = b->weight.detach().clone().requires_grad_();
+      torch::tanh(input(rank).matmul(w.t())).pow(2).sum().backward();
+      want += w.grad() / world.size();
+    }
+    save(b->weight.grad().clone(), out + "/slot_rank" + std::to_string(world.rank()) + ".pt");
+    save(want, out + "/want_rank" + std::to_string(world.rank()) + ".pt");
+  }
+}
+
 // Reads a value back to the host in backward: fine eagerly, and an error
 // in a CUDA graph capture, which then fails half-way through backward.
 struct SyncInBackward : torch::autograd::Function<SyncInBackward> {
@@ -503,6 +549,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     overlap(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "param_slots") {
+    slots(world, out);
   } else if (scenario == "abandon") {
     abandon(world, out, argc > 0 ? argv[0] : "reset");
   } else if (scenario == "capture_fallback") {

@@ -31,4 +31,12 @@ bool gemm_gelu_available();
 /// contiguous on one GPU, N a multiple of 8. y and pre: [M, N] bf16.
 std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
 
+/// A linear layer's weight gradient in fp32: out = g^T x, for g: [M, N]
+/// (the output's gradient) and x: [M, K] (the input), both contiguous bf16,
+/// into out: a contiguous fp32 [N, K] on the same GPU (the weight's
+/// gradient slot, param_slots.h). The products accumulate in fp32 and are
+/// written without rounding to bf16 first, as Megatron-LM's fused weight
+/// gradients are: autocast's matmul would round them to bf16, then cast.
+void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out);
+
 }  // namespace ddp::cuda

@@ -42,9 +42,12 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
 /// input gradient from dout (bf16) plus dsum (fp32, may be undefined: zero);
 /// dbranch = dx in bf16 when `with_branch`, else undefined; dbias undefined
 /// when `with_bias` is false. dweight and dbias are summed over the rows in
-/// a fixed order (deterministic). `sum` is the forward's sum.
+/// a fixed order (deterministic), into dweight_out and dbias_out (contiguous
+/// fp32 vectors: gradient slots, param_slots.h) where given. `sum` is the
+/// forward's sum.
 std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout, const at::Tensor& dsum, const at::Tensor& sum,
                                                 const at::Tensor& mean, const at::Tensor& rstd,
-                                                const at::Tensor& weight, bool with_branch, bool with_bias);
+                                                const at::Tensor& weight, bool with_branch, bool with_bias,
+                                                const at::Tensor& dweight_out = {}, const at::Tensor& dbias_out = {});
 
 }  // namespace ddp::cuda

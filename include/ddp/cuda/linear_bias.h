@@ -20,7 +20,9 @@ bool column_sum_supported(const at::Tensor& g);
 
 /// The sums over every dimension but the last of a bf16 tensor, in fp32:
 /// the bias gradient of y = x W^T + b for y's gradient g. Deterministic.
-at::Tensor column_sum(const at::Tensor& g);
+/// Written into `out` (a contiguous fp32 vector: the bias's gradient slot,
+/// param_slots.h) where given.
+at::Tensor column_sum(const at::Tensor& g, const at::Tensor& out = {});
 
 /// Which GELU: the exact one (erf), or GPT-2's tanh approximation.
 enum class Gelu { kErf, kTanh };
@@ -28,7 +30,9 @@ enum class Gelu { kErf, kTanh };
 /// A GELU's backward with the column sums of its result: {dh, db} for
 /// dh = dy * gelu'(h) in bf16 (as ATen's gelu_backward computes it, in fp32,
 /// then rounded) and db = column_sum(dh) in fp32. dy and h: bf16 tensors of
-/// one shape that column_sum_supported takes.
-std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form = Gelu::kErf);
+/// one shape that column_sum_supported takes. db is written into `out`
+/// where given, as column_sum's.
+std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form = Gelu::kErf,
+                                                 const at::Tensor& out = {});
 
 }  // namespace ddp::cuda

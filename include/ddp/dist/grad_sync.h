@@ -114,6 +114,37 @@ class GradSync {
   /// Copies every buffer (e.g. BatchNorm running stats) from rank 0.
   void broadcast_buffers();
 
+  /// Opens (true) or closes (false) the window in which param_slots.h hands
+  /// out bf16 copies of the parameters: open it at the start of a step's
+  /// forward, close it after its last backward, before the optimizer
+  /// changes the parameters. Opening casts the flat parameters to the bf16
+  /// copies (one kernel per flat buffer) once some kernel has asked for a
+  /// copy; until then it makes none.
+  void bf16_copies(bool open);
+  /// bf16_copies open (when `on`) for a scope, closed on the way out,
+  /// exceptions included.
+  class BF16Window {
+   public:
+    BF16Window(GradSync& s, bool on) : s_(s), on_(on) {
+      if (on_) s_.bf16_copies(true);
+    }
+    ~BF16Window() {
+      if (on_) s_.bf16_copies(false);
+    }
+   private:
+    GradSync& s_;
+    bool on_;
+  };
+
+  /// param_slots.h's functions for this GradSync's parameter `index`.
+  torch::Tensor bf16_copy(size_t index);
+  torch::Tensor take_gradient_slot(size_t index);
+  /// Gradient slots handed out since the last zero_grad, and whether the
+  /// bf16 copies exist: what tests check to see that a model's kernels use
+  /// them.
+  size_t gradient_slots_taken() const;
+  bool has_bf16_copies() const;
+
   /// Where each trainable parameter (in registration order) lives in the
   /// flat buffers.
   const std::vector<ParamSlice>& param_slices() const { return slices_; }
@@ -148,6 +179,7 @@ class GradSync {
   void launch_ready_in_order(bool from_backward);
   void write_used_flags();
   void reset_step();
+  void make_bf16_copies();
 
   World& world_;
   GradSyncOptions options_;
@@ -168,7 +200,14 @@ class GradSync {
   size_t next_bucket_ = 0;
   size_t launched_in_backward_ = 0;
   bool sync_enabled_ = true;
-  std::mutex mu_;
+  // param_slots.h: the bf16 copies (flat, laid out like flat_params_, and
+  // one view per parameter), whether they are current, whether a kernel
+  // asked for them; per parameter, whether its gradient slot was handed out
+  // since the last zero_grad.
+  std::vector<torch::Tensor> flat_bf16_, bf16_views_;
+  bool bf16_open_ = false, bf16_wanted_ = false;
+  std::vector<char> slot_taken_;
+  mutable std::mutex mu_;
 };
 
 }  // namespace ddp

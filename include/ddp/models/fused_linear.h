@@ -1,16 +1,21 @@
-// The GPT's linear layers with their bias gradients from ddptrain's CUDA
-// kernels (cuda/linear_bias.h) where they apply, else LibTorch's ops.
+// The GPT's linear layers with their weight and bias gradients from
+// ddptrain's CUDA kernels (cuda/gemm_gelu.h, cuda/linear_bias.h) where they
+// apply, else LibTorch's ops.
 //
-// They apply on CUDA under bf16 autocast, to a layer with an fp32 bias whose
-// output width is a multiple of 8, once use_fused_linear(true) turned them
-// on (off until then, process-wide). The forward is the same at::linear (and
-// at::gelu); the backward computes the input and weight gradients with the
-// same two matmuls autograd runs, and the bias gradient as a column sum in
-// fp32 (autograd sums in bf16 and rounds), with the GELU's backward folded
-// into that sum for the MLP's first layer. ddptrain turns them on unless
-// --linear-kernel native. On the H200 (2026-12-04) they took config (e)'s
-// step from 35.61 to 34.31-34.63 ms, with the same validation loss after
-// 300 steps (2.636 against 2.633).
+// They apply on CUDA under bf16 autocast, to a layer with fp32 weights (and
+// an fp32 bias, or none) whose output width is a multiple of 8, once
+// use_fused_linear(true) turned them on (off until then, process-wide). The
+// forward is the same at::linear (and at::gelu) on the same bf16 values:
+// the training step's bf16 copies of the parameters where it has them
+// (param_slots.h), else casts. The backward computes the input gradient with
+// the matmul autograd runs; the weight gradient with a bf16 x bf16 -> fp32
+// matmul and the bias gradient as a column sum in fp32 (autocast rounds both
+// to bf16 and casts them back), each written straight into the parameter's
+// slot of the flat gradient buffer where it has one; the GELU's backward is
+// folded into the MLP's first bias sum. ddptrain turns them on unless
+// --linear-kernel native. On the H200 (2026-12-04) the bias sums took config
+// (e)'s step from 35.61 to 34.31-34.63 ms, with the same validation loss
+// after 300 steps (2.636 against 2.633).
 #pragma once
 
 #include <torch/torch.h>
@@ -23,7 +28,7 @@ bool fused_linear_enabled();
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
-/// x W^T + b, as torch::linear.
+/// x W^T + b, as torch::linear; `bias` may be undefined (no bias).
 torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 /// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
