@@ -57,11 +57,5 @@ if (( SECONDS < 420 )); then
   python3 bench/kernel_breakdown.py "$OUT/trace_eager.json" --steps 10 --wall-ms "$WALL" --gpt --by-op 40 > "$OUT/breakdown_eager.txt"
   rm -f "$OUT/trace_eager.json"
 fi
-log "probe: ATen's cuDNN attention backward, callable with our own dq/dk/dv?"
-TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__))')
-{ ls "$TL/include/ATen/native/cudnn/" "$TL/include/ATen/native/transformers/cuda/" 2>&1 | head -40
-  grep -n "run_cudnn_SDP_bprop" -A 30 "$TL/include/ATen/native/cudnn/MHA.h" 2>&1 | head -80
-  nm -DC "$TL/lib/libtorch_cuda.so" | grep -i "run_cudnn_SDP\|_cudnn_attention_backward" | head; } > "$OUT/probe.txt" 2>&1
-head -c 1200 "$OUT/probe.txt"
 (cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err)  # fewer files back
 log done
