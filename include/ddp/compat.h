@@ -162,19 +162,25 @@ constexpr bool kHasFusedOptimizers = false;
 #endif
 
 /// One fused Adam (decoupled=false) or AdamW step over a list of tensors;
-/// `found_inf`, when defined, makes the kernel skip the update.
+/// `found_inf`, when defined, makes the kernel skip the update. A defined
+/// `grad_divisor` (one float on the device) divides every gradient first,
+/// in the same pass, and the kernel stores the divided gradients back (the
+/// slot PyTorch's GradScaler hands its scale to).
 inline void fused_adam(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
                        const std::vector<torch::Tensor>& exp_avg, const std::vector<torch::Tensor>& exp_avg_sq,
                        const std::vector<torch::Tensor>& steps, const torch::Tensor& lr, double beta1, double beta2,
-                       double weight_decay, double eps, bool decoupled, const torch::Tensor& found_inf) {
+                       double weight_decay, double eps, bool decoupled, const torch::Tensor& found_inf,
+                       const torch::Tensor& grad_divisor = {}) {
 #if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)
   c10::optional<torch::Tensor> inf = found_inf.defined() ? c10::optional<torch::Tensor>(found_inf) : c10::nullopt;
+  c10::optional<torch::Tensor> div =
+      grad_divisor.defined() ? c10::optional<torch::Tensor>(grad_divisor) : c10::nullopt;
   if (decoupled)
     at::_fused_adamw_(params, grads, exp_avg, exp_avg_sq, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false,
-                      c10::nullopt, inf);
+                      div, inf);
   else
     at::_fused_adam_(params, grads, exp_avg, exp_avg_sq, {}, steps, lr, beta1, beta2, weight_decay, eps, false, false,
-                     c10::nullopt, inf);
+                     div, inf);
 #else
   TORCH_CHECK(false, "fused Adam needs CUDA LibTorch 2.2 or later");
 #endif

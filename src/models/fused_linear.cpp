@@ -10,6 +10,9 @@
 #include "ddp/dist/param_slots.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
+#include <mutex>
+
+#include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
 #endif
@@ -148,9 +151,99 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     return {dx, dw1, r[1], dw2, db2};
   }
 };
+
+// ---- the tied embedding and head (TiedEmbedding) ----------------------------
+
+// The head's weight gradient, from its backward to the embedding's.
+struct TiedGradient : torch::CustomClassHolder {
+  explicit TiedGradient(torch::Tensor w) : weight(std::move(w)) {}
+  torch::Tensor weight;  // the parameter: its slot is found by it
+  std::mutex mu;
+  torch::Tensor dw;  // set by the head's backward, taken by the embedding's
+};
+
+c10::intrusive_ptr<TiedGradient> tied_gradient(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tie"].toCapsule());
+}
+
+// weight[idx] (fp32). Backward: the head's gradient where its backward left
+// one, else the weight's slot (zeroed) or zeros, with this lookup's rows
+// added; returned as the weight's one gradient.
+struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx,
+                               c10::intrusive_ptr<torch::CustomClassHolder> tie) {
+    ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
+    ctx->save_for_backward({idx});
+    return at::embedding(weight, idx);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto idx = ctx->get_saved_variables()[0];
+    auto tie = tied_gradient(ctx);
+    torch::Tensor dw;
+    {
+      std::lock_guard<std::mutex> lock(tie->mu);
+      dw = std::move(tie->dw);
+      tie->dw = torch::Tensor();
+    }
+    if (!dw.defined()) {  // the head took LibTorch's path, or is not in this graph
+      dw = param_slots::take_gradient_slot(tie->weight);
+      if (dw.defined()) dw.zero_();
+      else dw = torch::zeros(tie->weight.sizes(), tie->weight.options().dtype(torch::kFloat));
+    }
+    const int64_t c = tie->weight.size(1);
+    cuda::embedding_backward_add(grads[0].to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
+    return {dw, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// x W^T for the tied weight W, which is not an input here (so autograd
+// gives it no second gradient): the backward computes dx, and leaves
+// dW = g^T x (fp32, in W's slot where it has one) for TiedEmbedFn.
+struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, c10::intrusive_ptr<torch::CustomClassHolder> tie) {
+    auto t = c10::static_intrusive_pointer_cast<TiedGradient>(tie);
+    auto w16 = in_bf16(t->weight);
+    ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
+    ctx->save_for_backward({x, w16});
+    return at::linear(x, w16);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w16 = s[1];
+    auto tie = tied_gradient(ctx);
+    auto g = as_rows(grads[0], w16.size(0));
+    auto dw = weight_grad(tie->weight, g, x.reshape({-1, w16.size(1)}).contiguous());
+    {
+      std::lock_guard<std::mutex> lock(tie->mu);
+      tie->dw = dw;
+    }
+    return {at::mm(g, w16).view(x.sizes()), torch::Tensor()};
+  }
+};
 #endif
 
 }  // namespace
+
+TiedEmbedding::TiedEmbedding(torch::Tensor weight) : weight_(std::move(weight)) {}
+
+torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (g_fused_linear.load() && torch::GradMode::is_enabled() && weight_.requires_grad() && weight_.is_cuda() &&
+      weight_.dim() == 2 && weight_.scalar_type() == torch::kFloat && idx.is_cuda() &&
+      idx.scalar_type() == torch::kLong) {
+    meeting_ = c10::make_intrusive<TiedGradient>(weight_);
+    return TiedEmbedFn::apply(weight_, idx, meeting_);
+  }
+#endif
+  return torch::embedding(weight_, idx);
+}
+
+torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (meeting_ && fused_linear_applies(x, weight_, torch::Tensor())) return TiedHeadFn::apply(x.to(torch::kBFloat16), meeting_);
+#endif
+  return linear_bias(x, weight_, torch::Tensor());
+}
 
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
 bool fused_linear_enabled() { return g_fused_linear.load(); }

@@ -186,11 +186,14 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // broadcasting: the values of wpe(arange(t)), whose gradient is a sum
   // over the batch instead of an embedding backward (a sort and several
   // kernels on CUDA).
-  auto x = transformer->wte(idx) + transformer->wpe->weight.narrow(0, 0, t);
+  // The token embedding and the output head share wte's weight: with the
+  // kernels, one gradient for it (fused_linear.h).
+  models::TiedEmbedding tied(transformer->wte->weight);
+  auto x = tied.embed(idx) + transformer->wpe->weight.narrow(0, 0, t);
   if (options.dropout() > 0) x = transformer->drop(x);
   if (!models::fused_layer_norm_applies(x, torch::Tensor(), transformer->ln_f->weight, transformer->ln_f->bias)) {
     for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);
-    return lm_head(transformer->ln_f(x));
+    return tied.head(transformer->ln_f(x));
   }
   // --ln-kernel auto: each residual add is fused into the LayerNorm that
   // follows it, so a block's branch output stays pending until the next
@@ -203,7 +206,7 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
     pending = block.mlp(h);
   }
   std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias);
-  return lm_head(h);
+  return tied.head(h);
 }
 
 int64_t GptImpl::num_params(bool non_embedding) const {

@@ -79,6 +79,20 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
   return out;
 }
 
+// clip_grad_norm_'s rule over every flat gradient buffer, on the device.
+// The fused Adam kernels take the scale as a divisor (returned, and applied
+// in their pass); elsewhere the gradients are multiplied here (and an
+// undefined tensor is returned).
+torch::Tensor FlatOptimizer::clip(double max_norm) {
+  std::vector<torch::Tensor> norms;
+  for (const auto& g : grads_) norms.push_back(g.norm(2).to(torch::kFloat));
+  auto total = torch::stack(norms).norm(2);
+  if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
+  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (const auto& g : grads_) g.mul_(coef.to(g.scalar_type()));
+  return {};
+}
+
 torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_t i) const {
   const auto& s = slices_[i];
   return flat[s.flat].narrow(0, s.offset, s.numel);
@@ -90,7 +104,7 @@ torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_
 void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
                            const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                            const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay,
-                           int64_t host_step, const torch::Tensor& found_inf) {
+                           int64_t host_step, const torch::Tensor& found_inf, const torch::Tensor& grad_divisor) {
   if (fused_) {
     // A fused kernel takes one weight decay: one call per value (two with
     // no_decay_1d), each over the tensors that have it.
@@ -103,12 +117,13 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
       };
       if (adam_)
         compat::fused_adam(with_wd(p), with_wd(g), with_wd(m), with_wd(v), with_wd(step), lr_t_, o_.beta1(), o_.beta2(),
-                           wd, o_.eps(), o_.name() == "adamw", found_inf);
+                           wd, o_.eps(), o_.name() == "adamw", found_inf, grad_divisor);
       else
         compat::fused_sgd(with_wd(p), with_wd(g), with_wd(m), wd, o_.momentum(), lr_t_, found_inf);
     }
     return;
   }
+  TORCH_CHECK(!grad_divisor.defined(), "FlatOptimizer: a gradient divisor needs the fused Adam kernels");
   for (size_t i = 0; i < p.size(); ++i) {
     const double wd = weight_decay[i];
     torch::Tensor grad = g[i];
@@ -136,22 +151,25 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 }
 
 // The common step: every buffer whole, with the buffers' step count.
-void FlatOptimizer::whole_step(const torch::Tensor& found_inf) {
+void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_divisor) {
   if (!fused_) {
     update(params_, grads_, m_, v_, {}, weight_decay_, ++host_step_, {});
     return;
   }
   for (auto& s : step_) s.add_(1);
-  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf);
+  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_divisor);
   // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
   if (found_inf.defined())
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
 }
 
-void FlatOptimizer::step(const torch::Tensor& found_inf) {
+void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
   torch::NoGradGuard no_grad;
   check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
+  // The whole step's gradients are divided in the fused Adam kernels'
+  // own pass; the fix-ups below then read them already divided.
+  const torch::Tensor grad_divisor = max_grad_norm > 0 ? clip(max_grad_norm) : torch::Tensor();
   const GradUsage* usage = sync_ ? &sync_->usage() : nullptr;
   const size_t n = slices_.size();
   std::vector<char> unused_here(n, 0);
@@ -167,7 +185,7 @@ void FlatOptimizer::step(const torch::Tensor& found_inf) {
     // step before, whose own step count may then differ from the buffer's.
     for (size_t i = 0; i < n; ++i)
       if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
-    whole_step(found_inf);
+    whole_step(found_inf, grad_divisor);
     if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf);
     for (size_t i = 0; i < n; ++i) may_have_missed_[i] = may_have_missed_[i] || unused_here[i];
     return;
@@ -183,7 +201,7 @@ void FlatOptimizer::step(const torch::Tensor& found_inf) {
   }
   for (size_t i = 0; i < n; ++i)
     if (skipped[i] || (adam_ && host_missed_[i] > 0)) saved.push_back(save(i, skipped[i]));
-  whole_step({});
+  whole_step({}, {});
   if (!saved.empty()) composed_fix_ups(saved, skipped);
 }
 

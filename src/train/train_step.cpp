@@ -30,16 +30,6 @@ struct TrainStep::Graph {
 
 namespace {
 
-// Scales every flat gradient so that their joint L2 norm is at most
-// `max_norm`, without reading the norm back to the host.
-void clip_flat(const std::vector<torch::Tensor>& grads, double max_norm) {
-  std::vector<torch::Tensor> norms;
-  for (const auto& g : grads) norms.push_back(g.norm(2).to(torch::kFloat));
-  auto total = torch::stack(norms).norm(2);
-  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
-  for (const auto& g : grads) g.mul_(coef.to(g.scalar_type()));
-}
-
 // The (Net, options) constructor's task: options.loss() on the Net's output.
 class NetLossTask : public Task {
  public:
@@ -191,8 +181,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
       at::_amp_foreach_non_finite_check_and_unscale_(sync_->flat_grads(), found_inf_, scale_.reciprocal());
       found_inf = found_inf_;
     }
-    if (o_.clip_grad_norm() > 0) clip_flat(sync_->flat_grads(), o_.clip_grad_norm());
-    optimizer_->step(found_inf);
+    optimizer_->step(found_inf, o_.clip_grad_norm());
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
     // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
     // backward's gradients are copied into the flat buffer, not added to

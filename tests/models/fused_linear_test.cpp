@@ -5,6 +5,12 @@
 // layers' gradients match LibTorch's, and a GPT trains as with LibTorch's.
 #include "ddp/models/fused_linear.h"
 
+#include <ATen/record_function.h>
+
+#include <functional>
+#include <map>
+#include <mutex>
+
 #include "ddp/compat.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/models/fused_layer_norm.h"
@@ -213,9 +219,9 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
     const size_t slots = sync.gradient_slots_taken();
     sync.bf16_copies(false);
     sync.finish();
-    // Each block: 4 weights, 4 biases, 2 LayerNorms of 2; ln_f's 2; the
-    // head's weight, wte (autograd adds the embedding's gradient to it). Not
-    // wpe (a slice of it is added: autograd's sum).
+    // Each block: 4 weights, 4 biases, 2 LayerNorms of 2; ln_f's 2; wte,
+    // taken by the head's backward (the embedding's adds to it: TiedEmbedding).
+    // Not wpe (a slice of it is added: autograd's sum).
     EXPECT_EQ(slots, 2u * (4 + 4 + 4) + 2 + 1);
   }
   EXPECT_TRUE(sync.has_bf16_copies());
@@ -228,6 +234,70 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
         << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
   }
   use_fused_layer_norm(false);
+}
+
+// ATen ops dispatched while `fn` runs, by name.
+std::map<std::string, int> ops_during(const std::function<void()>& fn) {
+  static std::mutex mu;
+  static std::map<std::string, int>* seen = nullptr;
+  std::map<std::string, int> out;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    seen = &out;
+  }
+  auto handle = at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+    std::lock_guard<std::mutex> lock(mu);
+    if (seen) ++(*seen)[f.name()];
+    return nullptr;
+  }));
+  fn();
+  at::removeCallback(handle);
+  std::lock_guard<std::mutex> lock(mu);
+  seen = nullptr;
+  return out;
+}
+
+// The tied embedding and head: the weight's gradient matches LibTorch's
+// embedding + linear under autocast (within the bf16 rounding LibTorch's
+// weight gradient takes), without ATen's dense embedding backward or a
+// sum of two [V, C] gradients; deterministic; a second backward adds.
+TEST(FusedLinear, TiedEmbeddingGivesItsWeightOneGradient_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  FusedLinearOn on;
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(31);
+  const int64_t v = 200, c = 64;
+  auto w = (torch::randn({v, c}, opts) * 0.1).requires_grad_();
+  auto rw = w.detach().clone().requires_grad_();
+  auto idx = torch::randint(0, 24, {4, 33}, opts.dtype(torch::kLong));  // repeats; most rows unused
+  auto target = torch::randint(0, v, {4 * 33}, idx.options());
+  auto loss_of = [&](const torch::Tensor& weight, bool tied) {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    TiedEmbedding t(weight);
+    auto x = (tied ? t.embed(idx) : torch::embedding(weight, idx)) * 2.0;
+    auto logits = tied ? t.head(x) : torch::linear(x, weight);
+    return torch::nn::functional::cross_entropy(logits.view({-1, v}).to(torch::kFloat), target);
+  };
+  auto loss = loss_of(w, true);
+  auto ours = ops_during([&] { loss.backward(); });
+  use_fused_linear(false);
+  loss = loss_of(rw, false);
+  auto theirs = ops_during([&] { loss.backward(); });
+  use_fused_linear(true);
+  // The control: LibTorch's backward has both.
+  EXPECT_GT(theirs["aten::embedding_dense_backward"], 0);
+  EXPECT_GT(theirs["aten::add"] + theirs["aten::add_"], 0);
+  EXPECT_EQ(ours["aten::embedding_dense_backward"], 0);
+  EXPECT_EQ(ours["aten::add"] + ours["aten::add_"], 0) << "no sum of the two gradients";
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().scalar_type(), torch::kFloat);
+  EXPECT_LE(rel_err(w.grad(), rw.grad()), 1.0 / 128);
+  auto first = w.grad().clone();
+  w.mutable_grad() = torch::Tensor();
+  loss_of(w, true).backward();
+  EXPECT_TRUE(torch::equal(w.grad(), first)) << "deterministic";
+  loss_of(w, true).backward();  // .grad is there: autograd adds
+  EXPECT_TRUE(torch::equal(w.grad(), first * 2));
 }
 
 std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {

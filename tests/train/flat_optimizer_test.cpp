@@ -114,6 +114,50 @@ TEST(FlatOptimizer, OperatorCountDoesNotGrowWithParameterTensors) {
   }
 }
 
+// step(found_inf, max_grad_norm) against clip_grad_norm_'s arithmetic done
+// by hand before a plain step(), over steps that alternate between clipped
+// (norm ~300 against a maximum of 1) and unclipped (norm ~0.3) gradients,
+// so that Adam's moments mix the two scales. Returns the largest relative
+// difference of the parameters and of the gradients left behind.
+std::pair<double, double> clipped_against_by_hand(const torch::Device& device) {
+  torch::manual_seed(0);
+  const double max_norm = 1.0;
+  auto start = torch::randn({1000}, torch::TensorOptions().device(device));
+  auto pa = start.clone(), ga = torch::zeros_like(pa), pb = start.clone(), gb = torch::zeros_like(pb);
+  const auto opts = ddp::FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1);
+  ddp::FlatOptimizer a({pa}, {ga}, opts), b({pb}, {gb}, opts);
+  double grad_diff = 0;
+  for (int s = 0; s < 6; ++s) {
+    auto g = torch::randn({1000}, pa.options()) * (s % 2 == 0 ? 10.0 : 0.01);
+    ga.copy_(g);
+    gb.copy_(g);
+    a.step({}, max_norm);
+    auto coef = (max_norm / (gb.norm(2) + 1e-6)).clamp_max(1.0);
+    gb.mul_(coef);
+    b.step();
+    // Left clipped: the clipped steps' gradients are 1/300 of g.
+    EXPECT_LE(ga.norm(2).item<double>(), max_norm * (1 + 1e-5)) << "step " << s;
+    grad_diff = std::max(grad_diff, ((ga - gb).abs().max() / gb.abs().max()).item<double>());
+  }
+  const double param_diff = ((pa - pb).abs().max() / (pb - start).abs().max()).item<double>();
+  return {param_diff, grad_diff};
+}
+
+TEST(FlatOptimizer, ClipsAsClipGradNormThenSteps) {
+  auto [params, grads] = clipped_against_by_hand(torch::kCPU);
+  EXPECT_EQ(params, 0.0);  // the same multiply, then the same step
+  EXPECT_EQ(grads, 0.0);
+}
+
+TEST(FlatOptimizer, ClipsInsideTheFusedAdamKernel_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  // The fused kernel divides by the inverse of the coefficient: an fp32
+  // rounding of the clipped gradients apart, no more.
+  auto [params, grads] = clipped_against_by_hand(torch::Device(torch::kCUDA, 0));
+  EXPECT_LE(params, 1e-5);
+  EXPECT_LE(grads, 1e-6);
+}
+
 TEST(FlatOptimizer, UnknownNameAndMismatchedBuffersAreErrors) {
   auto a = torch::zeros({3});
   EXPECT_THROW(ddp::FlatOptimizer({a}, {a.clone()}, ddp::FlatOptimizerOptions().name("lbfgs")), ddp::UserError);

@@ -43,4 +43,30 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
                             const torch::Tensor& w2, const torch::Tensor& b2);
 
+/// The GPT's token embedding and its output head, which share one weight
+/// (GPT-2 ties them): embed(idx) is weight[idx] and head(x) is x weight^T,
+/// the values of torch::embedding and linear_bias(x, weight, {}).
+///
+/// Autograd would give the weight two gradients, a dense [V, C] one from
+/// the embedding and one from the head, and add them. Where the kernels
+/// apply (the CUDA fp32 weight of a training step, with linear_bias's
+/// conditions for the head) the weight has one: the head's backward, which
+/// autograd runs first, writes g^T x into the weight's gradient slot
+/// (param_slots.h) or a fresh fp32 tensor, and the embedding's backward adds
+/// its rows into that tensor (cuda/embedding.h) and returns it. Elsewhere
+/// they are LibTorch's ops. One object per forward pass: make it, call
+/// embed, then head once on the same graph.
+class TiedEmbedding {
+ public:
+  explicit TiedEmbedding(torch::Tensor weight);
+  torch::Tensor embed(const torch::Tensor& idx);
+  torch::Tensor head(const torch::Tensor& x);
+
+ private:
+  torch::Tensor weight_;
+  // Where the head's backward leaves its gradient for the embedding's;
+  // defined once embed() took the kernels.
+  c10::intrusive_ptr<torch::CustomClassHolder> meeting_;
+};
+
 }  // namespace ddp::models

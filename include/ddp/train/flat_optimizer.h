@@ -87,7 +87,16 @@ class FlatOptimizer {
   /// One update of every parameter. With `found_inf` (a 1-element float
   /// tensor, fp16 loss scaling), a non-zero value skips the update on the
   /// device; this needs the fused kernels.
-  void step(const torch::Tensor& found_inf = {});
+  ///
+  /// With `max_grad_norm` > 0 the gradients are first clipped to that joint
+  /// L2 norm, by torch.nn.utils.clip_grad_norm_'s rule (scaled by
+  /// max / (norm + 1e-6) where that is below 1), without reading the norm
+  /// back to the host, and are left clipped. The fused Adam/AdamW kernels
+  /// take the scale as a divisor and apply it in their own pass over the
+  /// gradients, so clipping costs no pass of its own there (a multiply by
+  /// the coefficient elsewhere; the two differ by at most an fp32 rounding
+  /// of the clipped gradient, and not at all where nothing is clipped).
+  void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0);
 
   /// Whether step() runs without host synchronisation or host-side
   /// per-step scalars (so it can be captured in a CUDA graph).
@@ -113,12 +122,13 @@ class FlatOptimizer {
   FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads, FlatOptimizerOptions options,
                 const GradSync* sync);
   void init_state();
+  torch::Tensor clip(double max_norm);
   torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
   void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
               const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
               const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay, int64_t host_step,
-              const torch::Tensor& found_inf);
-  void whole_step(const torch::Tensor& found_inf);
+              const torch::Tensor& found_inf, const torch::Tensor& grad_divisor = {});
+  void whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_divisor);
   void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf);
   void composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped);
 

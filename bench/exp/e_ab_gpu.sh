@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# Issue 15, session 21: the parameters' bf16 copies and gradient slots
-# (include/ddp/dist/param_slots.h) on the GPU, in one device call, the
+# Issue 15: a change to the (e) step on the GPU, in one device call, the
 # decisive results first (a call cut short still returns them):
 #   1. build this tree with the tests, and main (a `git archive` of main,
 #      carried as .data/main.tar) beside it, ddptrain only;
-#   2. the CUDA tests of the changed kernels (linear, LayerNorm, slots);
-#   3. (e) graphed, main against this tree, one run each;
-#   4. the other CUDA tests of the GPT, LM and cross-entropy;
-#   5. (e) again, alternating; this tree's graphed step profiled (kernel
-#      count, idle gaps); its eager step by ATen op, while there is time.
-#   bash bench/exp/slots_gpu.sh   (logs under $OUT/slots)
+#   2. the CUDA tests of the changed code (TESTS1, a ctest regex);
+#   3. (e) graphed, main against this tree, then torch.compile (same machine);
+#   4. more CUDA tests (TESTS2);
+#   5. (e) again; this tree's graphed step profiled (kernel count, idle
+#      gaps); the attention backends (bench/exp/attention_backends.py); the
+#      eager step by ATen op, while there is time.
+#   TESTS1=... TESTS2=... bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
+# Session 21 wrote it as slots_gpu.sh for branch param-slots.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export NCCL_NVLS_ENABLE=0
-OUT=${OUT:-/tmp}/slots; mkdir -p "$OUT"
+OUT=${OUT:-/tmp}/ab; mkdir -p "$OUT"
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
 SHORT=${SHORT:-0}  # 1: little device time left: no main build, no A/B (compare with RESULTS.md)
 log build
@@ -21,11 +22,11 @@ if [[ $SHORT == 0 ]]; then
   mkdir -p /tmp/main && tar -xf .data/main.tar -C /tmp/main
   (cd /tmp/main && JOBS=6 ./setup.sh > "$OUT/build_main.log" 2>&1; echo "main build rc $?" >> "$OUT/build_main.log") &
 fi
-JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { grep -B2 -A12 -m3 'error' "$OUT/build.log" | head -80; exit 1; }
 wait; [[ $SHORT == 0 ]] && tail -1 "$OUT/build_main.log"
 tests() {  # ctest regex, log name
   timeout 150 ctest --test-dir build -j 4 --timeout 120 --output-on-failure -R "$1" > "$OUT/$2.log" 2>&1
-  grep -E 'tests passed|FAILED|Failed|\*\*\*' "$OUT/$2.log" | head -20
+  grep -E 'tests passed|FAILED|Failed|\*\*\*' "$OUT/$2.log" | grep -v Skipped | head -20
 }
 base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu tanh)
 gpt=("${base[@]}" --bench-steps 30 --cuda-graph)
@@ -36,23 +37,25 @@ ab() {
   done | tee -a "$OUT/ab.jsonl"
   grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 }
-log "CUDA tests of the changed kernels"; tests 'ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm' tests1
+log "CUDA tests of the changed kernels"; tests "${TESTS1:-ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm}" tests1
 log "(e) A/B, graphed, tanh GELU"; ab
 log "(e) torch.compile, tanh GELU (the contender, same machine)"
 timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
   --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
-log "CUDA tests: GPT, LM, cross-entropy"; tests 'CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA' tests2
+log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA}" tests2
 log "(e) A/B again"; ab
 log "profile, graphed"
 LINE=$(timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
 python3 bench/kernel_breakdown.py "$OUT/trace.json" --steps 10 --wall-ms "$WALL" --gpt --top 40 --gaps 15 --by-stream > "$OUT/breakdown.txt"
-head -c 3000 "$OUT/breakdown.txt"; gzip -f "$OUT/trace.json"
+head -c 1500 "$OUT/breakdown.txt"; rm -f "$OUT/trace.json"
+log "attention backends"; timeout 90 python3 bench/exp/attention_backends.py 2>"$OUT/attn.err" | tee "$OUT/attn.jsonl"
 if (( SECONDS < 420 )); then
   log "profile, eager, by op"
   LINE=$(timeout 90 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --profile-trace "$OUT/trace_eager.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
   WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
   python3 bench/kernel_breakdown.py "$OUT/trace_eager.json" --steps 10 --wall-ms "$WALL" --gpt --by-op 40 > "$OUT/breakdown_eager.txt"
-  gzip -f "$OUT/trace_eager.json"
+  rm -f "$OUT/trace_eager.json"
 fi
+(cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err)  # fewer files back
 log done
