@@ -16,7 +16,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp}/ab; mkdir -p "$OUT"
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
+finish() { (cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err); log done; exit 0; }  # fewer files back
 SHORT=${SHORT:-0}  # 1: little device time left: no main build, no A/B (compare with RESULTS.md)
+# QUICK=1: stop after the first tests and (e).
 log build
 if [[ $SHORT == 0 ]]; then
   mkdir -p /tmp/main && tar -xf .data/main.tar -C /tmp/main
@@ -39,6 +41,7 @@ ab() {
 }
 log "CUDA tests of the changed kernels"; tests "${TESTS1:-ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm}" tests1
 log "(e) A/B, graphed, tanh GELU"; ab
+[[ ${QUICK:-0} == 1 ]] && finish  # little device time: the tests and (e) only
 log "(e) torch.compile, tanh GELU (the contender, same machine)"
 timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
   --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
@@ -57,5 +60,4 @@ if (( SECONDS < 420 )); then
   python3 bench/kernel_breakdown.py "$OUT/trace_eager.json" --steps 10 --wall-ms "$WALL" --gpt --by-op 40 > "$OUT/breakdown_eager.txt"
   rm -f "$OUT/trace_eager.json"
 fi
-(cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err)  # fewer files back
-log done
+finish

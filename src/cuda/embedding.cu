@@ -1,11 +1,19 @@
 // An embedding's weight gradient, added into a given tensor (embedding.h).
 //
 // The indices are sorted (stably, keeping each row's position), so the rows
-// that share an index sit together. One warp per sorted position: the warp
-// at the first position of a run of equal indices sums that run's gradient
-// rows, in order, and adds the sum to the table's row; the others return.
-// Each lane owns every 32nd group of four columns (16-byte loads where C is
-// a multiple of 4 and the rows are aligned, else one column at a time).
+// that share an index sit together, in their original order: a run. Two
+// passes keep the work per warp bounded however long a run is (a frequent
+// token, or one id for a whole batch):
+//   1. Warp k takes the sorted positions [32k, 32k + 32): a chunk. Each
+//      piece of a run inside it is summed, in order. A piece that is a whole
+//      run is added to its table row at once; a run's first piece that
+//      goes on past the chunk goes to first_part[k], and the piece that
+//      continues a run from the chunk before goes to next_part[k].
+//   2. A block per run that crosses a chunk boundary adds its first piece
+//      and its continuations, in chunk order, and adds that to its row.
+// Every row has one writer and a fixed order of sums: deterministic.
+// Lanes own groups of four adjacent columns (16-byte loads where C is a
+// multiple of 4 and the tensors are aligned; one column at a time else).
 #include "ddp/cuda/embedding.h"
 #include "tensor_access.cuh"
 
@@ -19,42 +27,81 @@
 namespace ddp::cuda {
 namespace {
 
-constexpr int kWarps = 8;  // warps per block
+constexpr int kChunk = 32;         // sorted positions per warp in pass 1
+constexpr int kWarps = 8;          // warps per block in pass 1
+constexpr int kCrossThreads = 256;  // threads per block in pass 2
 
-template <bool kVec4>
-__global__ void add_runs_kernel(const float* __restrict__ grad, const int64_t* __restrict__ sorted,
-                                const int64_t* __restrict__ order, int64_t n, int64_t c, float* __restrict__ dw) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (i >= n) return;
-  const int64_t row = sorted[i];
-  if (i > 0 && sorted[i - 1] == row) return;  // not the first of its run
-  int64_t end = i + 1;
-  while (end < n && sorted[end] == row) ++end;
-  float* out = dw + row * c;
-  if constexpr (kVec4) {
-    for (int64_t col = 4 * lane; col < c; col += 4 * 32) {
+// Adds (kAdd) or stores the sum of grad's rows order[p .. q) into out, for
+// the columns this lane owns (lane, lane + lanes, ... in units of kVec).
+template <int kVec, bool kAdd>
+__device__ void sum_rows(const float* __restrict__ grad, const int64_t* __restrict__ order, int64_t p, int64_t q,
+                         int64_t c, int first, int stride, float* __restrict__ out) {
+  for (int64_t col = int64_t{first} * kVec; col < c; col += int64_t{stride} * kVec) {
+    if constexpr (kVec == 4) {
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int64_t j = i; j < end; ++j) {
+      for (int64_t j = p; j < q; ++j) {
         const float4 g = *reinterpret_cast<const float4*>(grad + order[j] * c + col);
-        acc.x += g.x;
-        acc.y += g.y;
-        acc.z += g.z;
-        acc.w += g.w;
+        acc.x += g.x, acc.y += g.y, acc.z += g.z, acc.w += g.w;
       }
-      float4 d = *reinterpret_cast<float4*>(out + col);
-      d.x += acc.x;
-      d.y += acc.y;
-      d.z += acc.z;
-      d.w += acc.w;
-      *reinterpret_cast<float4*>(out + col) = d;
-    }
-  } else {
-    for (int64_t col = lane; col < c; col += 32) {
+      float4* o = reinterpret_cast<float4*>(out + col);
+      if constexpr (kAdd) {
+        float4 d = *o;
+        d.x += acc.x, d.y += acc.y, d.z += acc.z, d.w += acc.w;
+        *o = d;
+      } else {
+        *o = acc;
+      }
+    } else {
       float acc = 0.f;
-      for (int64_t j = i; j < end; ++j) acc += grad[order[j] * c + col];
-      out[col] += acc;
+      for (int64_t j = p; j < q; ++j) acc += grad[order[j] * c + col];
+      if constexpr (kAdd) out[col] += acc;
+      else out[col] = acc;
     }
+  }
+}
+
+template <int kVec>
+__global__ void pieces_kernel(const float* __restrict__ grad, const int64_t* __restrict__ sorted,
+                              const int64_t* __restrict__ order, int64_t n, int64_t c, float* __restrict__ dw,
+                              float* __restrict__ first_part, float* __restrict__ next_part) {
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t begin = chunk * kChunk;
+  if (begin >= n) return;
+  const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+  for (int64_t p = begin; p < end;) {
+    const int64_t row = sorted[p];
+    int64_t q = p + 1;
+    while (q < end && sorted[q] == row) ++q;
+    const bool continues = p == begin && p > 0 && sorted[p - 1] == row;  // from the chunk before
+    const bool goes_on = q == end && q < n && sorted[q] == row;          // into the chunk after
+    if (continues) sum_rows<kVec, false>(grad, order, p, q, c, lane, 32, next_part + chunk * c);
+    else if (goes_on) sum_rows<kVec, false>(grad, order, p, q, c, lane, 32, first_part + chunk * c);
+    else sum_rows<kVec, true>(grad, order, p, q, c, lane, 32, dw + row * c);
+    p = q;
+  }
+}
+
+// Block per sorted position p: if a run starts at p and goes past its
+// chunk, its first piece plus the continuations of the chunks after.
+template <int kVec>
+__global__ void crossing_runs_kernel(const int64_t* __restrict__ sorted, int64_t n, int64_t c,
+                                     const float* __restrict__ first_part, const float* __restrict__ next_part,
+                                     float* __restrict__ dw) {
+  const int64_t p = blockIdx.x;
+  const int64_t row = sorted[p];
+  if (p > 0 && sorted[p - 1] == row) return;  // not a run's start
+  const int64_t chunk = p / kChunk, chunks = (n + kChunk - 1) / kChunk;
+  if (chunk + 1 >= chunks || sorted[(chunk + 1) * kChunk] != row) return;  // a whole run: pass 1 added it
+  for (int64_t col = int64_t{threadIdx.x} * kVec; col < c; col += int64_t{blockDim.x} * kVec) {
+    float acc[kVec];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) acc[k] = first_part[chunk * c + col + k];
+    for (int64_t next = chunk + 1; next < chunks && sorted[next * kChunk] == row; ++next)
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) acc[k] += next_part[next * c + col + k];
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) dw[row * c + col + k] += acc[k];
   }
 }
 
@@ -66,27 +113,38 @@ void embedding_backward_add(const at::Tensor& grad, const at::Tensor& idx, const
               grad.scalar_type());
   TORCH_CHECK(dw.is_cuda() && dw.get_device() == grad.get_device() && dw.scalar_type() == at::kFloat && dw.dim() == 2 &&
                   dw.is_contiguous() && dw.size(1) == grad.size(1),
-              "embedding_backward_add: dw must be a contiguous CUDA fp32 [V, ", grad.size(1), "] tensor, got ",
-              dw.sizes(), " ", dw.scalar_type());
-  TORCH_CHECK(idx.is_cuda() && idx.scalar_type() == at::kLong && idx.numel() == grad.size(0),
-              "embedding_backward_add: idx must be ", grad.size(0), " CUDA int64 indices, got ", idx.sizes(), " ",
-              idx.scalar_type());
+              "embedding_backward_add: dw must be a contiguous CUDA fp32 [V, ", grad.size(1),
+              "] tensor on grad's device, got ", dw.sizes(), " ", dw.scalar_type());
+  TORCH_CHECK(idx.is_cuda() && idx.get_device() == grad.get_device() && idx.scalar_type() == at::kLong &&
+                  idx.numel() == grad.size(0),
+              "embedding_backward_add: idx must be ", grad.size(0), " CUDA int64 indices on grad's device, got ",
+              idx.sizes(), " ", idx.scalar_type());
   const int64_t n = grad.size(0), c = grad.size(1);
   if (n == 0 || c == 0) return;
   c10::cuda::CUDAGuard guard(grad.device());
   const auto by_index = at::sort(idx.reshape({-1}), /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor& sorted = std::get<0>(by_index);
   const at::Tensor& order = std::get<1>(by_index);
-  const bool vec4 = c % 4 == 0 && aligned(grad) && aligned(dw);
-  const dim3 blocks(static_cast<unsigned>((n + kWarps - 1) / kWarps));
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  // Two partial rows per chunk at most: its first piece (continuing a run)
+  // and its last (going on). Uninitialised: only the pieces written are read.
+  auto first_part = at::empty({chunks, c}, grad.options());
+  auto next_part = at::empty({chunks, c}, grad.options());
   auto stream = at::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel) {
-    kernel<<<blocks, kWarps * 32, 0, stream>>>(as<float>(grad), as<int64_t>(sorted), as<int64_t>(order), n, c,
-                                               as_mut<float>(dw));
+  const bool vec4 = c % 4 == 0 && aligned(grad) && aligned(dw);
+  auto launch = [&](auto kvec) {
+    constexpr int kVec = decltype(kvec)::value;
+    pieces_kernel<kVec><<<static_cast<unsigned>((chunks + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+        as<float>(grad), as<int64_t>(sorted), as<int64_t>(order), n, c, as_mut<float>(dw), as_mut<float>(first_part),
+        as_mut<float>(next_part));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (chunks < 2) return;  // no run can cross a chunk boundary
+    crossing_runs_kernel<kVec><<<static_cast<unsigned>(n), kCrossThreads, 0, stream>>>(
+        as<int64_t>(sorted), n, c, as<float>(first_part), as<float>(next_part), as_mut<float>(dw));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (vec4) launch(add_runs_kernel<true>);
-  else launch(add_runs_kernel<false>);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (vec4) launch(std::integral_constant<int, 4>{});
+  else launch(std::integral_constant<int, 1>{});
 }
 
 }  // namespace ddp::cuda

@@ -407,13 +407,19 @@ void GradSync::make_bf16_copies() {
   }
 }
 
-void GradSync::bf16_copies(bool open) {
+void GradSync::bf16_copies(bool open, bool cast) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (open && bf16_wanted_) {
-    if (bf16_views_.empty()) make_bf16_copies();
+  // Allocated when the step that first asked ends, outside a capture where
+  // it can be (a capture's allocations live in its graph's private pool).
+  if (!open && bf16_wanted_ && bf16_views_.empty() && !compat::stream_capturing()) {
+    make_bf16_copies();
+    bf16_cast_ = false;
+  }
+  if (open && !bf16_views_.empty() && (cast || !bf16_cast_)) {
     torch::NoGradGuard no_grad;
     for (size_t k = 0; k < flat_bf16_.size(); ++k)
       if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
+    bf16_cast_ = true;
   }
   bf16_open_ = open;
 }
@@ -422,7 +428,7 @@ torch::Tensor GradSync::bf16_copy(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!bf16_open_) return torch::Tensor();
   if (bf16_views_.empty()) {
-    bf16_wanted_ = true;  // made from the next step on
+    bf16_wanted_ = true;  // made when this window closes, used from the next step on
     return torch::Tensor();
   }
   return bf16_views_[index];

@@ -139,7 +139,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     torch::Tensor db2, dw2, dw1;
     if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
     if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
-    auto r = bias_grad(b1, at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
+    auto r = bias_grad(ctx->needs_input_grad(2) ? b1 : torch::Tensor(), at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
     const auto& dh = r[0];
     if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
     torch::Tensor dx;
@@ -148,7 +148,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
       sizes.back() = w1_16.size(1);
       dx = at::mm(dh, w1_16).view(sizes);
     }
-    return {dx, dw1, r[1], dw2, db2};
+    return {dx, dw1, ctx->needs_input_grad(2) ? r[1] : torch::Tensor(), dw2, db2};
   }
 };
 
@@ -215,7 +215,10 @@ struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
     auto dw = weight_grad(tie->weight, g, x.reshape({-1, w16.size(1)}).contiguous());
     {
       std::lock_guard<std::mutex> lock(tie->mu);
-      tie->dw = dw;
+      // A second backward through this graph (retain_graph) before the
+      // embedding's took the first: both count.
+      if (tie->dw.defined()) tie->dw.add_(dw);
+      else tie->dw = dw;
     }
     return {at::mm(g, w16).view(x.sizes()), torch::Tensor()};
   }
@@ -240,7 +243,13 @@ torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx) {
 
 torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  if (meeting_ && fused_linear_applies(x, weight_, torch::Tensor())) return TiedHeadFn::apply(x.to(torch::kBFloat16), meeting_);
+  if (meeting_ && fused_linear_applies(x, weight_, torch::Tensor())) {
+    // One head per embedding: a second would leave its gradient where the
+    // first's goes, and the embedding's backward takes only one.
+    TORCH_CHECK(!head_taken_, "TiedEmbedding::head() called twice; make one TiedEmbedding per forward pass");
+    head_taken_ = true;
+    return TiedHeadFn::apply(x.to(torch::kBFloat16), meeting_);
+  }
 #endif
   return linear_bias(x, weight_, torch::Tensor());
 }

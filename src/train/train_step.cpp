@@ -153,9 +153,10 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     std::optional<GradSync::NoSync> no_sync;
     if (!last_micro) no_sync.emplace(*sync_);
     // Under bf16 autocast, kernels that ask (param_slots.h) read the
-    // parameters' bf16 copies, made here once for the step, until backward
-    // ends.
-    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
+    // parameters' bf16 copies until backward ends, cast from the parameters
+    // at the first micro-batch of each optimizer step (the later ones see
+    // the same parameters).
+    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16, first_micro_);
     {
       auto amp = autocast(world_.device().type());
       out = task_.training_step(batch);
@@ -172,6 +173,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     if (fp16_) scaled = scaled * scale_;
     scaled.backward();
   }  // the bf16 copies close before the optimizer changes the parameters
+  first_micro_ = last_micro;  // the next call starts a step when this one ends one
   if (last_micro) {
     torch::NoGradGuard no_grad;
     sync_->finish();

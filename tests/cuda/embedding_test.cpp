@@ -1,7 +1,8 @@
 // An embedding's weight gradient added into a given table
 // (cuda/embedding.h) against index_add_ in float64: runs of equal indices
-// (a few rows used many times, most not at all), both the 4-column and the
-// one-column paths, added to what the table held; deterministic.
+// (a few rows used many times, most not at all), short and crossing the
+// kernel's chunks, both the 4-column and the one-column paths, added to
+// what the table held; deterministic.
 #include <gtest/gtest.h>
 
 #include "support/testing.h"
@@ -20,9 +21,11 @@ TEST(EmbeddingBackward, AddsEachRowsSumToTheTable_CUDA) {
   struct Shape {
     int64_t n, v, c, distinct;
   };
-  // GPT-2's width with a skewed vocabulary; an odd width (the scalar path);
-  // one index for everything; a single lookup.
-  for (auto s : {Shape{4096, 50304, 768, 50}, Shape{1000, 300, 37, 300}, Shape{513, 10, 8, 1}, Shape{1, 5, 4, 5}}) {
+  // GPT-2's width with a skewed vocabulary (runs of ~80, across the 32-row
+  // chunks); an odd width (the scalar path), short runs and long ones; one
+  // index for everything; a single lookup.
+  for (auto s : {Shape{4096, 50304, 768, 50}, Shape{1000, 300, 37, 300}, Shape{2000, 3, 37, 2}, Shape{513, 10, 8, 1},
+                 Shape{1, 5, 4, 5}}) {
     SCOPED_TRACE(::testing::PrintToString(std::vector<int64_t>{s.n, s.v, s.c, s.distinct}));
     auto grad = torch::randn({s.n, s.c}, opts);
     auto idx = torch::randint(0, s.distinct, {s.n}, opts.dtype(torch::kLong));

@@ -171,6 +171,30 @@ TEST_F(ParamSlots, BF16CopiesFollowTheParametersWhileTheWindowIsOpen) {
   }
 }
 
+// The later micro-batches of one optimizer step (cast false) keep the
+// copies of the step's first cast; copies never cast yet are cast anyway.
+TEST_F(ParamSlots, LaterMicroBatchesKeepTheStepsCast) {
+  sync->bf16_copies(true);
+  ddp::param_slots::bf16_copy(m.w);  // asks: made when the window closes
+  sync->bf16_copies(false);
+  EXPECT_TRUE(sync->has_bf16_copies());
+  sync->bf16_copies(true, /*cast=*/false);  // never cast: cast now
+  const auto first = m.w.detach().to(torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), first));
+  sync->bf16_copies(false);
+  {
+    torch::NoGradGuard no_grad;
+    m.w.mul_(-3.0);
+  }
+  sync->bf16_copies(true, /*cast=*/false);
+  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), first)) << "the step's first cast, kept";
+  sync->bf16_copies(false);
+  sync->bf16_copies(true);
+  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), m.w.detach().to(torch::kBFloat16)));
+  EXPECT_FALSE(torch::equal(ddp::param_slots::bf16_copy(m.w), first)) << "the control: the parameters moved";
+  sync->bf16_copies(false);
+}
+
 // Two ranks over Gloo, each writing its own gradient into the slot: after
 // finish() every rank holds the average, as with autograd's own tensors.
 TEST_F(ParamSlots, SlotGradientsAreAveragedAcrossRanks) {

@@ -31,6 +31,11 @@ struct FusedLinearOn {
   ~FusedLinearOn() { use_fused_linear(false); }
 };
 
+struct LayerNormKernelsOn {  // off again however the test ends
+  LayerNormKernelsOn() { use_fused_layer_norm(true); }
+  ~LayerNormKernelsOn() { use_fused_layer_norm(false); }
+};
+
 TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_enabled());
   FusedLinearOn on;
@@ -191,7 +196,7 @@ TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
 TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   FusedLinearOn on;
-  use_fused_layer_norm(true);
+  LayerNormKernelsOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
   const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(GptGelu::kTanh);
   torch::manual_seed(21);
@@ -233,7 +238,6 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
     EXPECT_TRUE(torch::equal(got[p.key()].grad(), p.value().grad()))
         << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
   }
-  use_fused_layer_norm(false);
 }
 
 // ATen ops dispatched while `fn` runs, by name.
@@ -298,6 +302,11 @@ TEST(FusedLinear, TiedEmbeddingGivesItsWeightOneGradient_CUDA) {
   EXPECT_TRUE(torch::equal(w.grad(), first)) << "deterministic";
   loss_of(w, true).backward();  // .grad is there: autograd adds
   EXPECT_TRUE(torch::equal(w.grad(), first * 2));
+  compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+  TiedEmbedding t(w);
+  auto x = t.embed(idx);
+  t.head(x);
+  EXPECT_THROW(t.head(x), c10::Error) << "one head per embedding";
 }
 
 std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {

@@ -118,15 +118,18 @@ class GradSync {
   /// out bf16 copies of the parameters: open it at the start of a step's
   /// forward, close it after its last backward, before the optimizer
   /// changes the parameters. Opening casts the flat parameters to the bf16
-  /// copies (one kernel per flat buffer) once some kernel has asked for a
-  /// copy; until then it makes none.
-  void bf16_copies(bool open);
+  /// copies (one kernel per flat buffer); `cast` false keeps the copies of
+  /// the last cast, for the later micro-batches of one optimizer step (the
+  /// parameters have not changed), unless they were never cast. The copies
+  /// are made (allocated) when a window closes after some kernel asked for
+  /// one, outside a CUDA graph capture; until then there are none.
+  void bf16_copies(bool open, bool cast = true);
   /// bf16_copies open (when `on`) for a scope, closed on the way out,
   /// exceptions included.
   class BF16Window {
    public:
-    BF16Window(GradSync& s, bool on) : s_(s), on_(on) {
-      if (on_) s_.bf16_copies(true);
+    BF16Window(GradSync& s, bool on, bool cast = true) : s_(s), on_(on) {
+      if (on_) s_.bf16_copies(true, cast);
     }
     ~BF16Window() {
       if (on_) s_.bf16_copies(false);
@@ -205,7 +208,7 @@ class GradSync {
   // asked for them; per parameter, whether its gradient slot was handed out
   // since the last zero_grad.
   std::vector<torch::Tensor> flat_bf16_, bf16_views_;
-  bool bf16_open_ = false, bf16_wanted_ = false;
+  bool bf16_open_ = false, bf16_wanted_ = false, bf16_cast_ = false;
   std::vector<char> slot_taken_;
   mutable std::mutex mu_;
 };

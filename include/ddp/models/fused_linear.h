@@ -55,7 +55,7 @@ torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, con
 /// (param_slots.h) or a fresh fp32 tensor, and the embedding's backward adds
 /// its rows into that tensor (cuda/embedding.h) and returns it. Elsewhere
 /// they are LibTorch's ops. One object per forward pass: make it, call
-/// embed, then head once on the same graph.
+/// embed, then head once on the same graph (a second head() throws).
 class TiedEmbedding {
  public:
   explicit TiedEmbedding(torch::Tensor weight);
@@ -67,6 +67,7 @@ class TiedEmbedding {
   // Where the head's backward leaves its gradient for the embedding's;
   // defined once embed() took the kernels.
   c10::intrusive_ptr<torch::CustomClassHolder> meeting_;
+  bool head_taken_ = false;
 };
 
 }  // namespace ddp::models
