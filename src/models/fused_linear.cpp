@@ -185,11 +185,7 @@ struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
       dw = std::move(tie->dw);
       tie->dw = torch::Tensor();
     }
-    if (!dw.defined()) {  // the head took LibTorch's path, or is not in this graph
-      dw = param_slots::take_gradient_slot(tie->weight);
-      if (dw.defined()) dw.zero_();
-      else dw = torch::zeros(tie->weight.sizes(), tie->weight.options().dtype(torch::kFloat));
-    }
+    if (!dw.defined()) dw = gradient_home(tie->weight).zero_();  // the head took LibTorch's path, or is not in this graph
     const int64_t c = tie->weight.size(1);
     cuda::embedding_backward_add(grads[0].to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
     return {dw, torch::Tensor(), torch::Tensor()};
