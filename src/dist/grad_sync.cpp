@@ -407,21 +407,52 @@ void GradSync::make_bf16_copies() {
   }
 }
 
-void GradSync::bf16_copies(bool open, bool cast) {
+// The sum of the parameters' and the flat buffers' version counters: an
+// in-place change to any of them raises it (the counters only grow).
+int64_t GradSync::version_signature() const {
+  int64_t sum = 0;
+  for (const auto& p : params_) sum += static_cast<int64_t>(p._version());
+  for (const auto& f : flat_params_) sum += static_cast<int64_t>(f._version());
+  return sum;
+}
+
+void GradSync::cast_bf16_copies() {
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < flat_bf16_.size(); ++k)
+    if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
+  bf16_signature_ = version_signature();
+}
+
+void GradSync::bf16_copies(bool open) {
   std::lock_guard<std::mutex> lock(mu_);
   // Allocated when the step that first asked ends, outside a capture where
   // it can be (a capture's allocations live in its graph's private pool).
   if (!open && bf16_wanted_ && bf16_views_.empty() && !compat::stream_capturing()) {
     make_bf16_copies();
-    bf16_cast_ = false;
+    bf16_signature_ = -1;
   }
-  if (open && !bf16_views_.empty() && (cast || !bf16_cast_)) {
-    torch::NoGradGuard no_grad;
-    for (size_t k = 0; k < flat_bf16_.size(); ++k)
-      if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
-    bf16_cast_ = true;
-  }
+  if (open && !bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
   bf16_open_ = open;
+}
+
+bool GradSync::bf16_copies_current() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !bf16_views_.empty() && bf16_signature_ == version_signature();
+}
+
+torch::Tensor GradSync::bf16_flat(size_t k) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return bf16_views_.empty() ? torch::Tensor() : flat_bf16_[k];
+}
+
+void GradSync::bf16_copies_written() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!bf16_views_.empty()) bf16_signature_ = version_signature();
+}
+
+void GradSync::refresh_bf16_copies() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
 }
 
 torch::Tensor GradSync::bf16_copy(size_t index) {

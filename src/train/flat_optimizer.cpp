@@ -2,11 +2,18 @@
 // exist, else torch::optim's arithmetic applied to whole buffers.
 #include "ddp/train/flat_optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <set>
 
+#include <torch/csrc/autograd/variable.h>
+
 #include "ddp/compat.h"
 #include "ddp/error.h"
+
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/adamw.h"
+#endif
 
 namespace ddp {
 
@@ -29,6 +36,13 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
   adam_ = o_.name() != "sgd";
   const auto& dev = params_.front().device();
   fused_ = o_.fused() && compat::kHasFusedOptimizers && dev.is_cuda();
+#ifdef DDP_WITH_CUDA_KERNELS
+  // ddptrain's own Adam kernel (cuda/adamw.h) for fp32 buffers: the
+  // clipping's coefficient and the next step's bf16 copies in its pass.
+  own_adam_ = fused_ && adam_ && std::all_of(params_.begin(), params_.end(), [](const torch::Tensor& t) {
+                return t.scalar_type() == torch::kFloat && t.is_contiguous();
+              });
+#endif
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].sizes() == grads_[i].sizes(), "flat parameter and gradient buffers differ in size");
@@ -80,15 +94,17 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
 }
 
 // clip_grad_norm_'s rule over every flat gradient buffer, on the device.
-// The fused Adam kernels take the scale as a divisor (returned, and applied
-// in their pass); elsewhere the gradients are multiplied here (and an
-// undefined tensor is returned).
+// The Adam kernels apply the scale in their pass: ddptrain's takes the
+// coefficient, LibTorch's fused one its inverse (a divisor); returned.
+// Elsewhere the gradients are multiplied here (and an undefined tensor is
+// returned).
 torch::Tensor FlatOptimizer::clip(double max_norm) {
   std::vector<torch::Tensor> norms;
   for (const auto& g : grads_) norms.push_back(g.norm(2).to(torch::kFloat));
   auto total = torch::stack(norms).norm(2);
-  if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
   auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  if (own_adam_) return coef;
+  if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
   for (const auto& g : grads_) g.mul_(coef.to(g.scalar_type()));
   return {};
 }
@@ -104,7 +120,19 @@ torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_
 void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
                            const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
                            const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay,
-                           int64_t host_step, const torch::Tensor& found_inf, const torch::Tensor& grad_divisor) {
+                           int64_t host_step, const torch::Tensor& found_inf, const torch::Tensor& grad_scale,
+                           const std::vector<torch::Tensor>& p16) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (own_adam_) {
+    for (size_t i = 0; i < p.size(); ++i)
+      cuda::adam_step(p[i], g[i], m[i], v[i], step[i], lr_t_,
+                      {o_.beta1(), o_.beta2(), weight_decay[i], o_.eps(), o_.name() == "adamw"}, grad_scale, found_inf,
+                      p16.empty() ? torch::Tensor() : p16[i]);
+    // As an in-place ATen op would: autograd's checks on saved tensors see it.
+    for (const auto& t : p) torch::autograd::impl::bump_version(t);
+    return;
+  }
+#endif
   if (fused_) {
     // A fused kernel takes one weight decay: one call per value (two with
     // no_decay_1d), each over the tensors that have it.
@@ -117,13 +145,13 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
       };
       if (adam_)
         compat::fused_adam(with_wd(p), with_wd(g), with_wd(m), with_wd(v), with_wd(step), lr_t_, o_.beta1(), o_.beta2(),
-                           wd, o_.eps(), o_.name() == "adamw", found_inf, grad_divisor);
+                           wd, o_.eps(), o_.name() == "adamw", found_inf, grad_scale);
       else
         compat::fused_sgd(with_wd(p), with_wd(g), with_wd(m), wd, o_.momentum(), lr_t_, found_inf);
     }
     return;
   }
-  TORCH_CHECK(!grad_divisor.defined(), "FlatOptimizer: a gradient divisor needs the fused Adam kernels");
+  TORCH_CHECK(!grad_scale.defined(), "FlatOptimizer: a gradient scale needs the fused Adam kernels");
   for (size_t i = 0; i < p.size(); ++i) {
     const double wd = weight_decay[i];
     torch::Tensor grad = g[i];
@@ -151,13 +179,13 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 }
 
 // The common step: every buffer whole, with the buffers' step count.
-void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_divisor) {
+void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale) {
   if (!fused_) {
     update(params_, grads_, m_, v_, {}, weight_decay_, ++host_step_, {});
     return;
   }
   for (auto& s : step_) s.add_(1);
-  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_divisor);
+  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_scale, bf16_targets());
   // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
   if (found_inf.defined())
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
@@ -167,9 +195,9 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
   torch::NoGradGuard no_grad;
   check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
-  // The whole step's gradients are divided in the fused Adam kernels'
-  // own pass; the fix-ups below then read them already divided.
-  const torch::Tensor grad_divisor = max_grad_norm > 0 ? clip(max_grad_norm) : torch::Tensor();
+  // The whole step's gradients are scaled in the Adam kernels' own pass;
+  // the fix-ups below then read them already scaled.
+  const torch::Tensor grad_scale = max_grad_norm > 0 ? clip(max_grad_norm) : torch::Tensor();
   const GradUsage* usage = sync_ ? &sync_->usage() : nullptr;
   const size_t n = slices_.size();
   std::vector<char> unused_here(n, 0);
@@ -185,9 +213,11 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
     // step before, whose own step count may then differ from the buffer's.
     for (size_t i = 0; i < n; ++i)
       if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
-    whole_step(found_inf, grad_divisor);
+    whole_step(found_inf, grad_scale);
     if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf);
     for (size_t i = 0; i < n; ++i) may_have_missed_[i] = may_have_missed_[i] || unused_here[i];
+    // The kernel wrote the next step's bf16 copies, and the fix-ups theirs.
+    if (own_adam_ && sync_ && !bf16_targets().empty()) sync_->bf16_copies_written();
     return;
   }
   // Composed: the ranks' decision on the host (a parameter unused on every
@@ -211,6 +241,12 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
 // where some rank had a gradient (a select on the device).
 void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere,
                                   const torch::Tensor& found_inf) {
+  // The slices changed here get their bf16 copies again (the kernel wrote
+  // the whole step's), so the copies stay equal to the parameters.
+  const auto p16 = bf16_targets();
+  auto refresh_bf16 = [&](size_t i, const torch::Tensor& p) {
+    if (!p16.empty()) slice(p16, i).copy_(p);
+  };
   for (auto& s : saved) {
     const size_t i = s.slice;
     auto p = slice(params_, i), g = slice(grads_, i), m = slice(m_, i);
@@ -225,6 +261,7 @@ void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor
       m.copy_(s.m);
       if (adam_) v.copy_(s.v);
       count_missed(torch::ones({}, missed_.empty() ? p.options() : missed_[i].options()));
+      refresh_bf16(i, p);
       continue;
     }
     if (adam_ && may_have_missed_[i]) {
@@ -243,7 +280,21 @@ void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor
         count_missed(skip.to(torch::kFloat));
       }
     }
+    refresh_bf16(i, p);
   }
+}
+
+// The flat bf16 copies ddptrain's Adam kernel writes, one per flat buffer
+// (all defined), or none: not that kernel, no GradSync, or no copies yet.
+std::vector<torch::Tensor> FlatOptimizer::bf16_targets() const {
+  if (!own_adam_ || !sync_) return {};
+  std::vector<torch::Tensor> out;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    auto t = sync_->bf16_flat(k);
+    if (!t.defined()) return {};
+    out.push_back(t);
+  }
+  return out;
 }
 
 // After the whole-buffer step on the composed path, where `skipped` is the

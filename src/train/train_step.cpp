@@ -154,9 +154,8 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     if (!last_micro) no_sync.emplace(*sync_);
     // Under bf16 autocast, kernels that ask (param_slots.h) read the
     // parameters' bf16 copies until backward ends, cast from the parameters
-    // at the first micro-batch of each optimizer step (the later ones see
-    // the same parameters).
-    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16, first_micro_);
+    // where they changed since the copies were last made equal to them.
+    GradSync::BF16Window bf16(*sync_, amp_on_ && amp_dtype_ == c10::ScalarType::BFloat16);
     {
       auto amp = autocast(world_.device().type());
       out = task_.training_step(batch);
@@ -173,7 +172,6 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     if (fp16_) scaled = scaled * scale_;
     scaled.backward();
   }  // the bf16 copies close before the optimizer changes the parameters
-  first_micro_ = last_micro;  // the next call starts a step when this one ends one
   if (last_micro) {
     torch::NoGradGuard no_grad;
     sync_->finish();
@@ -211,6 +209,9 @@ StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, 
     const bool fits = !g.ready || same_layout(batch, g.input);
     if (g.ready && fits) {
       for (auto& [name, t] : g.input) t.copy_(batch.at(name), /*non_blocking=*/true);
+      // The captured step may rely on the copies the last step's optimizer
+      // wrote: if the parameters changed since, cast them here.
+      sync_->refresh_bf16_copies();
       g.graph.replay();
       StepOutput out(g.out.loss.clone());
       for (const auto& [name, t] : g.out.logs) out.logs[name] = t.clone();

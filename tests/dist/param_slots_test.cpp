@@ -171,28 +171,35 @@ TEST_F(ParamSlots, BF16CopiesFollowTheParametersWhileTheWindowIsOpen) {
   }
 }
 
-// The later micro-batches of one optimizer step (cast false) keep the
-// copies of the step's first cast; copies never cast yet are cast anyway.
-TEST_F(ParamSlots, LaterMicroBatchesKeepTheStepsCast) {
+// A window casts the copies only where the parameters changed in place
+// since the last cast (their version counters): the later micro-batches of
+// a step reuse the step's cast. Seen through a mark written into the copy,
+// which a cast would overwrite.
+TEST_F(ParamSlots, CopiesAreCastOnlyWhenTheParametersChanged) {
   sync->bf16_copies(true);
   ddp::param_slots::bf16_copy(m.w);  // asks: made when the window closes
   sync->bf16_copies(false);
-  EXPECT_TRUE(sync->has_bf16_copies());
-  sync->bf16_copies(true, /*cast=*/false);  // never cast: cast now
-  const auto first = m.w.detach().to(torch::kBFloat16);
-  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), first));
-  sync->bf16_copies(false);
-  {
-    torch::NoGradGuard no_grad;
-    m.w.mul_(-3.0);
-  }
-  sync->bf16_copies(true, /*cast=*/false);
-  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), first)) << "the step's first cast, kept";
-  sync->bf16_copies(false);
+  ASSERT_TRUE(sync->has_bf16_copies());
+  EXPECT_FALSE(sync->bf16_copies_current()) << "made, never cast";
   sync->bf16_copies(true);
-  EXPECT_TRUE(torch::equal(ddp::param_slots::bf16_copy(m.w), m.w.detach().to(torch::kBFloat16)));
-  EXPECT_FALSE(torch::equal(ddp::param_slots::bf16_copy(m.w), first)) << "the control: the parameters moved";
+  auto copy = ddp::param_slots::bf16_copy(m.w);
+  EXPECT_TRUE(torch::equal(copy, m.w.detach().to(torch::kBFloat16)));
   sync->bf16_copies(false);
+  EXPECT_TRUE(sync->bf16_copies_current());
+  torch::NoGradGuard no_grad;
+  copy.fill_(7.0);  // the mark
+  sync->bf16_copies(true);
+  EXPECT_TRUE(torch::equal(copy, torch::full_like(copy, 7.0))) << "unchanged parameters: no cast";
+  sync->bf16_copies(false);
+  m.w.mul_(-3.0);  // an in-place change (an optimizer's step, a load)
+  EXPECT_FALSE(sync->bf16_copies_current());
+  sync->bf16_copies(true);
+  EXPECT_TRUE(torch::equal(copy, m.w.detach().to(torch::kBFloat16))) << "changed: cast again";
+  sync->bf16_copies(false);
+  copy.fill_(7.0);
+  sync->flat_params().front().add_(1.0);  // through the flat buffer: its own counter
+  sync->refresh_bf16_copies();
+  EXPECT_TRUE(torch::equal(copy, m.w.detach().to(torch::kBFloat16)));
 }
 
 // Two ranks over Gloo, each writing its own gradient into the slot: after

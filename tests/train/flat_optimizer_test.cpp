@@ -6,6 +6,7 @@
 #include "ddp/error.h"
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/dist/grad_sync.h"
+#include "ddp/dist/param_slots.h"
 #include "support/testing.h"
 
 namespace {
@@ -158,6 +159,39 @@ TEST(FlatOptimizer, ClipsInsideTheFusedAdamKernel_CUDA) {
   auto [params, grads] = clipped_against_by_hand(torch::Device(torch::kCUDA, 0));
   EXPECT_LE(params, 1e-5);
   EXPECT_LE(grads, 1e-6);
+}
+
+// Built on a GradSync with bf16 copies, the fused step leaves them equal to
+// the updated parameters (ddptrain's Adam kernel writes them where it runs;
+// elsewhere the next window casts): the next step's window casts nothing.
+TEST(FlatOptimizer, LeavesTheNextStepsBf16CopiesCurrent_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  torch::nn::Sequential net(torch::nn::Linear(16, 32), torch::nn::Linear(32, 8));
+  net->to(torch::Device(torch::kCUDA, 0));
+  auto world = ddp::testing::one_rank_world(true);
+  ddp::GradSync sync(*net, *world);
+  ddp::FlatOptimizer opt(sync, ddp::FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1));
+  auto weight = net->parameters().front();
+  sync.bf16_copies(true);
+  ddp::param_slots::bf16_copy(weight);  // asks for the copies
+  sync.bf16_copies(false);
+  for (int s = 0; s < 3; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    sync.bf16_copies(true);
+    net->forward(torch::randn({4, 16}, weight.options())).pow(2).sum().backward();
+    sync.bf16_copies(false);
+    sync.finish();
+    opt.step({}, 0.5);
+#ifdef DDP_WITH_CUDA_KERNELS
+    if (ddp::compat::kHasFusedOptimizers) {
+      EXPECT_TRUE(sync.bf16_copies_current()) << "written by the kernel";
+      EXPECT_TRUE(torch::equal(sync.bf16_flat(0), sync.flat_params().front().to(torch::kBFloat16)));
+    }
+#endif
+    sync.refresh_bf16_copies();  // what a window would do: a cast where they are not current
+    EXPECT_TRUE(torch::equal(sync.bf16_flat(0), sync.flat_params().front().to(torch::kBFloat16)));
+    sync.zero_grad(true);
+  }
 }
 
 TEST(FlatOptimizer, UnknownNameAndMismatchedBuffersAreErrors) {

@@ -118,18 +118,18 @@ class GradSync {
   /// out bf16 copies of the parameters: open it at the start of a step's
   /// forward, close it after its last backward, before the optimizer
   /// changes the parameters. Opening casts the flat parameters to the bf16
-  /// copies (one kernel per flat buffer); `cast` false keeps the copies of
-  /// the last cast, for the later micro-batches of one optimizer step (the
-  /// parameters have not changed), unless they were never cast. The copies
-  /// are made (allocated) when a window closes after some kernel asked for
-  /// one, outside a CUDA graph capture; until then there are none.
-  void bf16_copies(bool open, bool cast = true);
+  /// copies (one kernel per flat buffer) unless they are current
+  /// (bf16_copies_current: the later micro-batches of a step, or a step
+  /// after an optimizer that wrote them). The copies are made (allocated)
+  /// when a window closes after some kernel asked for one, outside a CUDA
+  /// graph capture; until then there are none.
+  void bf16_copies(bool open);
   /// bf16_copies open (when `on`) for a scope, closed on the way out,
   /// exceptions included.
   class BF16Window {
    public:
-    BF16Window(GradSync& s, bool on, bool cast = true) : s_(s), on_(on) {
-      if (on_) s_.bf16_copies(true, cast);
+    BF16Window(GradSync& s, bool on) : s_(s), on_(on) {
+      if (on_) s_.bf16_copies(true);
     }
     ~BF16Window() {
       if (on_) s_.bf16_copies(false);
@@ -138,6 +138,21 @@ class GradSync {
     GradSync& s_;
     bool on_;
   };
+  /// Whether the bf16 copies hold the parameters' values as far as the host
+  /// can tell: cast, or written by the optimizer (bf16_copies_written), and
+  /// no parameter or flat buffer changed in place since (by their version
+  /// counters; a write through .data() is not seen, as autograd does not
+  /// see it either).
+  bool bf16_copies_current() const;
+  /// Flat buffer k's bf16 copy (undefined until made), for an optimizer
+  /// that writes the next step's copies as it updates the parameters.
+  torch::Tensor bf16_flat(size_t k) const;
+  /// The optimizer has written every copy from the parameters it updated
+  /// (const: a record of what the copies hold, kept for a const holder).
+  void bf16_copies_written() const;
+  /// Casts the copies if they exist and are not current: before a CUDA
+  /// graph replay, whose captured step may have skipped the cast.
+  void refresh_bf16_copies();
 
   /// param_slots.h's functions for this GradSync's parameter `index`.
   torch::Tensor bf16_copy(size_t index);
@@ -208,7 +223,10 @@ class GradSync {
   // asked for them; per parameter, whether its gradient slot was handed out
   // since the last zero_grad.
   std::vector<torch::Tensor> flat_bf16_, bf16_views_;
-  bool bf16_open_ = false, bf16_wanted_ = false, bf16_cast_ = false;
+  bool bf16_open_ = false, bf16_wanted_ = false;
+  mutable int64_t bf16_signature_ = -1;  // version_signature() when the copies were last made equal; -1: never
+  int64_t version_signature() const;
+  void cast_bf16_copies();
   std::vector<char> slot_taken_;
   mutable std::mutex mu_;
 };

@@ -91,11 +91,17 @@ class FlatOptimizer {
   /// With `max_grad_norm` > 0 the gradients are first clipped to that joint
   /// L2 norm, by torch.nn.utils.clip_grad_norm_'s rule (scaled by
   /// max / (norm + 1e-6) where that is below 1), without reading the norm
-  /// back to the host, and are left clipped. The fused Adam/AdamW kernels
-  /// take the scale as a divisor and apply it in their own pass over the
-  /// gradients, so clipping costs no pass of its own there (a multiply by
-  /// the coefficient elsewhere; the two differ by at most an fp32 rounding
-  /// of the clipped gradient, and not at all where nothing is clipped).
+  /// back to the host, and are left clipped. The Adam/AdamW kernels apply
+  /// the scale in their own pass over the gradients, so clipping costs no
+  /// pass of its own there: ddptrain's (fp32 buffers on CUDA, with its CUDA
+  /// kernels) multiplies by the coefficient, as clip_grad_norm_ does;
+  /// LibTorch's fused one divides by its inverse (an fp32 rounding of the
+  /// clipped gradient apart, and not at all where nothing is clipped).
+  /// Elsewhere the gradients are multiplied before the step.
+  ///
+  /// Built on a GradSync that has bf16 copies of the parameters
+  /// (param_slots.h), ddptrain's Adam kernel also writes the updated
+  /// parameters into them, in bf16, so the next step need not cast them.
   void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0);
 
   /// Whether step() runs without host synchronisation or host-side
@@ -127,13 +133,16 @@ class FlatOptimizer {
   void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
               const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
               const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay, int64_t host_step,
-              const torch::Tensor& found_inf, const torch::Tensor& grad_divisor = {});
-  void whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_divisor);
+              const torch::Tensor& found_inf, const torch::Tensor& grad_scale = {},
+              const std::vector<torch::Tensor>& p16 = {});
+  void whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale);
+  std::vector<torch::Tensor> bf16_targets() const;
   void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf);
   void composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped);
 
   FlatOptimizerOptions o_;
   bool adam_ = true, fused_ = false;
+  bool own_adam_ = false;  // ddptrain's Adam kernel (cuda/adamw.h): fp32 buffers on CUDA
   std::vector<torch::Tensor> params_, grads_;
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_)
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device

@@ -100,7 +100,6 @@ class TrainStep : public Stateful {
   torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
   bool graph_wanted_ = false;
   int64_t eager_steps_ = 0;
-  bool first_micro_ = true;  // the next step_body starts an optimizer step (bf16 copies are cast)
   std::string fallback_;
   struct Graph;
   std::unique_ptr<Graph> graph_;
