@@ -57,7 +57,9 @@ TEST(AdamStep, FollowsTorchOptimWithClippingAndWritesTheBf16Copy_CUDA) {
     }
     const double moved = (ref.detach() - start).abs().max().item<double>();
     EXPECT_GT(moved, 1e-3);
-    EXPECT_LE((p - ref.detach()).abs().max().item<double>() / moved, 1e-5);
+    // fp32 rounding of the same arithmetic, as FlatOptimizerEquals allows the
+    // fused kernels.
+    EXPECT_LE((p - ref.detach()).abs().max().item<double>(), 2e-5);
     // A found_inf: nothing changes, bit for bit.
     auto before = torch::stack({p, g, m, v}).clone();
     auto before16 = p16.clone();
