@@ -26,6 +26,7 @@ constexpr int kThreads = 256;
 
 struct Scalars {
   float beta1, beta2, weight_decay, eps;
+  double beta1_d, beta2_d;  // for the bias corrections, in fp64 as torch.optim's
   bool decoupled;
 };
 
@@ -46,12 +47,18 @@ __global__ void adam_kernel(float* __restrict__ p, float* __restrict__ g, float*
                             __nv_bfloat16* __restrict__ p16, int64_t n, const float* __restrict__ step_ptr,
                             const float* __restrict__ lr_ptr, const float* __restrict__ coef_ptr,
                             const float* __restrict__ found_inf, Scalars s) {
-  if (found_inf && *found_inf != 0.f) return;
-  const float lr = *lr_ptr, t = *step_ptr, coef = coef_ptr ? *coef_ptr : 1.f;
-  const float step_size = lr / (1.f - powf(s.beta1, t));
-  const float bc2_sqrt = sqrtf(1.f - powf(s.beta2, t));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (found_inf && *found_inf != 0.f) {
+    // A skipped step: the parameters stay, and so must the copy of them.
+    if (p16)
+      for (int64_t i = first; i < n; i += stride) p16[i] = __float2bfloat16_rn(p[i]);
+    return;
+  }
+  const float lr = *lr_ptr, coef = coef_ptr ? *coef_ptr : 1.f;
+  const double t = *step_ptr;
+  const float step_size = static_cast<float>(lr / (1.0 - pow(s.beta1_d, t)));
+  const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.beta2_d, t)));
   if constexpr (kVec4) {
     const int64_t quads = n / 4;
     for (int64_t q = first; q < quads; q += stride) {
@@ -113,7 +120,7 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
   const bool vec4 = aligned(p) && aligned(g) && aligned(m) && aligned(v) &&
                     (!p16.defined() || reinterpret_cast<std::uintptr_t>(p16.data_ptr()) % 8 == 0);
   const Scalars s{static_cast<float>(o.beta1), static_cast<float>(o.beta2), static_cast<float>(o.weight_decay),
-                  static_cast<float>(o.eps), o.decoupled};
+                  static_cast<float>(o.eps), o.beta1, o.beta2, o.decoupled};
   const int64_t work = vec4 ? (n + 3) / 4 : n;
   auto launch = [&](auto kernel) {
     const int per_sm = std::max(1, resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, 0));

@@ -416,11 +416,15 @@ int64_t GradSync::version_signature() const {
   return sum;
 }
 
+// Under a CUDA graph capture the cast is only recorded, to run at each
+// replay: the host records nothing then (graph_replayed does, after a
+// replay, from what the captured step does to the copies).
 void GradSync::cast_bf16_copies() {
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < flat_bf16_.size(); ++k)
     if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
-  bf16_signature_ = version_signature();
+  if (compat::stream_capturing()) capture_casts_ = true;
+  else bf16_signature_ = version_signature();
 }
 
 void GradSync::bf16_copies(bool open) {
@@ -431,6 +435,7 @@ void GradSync::bf16_copies(bool open) {
     make_bf16_copies();
     bf16_signature_ = -1;
   }
+  if (open && compat::stream_capturing()) capture_casts_ = capture_writes_ = false;  // a capture's step begins
   if (open && !bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
   bf16_open_ = open;
 }
@@ -447,12 +452,34 @@ torch::Tensor GradSync::bf16_flat(size_t k) const {
 
 void GradSync::bf16_copies_written() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!bf16_views_.empty()) bf16_signature_ = version_signature();
+  if (bf16_views_.empty()) return;
+  if (compat::stream_capturing()) capture_writes_ = true;
+  else bf16_signature_ = version_signature();
+}
+
+void GradSync::before_graph_replay() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A captured step that casts at its start needs nothing; one that relies
+  // on the copies being current gets a cast here where they are not.
+  if (!bf16_views_.empty() && !capture_casts_ && bf16_signature_ != version_signature()) cast_bf16_copies();
+}
+
+void GradSync::graph_replayed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // The replay changed the parameters without the host seeing it: the
+  // copies are current only if the captured step wrote them (its
+  // optimizer), else stale for the next eager step.
+  bf16_signature_ = capture_writes_ ? version_signature() : -1;
 }
 
 void GradSync::refresh_bf16_copies() {
   std::lock_guard<std::mutex> lock(mu_);
   if (!bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
+}
+
+void GradSync::bf16_copies_stale() {
+  std::lock_guard<std::mutex> lock(mu_);
+  bf16_signature_ = -1;
 }
 
 torch::Tensor GradSync::bf16_copy(size_t index) {

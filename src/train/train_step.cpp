@@ -209,10 +209,11 @@ StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, 
     const bool fits = !g.ready || same_layout(batch, g.input);
     if (g.ready && fits) {
       for (auto& [name, t] : g.input) t.copy_(batch.at(name), /*non_blocking=*/true);
-      // The captured step may rely on the copies the last step's optimizer
-      // wrote: if the parameters changed since, cast them here.
-      sync_->refresh_bf16_copies();
+      // The bf16 copies (param_slots.h) as the captured step expects them,
+      // and what the replay leaves them as.
+      sync_->before_graph_replay();
       g.graph.replay();
+      sync_->graph_replayed();
       StepOutput out(g.out.loss.clone());
       for (const auto& [name, t] : g.out.logs) out.logs[name] = t.clone();
       return out;
@@ -279,6 +280,7 @@ bool TrainStep::try_capture(const data::Batch& batch) {
     // per-step state is not: buckets counted or launched into the dead
     // graph would make the next eager step reduce too early or not at all.
     sync_->abandon_step(/*wait_launched=*/false);
+    sync_->bf16_copies_stale();
     (void)graph_.release();
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();

@@ -23,9 +23,9 @@ struct AdamStep {
 /// incremented, and lr: one float each on the device. coef (one float, or
 /// undefined: 1): the gradient is multiplied by it first and stored back
 /// multiplied, as clip_grad_norm_ leaves it. found_inf (one float, or
-/// undefined): non-zero leaves every tensor as it was. p16 (bf16 of p's
-/// size, or undefined): receives the new parameters rounded to bf16, the
-/// same bits as p.to(bf16).
+/// undefined): non-zero leaves p, g, m and v as they were (p16 still
+/// receives p). p16 (bf16 of p's size, or undefined): receives the new
+/// parameters rounded to bf16, the same bits as p.to(bf16).
 void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
                const at::Tensor& step, const at::Tensor& lr, const AdamStep& o, const at::Tensor& coef,
                const at::Tensor& found_inf, const at::Tensor& p16);

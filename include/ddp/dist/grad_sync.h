@@ -150,9 +150,18 @@ class GradSync {
   /// The optimizer has written every copy from the parameters it updated
   /// (const: a record of what the copies hold, kept for a const holder).
   void bf16_copies_written() const;
-  /// Casts the copies if they exist and are not current: before a CUDA
-  /// graph replay, whose captured step may have skipped the cast.
+  /// Casts the copies if they exist and are not current.
   void refresh_bf16_copies();
+  /// Around a CUDA graph replay of a captured training step, which runs no
+  /// host code (so no version counter moves): before, a cast where the
+  /// captured step does not cast and the copies are not current; after,
+  /// the copies are current if the captured step wrote them (the
+  /// optimizer), else stale.
+  void before_graph_replay();
+  void graph_replayed();
+  /// The copies no longer hold the parameters (e.g. a failed capture
+  /// recorded a step that never ran): the next window casts them.
+  void bf16_copies_stale();
 
   /// param_slots.h's functions for this GradSync's parameter `index`.
   torch::Tensor bf16_copy(size_t index);
@@ -225,6 +234,10 @@ class GradSync {
   std::vector<torch::Tensor> flat_bf16_, bf16_views_;
   bool bf16_open_ = false, bf16_wanted_ = false;
   mutable int64_t bf16_signature_ = -1;  // version_signature() when the copies were last made equal; -1: never
+  // What the step being captured (or last captured) does to the copies: casts them at its start, writes them in
+  // its optimizer.
+  bool capture_casts_ = false;
+  mutable bool capture_writes_ = false;
   int64_t version_signature() const;
   void cast_bf16_copies();
   std::vector<char> slot_taken_;
