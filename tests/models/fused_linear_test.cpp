@@ -15,6 +15,8 @@
 #include "ddp/dist/grad_sync.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/gpt.h"
+#include "ddp/train/lm_task.h"
+#include "ddp/train/train_step.h"
 #include "support/small_gpt.h"
 #include "support/testing.h"
 
@@ -307,6 +309,58 @@ TEST(FusedLinear, TiedEmbeddingGivesItsWeightOneGradient_CUDA) {
   auto x = t.embed(idx);
   t.head(x);
   EXPECT_THROW(t.head(x), c10::Error) << "one head per embedding";
+}
+
+// Whenever GradSync calls the bf16 copies current (so a window skips the
+// cast), they hold the parameters: across CUDA graph replays, which move no
+// version counter, and an eager step of a smaller batch between them; with
+// an optimizer that writes the copies (AdamW: ddptrain's kernel) and one
+// that does not (SGD, whose replays leave them a step behind).
+TEST(FusedLinear, Bf16CopiesHoldTheParametersAcrossGraphReplays_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  FusedLinearOn on;
+  LayerNormKernelsOn ln_on;
+  const torch::Device gpu(torch::kCUDA, 0);
+  for (const std::string name : {"sgd", "adamw"}) {
+    SCOPED_TRACE(name);
+    auto world = ddp::testing::one_rank_world(true);
+    torch::manual_seed(11);
+    ddp::LmTask task;
+    auto model = task.make_gpt(GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96), "tokens");
+    model->to(gpu);
+    model->train();
+    ddp::TrainStep step(task, *model, *world,
+                        ddp::TrainStepOptions().amp("bf16").cuda_graph(true).optimizer(
+                            ddp::FlatOptimizerOptions().name(name).lr(1e-2)));
+    auto batch = [&](int64_t rows) {
+      auto x = torch::randint(0, 96, {rows, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+      return ddp::data::Batch{{"input", x}, {"target", (x * 7 + 3).remainder(96)}};
+    };
+    const auto full = batch(8), smaller = batch(3);
+    int checked = 0;
+    auto check = [&](const std::string& when) {
+      auto& sync = step.sync();
+      ASSERT_TRUE(sync.has_bf16_copies()) << when;
+      if (!sync.bf16_copies_current()) return;
+      ++checked;
+      for (size_t k = 0; k < sync.flat_params().size(); ++k)
+        if (auto c = sync.bf16_flat(k); c.defined())
+          EXPECT_TRUE(torch::equal(c, sync.flat_params()[k].to(torch::kBFloat16))) << when << ", flat buffer " << k;
+    };
+    step.run(full, true, 1e-2);  // asks for the copies
+    for (int i = 1; i < 8; ++i) {
+      step.run(full, true, 1e-2);
+      check("step " + std::to_string(i));
+    }
+    EXPECT_TRUE(step.graphed()) << step.graph_fallback();
+    step.run(smaller, true, 1e-2);  // another shape: eager
+    check("the smaller batch");
+    for (int i = 0; i < 3; ++i) {
+      step.run(full, true, 1e-2);
+      check("a replay after it");
+    }
+    if (name == "adamw" && compat::kHasFusedOptimizers) EXPECT_GT(checked, 5) << "the kernel's copies are current";
+  }
 }
 
 std::vector<double> linear_gpt_losses(bool fused, bool graph, int steps, GptGelu gelu = GptGelu::kExact) {
