@@ -149,6 +149,9 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
       else
         compat::fused_sgd(with_wd(p), with_wd(g), with_wd(m), wd, o_.momentum(), lr_t_, found_inf);
     }
+    // LibTorch's fused kernels leave the version counters as they were
+    // (GradSync reads them to tell whether its bf16 copies are stale).
+    for (const auto& t : p) torch::autograd::impl::bump_version(t);
     return;
   }
   TORCH_CHECK(!grad_scale.defined(), "FlatOptimizer: a gradient scale needs the fused Adam kernels");
