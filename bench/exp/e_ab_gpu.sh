@@ -9,7 +9,7 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
+#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
 # Session 21 wrote it as slots_gpu.sh for branch param-slots.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -32,10 +32,12 @@ tests() {  # ctest regex, log name
 }
 base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu tanh)
 gpt=("${base[@]}" --bench-steps 30 --cuda-graph)
-ab() {
-  local trees=(/tmp/main .); [[ $SHORT == 1 ]] && trees=(.)
-  for tree in "${trees[@]}"; do
-    echo -n "$tree "; timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
+ab() {  # AB_ENV=VAR=value: this tree is also run with it, between main and the default
+  local runs=(/tmp/main .); [[ $SHORT == 1 ]] && runs=(.)
+  [[ -n ${AB_ENV:-} ]] && runs=("${runs[@]:0:${#runs[@]}-1}" "$AB_ENV ." .)
+  for run in "${runs[@]}"; do
+    local tree=${run##* } vars=(); [[ $run == *" "* ]] && vars=("${run% *}")
+    echo -n "$run "; env "${vars[@]}" timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
   done | tee -a "$OUT/ab.jsonl"
   grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 }

@@ -10,7 +10,11 @@
 #include "ddp/dist/param_slots.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
+#include <cstdlib>
 #include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
@@ -46,6 +50,31 @@ torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, c
   auto dw = gradient_home(param);
   cuda::weight_grad(g2, x2, dw);
   return dw;
+}
+
+// EXPERIMENT (issue 15, session 23): DDP_LT_EPILOGUES=0 turns cuBLASLt's
+// BGRADB and DGELU epilogues off, for an A/B in one binary.
+bool lt_epilogues() {
+  static const bool on = [] {
+    const char* e = std::getenv("DDP_LT_EPILOGUES");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
+
+// {dW, db} for dW = g^T x and db = the column sums of g, both fp32, into
+// their slots where they have them; each only where asked for (else
+// undefined). The sums come out of the weight's matmul where cuBLASLt can
+// (it reads g anyway), else from column_sum.
+std::pair<torch::Tensor, torch::Tensor> weight_and_bias_grad(const torch::Tensor& w, const torch::Tensor& b,
+                                                             const torch::Tensor& g, const torch::Tensor& x2,
+                                                             bool need_w, bool need_b) {
+  torch::Tensor dw = need_w ? gradient_home(w) : torch::Tensor();
+  torch::Tensor db = need_b ? gradient_home(b) : torch::Tensor();
+  bool summed = false;
+  if (need_w) summed = cuda::weight_grad(g, x2, dw, lt_epilogues() ? db : torch::Tensor());
+  if (need_b && !summed) cuda::column_sum(g, db);
+  return {dw, db};
 }
 
 // A bias's gradient: the column sums of g (with the GELU's backward first
@@ -90,20 +119,20 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     const int64_t out = w16.size(0), in = w16.size(1);
     auto g = as_rows(grads[0], out);
     const bool has_bias = ctx->saved_data["bias"].toBool();
-    const auto bias = has_bias && ctx->needs_input_grad(2) ? b : torch::Tensor();
-    torch::Tensor db;
+    const bool need_b = has_bias && ctx->needs_input_grad(2);
+    auto x2 = x.reshape({-1, in}).contiguous();
+    torch::Tensor dw, db;
     if (ctx->saved_data["gelu"].toBool()) {
-      auto r = bias_grad(bias, g, as_rows(s[4], out), cuda::Gelu::kErf);
+      auto r = bias_grad(need_b ? b : torch::Tensor(), g, as_rows(s[4], out), cuda::Gelu::kErf);
       g = r[0];
       db = r[1];
-    } else if (bias.defined()) {
-      db = bias_grad(bias, g, torch::Tensor(), std::nullopt)[1];
+      if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
+    } else {
+      std::tie(dw, db) = weight_and_bias_grad(w, b, g, x2, ctx->needs_input_grad(1), need_b);
     }
-    auto x2 = x.reshape({-1, in}).contiguous();
-    torch::Tensor dx, dw;
+    torch::Tensor dx;
     if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
-    if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
-    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx, dw, need_b ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -136,19 +165,26 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto &x2 = s[0], &w1_16 = s[1], &w2_16 = s[2], &y = s[3], &pre = s[4];
     const auto &w1 = s[5], &b1 = s[6], &w2 = s[7], &b2 = s[8];
     auto g = as_rows(grads[0], w2_16.size(0));
-    torch::Tensor db2, dw2, dw1;
-    if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
-    if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
-    auto r = bias_grad(ctx->needs_input_grad(2) ? b1 : torch::Tensor(), at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
-    const auto& dh = r[0];
-    if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
+    auto [dw2, db2] = weight_and_bias_grad(w2, b2, g, y, ctx->needs_input_grad(3), ctx->needs_input_grad(4));
+    // dh from the matmul's epilogue where cuBLASLt has one, its bias
+    // gradient then from dW1's; else the matmul, then one pass for both.
+    torch::Tensor dh = lt_epilogues() ? cuda::matmul_gelu_tanh_backward(g, w2_16, pre) : torch::Tensor();
+    torch::Tensor dw1, db1;
+    if (dh.defined()) {
+      std::tie(dw1, db1) = weight_and_bias_grad(w1, b1, dh, x2, ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+    } else {
+      auto r = bias_grad(ctx->needs_input_grad(2) ? b1 : torch::Tensor(), at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
+      dh = r[0];
+      db1 = r[1];
+      if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
+    }
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w1_16.size(1);
       dx = at::mm(dh, w1_16).view(sizes);
     }
-    return {dx, dw1, ctx->needs_input_grad(2) ? r[1] : torch::Tensor(), dw2, db2};
+    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2};
   }
 };
 

@@ -1,11 +1,13 @@
-// cuBLASLt's GELU epilogue (cuda/gemm_gelu.h) against LibTorch's linear and
-// tanh GELU computed in float64 on the same bf16 values.
+// cuBLASLt's epilogues (cuda/gemm_gelu.h) against LibTorch's linear, tanh
+// GELU and its backward computed in float64 on the same bf16 values.
 // Bounds: the results are bf16 (8 bits of mantissa), so an element may be
 // off by about one bf16 step of its own size, plus the fp32 summation's
 // rounding over K products; 2^-7 relative to the larger of the value and
 // the tensor's typical size covers both, and a wrong transpose, bias or
 // epilogue is off by far more.
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "support/testing.h"
 
@@ -56,6 +58,67 @@ TEST(GemmGelu, ForwardIsLinearThenTanhGelu_CUDA) {
       EXPECT_EQ(r[0].sizes(), (std::vector<int64_t>{s.m, s.n}));
       EXPECT_EQ(r[0].scalar_type(), torch::kBFloat16);
     }
+#endif
+}
+
+// The weight gradient with the bias gradient out of the same matmul
+// (BGRADB): g^T x and g's column sums in fp32, against float64; the same
+// bits twice; and where the bias cannot be written (2 bytes off alignment)
+// it is left alone and only the weight gradient is made.
+TEST(GemmGelu, WeightGradBringsTheBiasGradientFromTheSameMatmul_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  torch::manual_seed(5);
+  for (const auto& s : kGemmShapes) {
+    SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.k) + " n " + std::to_string(s.n));
+    auto g = bf16(torch::randn({s.m, s.n})), x = bf16(torch::randn({s.m, s.k}));
+    auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+    auto dw = torch::full({s.n, s.k}, NAN, f32), db = torch::full({s.n}, NAN, f32);
+    ASSERT_TRUE(ddp::cuda::weight_grad(g, x, dw, db)) << "cuBLASLt should offer BGRADB for bf16 -> fp32";
+    auto g64 = g.to(torch::kDouble), x64 = x.to(torch::kDouble);
+    // fp32 sums of exact bf16 products: far inside bf16's 2^-7.
+    EXPECT_LT(relative_error(dw, g64.t().mm(x64)), 1e-4) << "the weight gradient";
+    EXPECT_LT(relative_error(db, g64.sum(0)), 1e-4) << "the bias gradient";
+    auto dw2 = torch::empty_like(dw), db2 = torch::empty_like(db);
+    ddp::cuda::weight_grad(g, x, dw2, db2);
+    EXPECT_TRUE(torch::equal(dw, dw2) && torch::equal(db, db2)) << "deterministic";
+    auto off = torch::full({s.n + 1}, NAN, f32);
+    auto dw3 = torch::empty_like(dw);
+    EXPECT_FALSE(ddp::cuda::weight_grad(g, x, dw3, off.narrow(0, 1, s.n))) << "an unaligned bias: not written";
+    EXPECT_TRUE(torch::isnan(off).all().item<bool>());
+    EXPECT_TRUE(torch::equal(dw3, dw)) << "the weight gradient all the same";
+  }
+  auto g = bf16(torch::randn({8, 16})), x = bf16(torch::randn({8, 24}));
+  auto dw = torch::empty({16, 24}, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
+  EXPECT_THROW(ddp::cuda::weight_grad(g, x, dw, torch::empty({15}, dw.options())), c10::Error) << "15 columns";
+#endif
+}
+
+// The tanh GELU's backward in the matmul's epilogue (DGELU): (g W) times
+// gelu_tanh'(pre), against ATen's gelu_backward in float64.
+TEST(GemmGelu, GeluBackwardComesOutOfTheMatmulBeforeIt_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+#ifndef DDP_WITH_CUDA_KERNELS
+  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
+#else
+  torch::manual_seed(6);
+  for (const auto& s : kGemmShapes) {
+    // The MLP's c_proj backward: g [M, N] (N = the model's width), W [N, K]
+    // (K = the MLP's width), pre [M, K].
+    SCOPED_TRACE("m " + std::to_string(s.m) + " k " + std::to_string(s.n) + " n " + std::to_string(s.k));
+    auto g = bf16(torch::randn({s.m, s.k})), w = bf16(torch::randn({s.k, s.n}) * 0.05);
+    auto pre = bf16(torch::randn({s.m, s.n}) * 2);
+    auto dh = ddp::cuda::matmul_gelu_tanh_backward(g, w, pre);
+    ASSERT_TRUE(dh.defined()) << "cuBLASLt should offer DGELU for bf16";
+    EXPECT_EQ(dh.sizes(), pre.sizes());
+    EXPECT_EQ(dh.scalar_type(), torch::kBFloat16);
+    auto want = at::gelu_backward(g.to(torch::kDouble).mm(w.to(torch::kDouble)), pre.to(torch::kDouble), "tanh");
+    EXPECT_LT(relative_error(dh, want), 1.0 / 128);
+  }
+  auto g = bf16(torch::randn({4, 16})), w = bf16(torch::randn({16, 24}));
+  EXPECT_THROW(ddp::cuda::matmul_gelu_tanh_backward(g, w, bf16(torch::randn({4, 16}))), c10::Error) << "pre's shape";
 #endif
 }
 

@@ -37,6 +37,18 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
 /// gradient slot, param_slots.h). The products accumulate in fp32 and are
 /// written without rounding to bf16 first, as Megatron-LM's fused weight
 /// gradients are: autocast's matmul would round them to bf16, then cast.
-void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out);
+/// With `bias_out` (a contiguous fp32 [N]) the bias gradient, g's column
+/// sums, comes out of the same matmul (epilogue BGRADB), which reads g
+/// anyway: true where it did, false (bias_out untouched) where cuBLASLt
+/// offers no such algorithm or bias_out is not 16-byte aligned.
+bool weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out = {});
+
+/// The tanh GELU's backward through the matmul before it, in one matmul
+/// (epilogue DGELU): dh = (g W) * gelu_tanh'(pre), for g: [M, N], w: [N, K]
+/// and pre: [M, K] (linear_gelu_tanh's pre-activation), contiguous bf16;
+/// dh: [M, K] bf16, from the fp32 products. Undefined where cuBLASLt offers
+/// no such algorithm (the caller then runs the matmul and
+/// gelu_backward_column_sum).
+at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre);
 
 }  // namespace ddp::cuda
