@@ -174,7 +174,7 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   return {y, pre};
 }
 
-bool weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out) {
+void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(gemm_gelu_available(), "weight_grad: cuBLASLt is not loaded in this process");
   check_operand(g, "g", 2);
   check_operand(x, "x", 2);
@@ -183,33 +183,17 @@ bool weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out
                   out.size(0) == n && out.size(1) == k && out.stride(1) == 1 && out.stride(0) == k,
               "weight_grad: g ", g.sizes(), ", x ", x.sizes(), " and out ", out.sizes(), " ", out.scalar_type(),
               " do not fit (out: a contiguous fp32 [g's columns, x's columns])");
-  const bool with_bias = bias_out.defined();
-  TORCH_CHECK(!with_bias || (bias_out.is_cuda() && bias_out.scalar_type() == at::kFloat && bias_out.dim() == 1 &&
-                             bias_out.size(0) == n && bias_out.is_contiguous()),
-              "weight_grad: bias_out must be a contiguous fp32 vector of g's ", n, " columns, got ", bias_out.sizes(),
-              " ", bias_out.scalar_type());
   const c10::cuda::CUDAGuard guard(g.device());
-  auto plan = [&](bool bias) {
-    auto p = std::make_unique<Plan>(*lt());
-    check(p->l.desc_create(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-    p->set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
-    p->set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_T);
-    if (bias) {
-      // The bias gradient: the sums of B (g) over the matmul's reduction
-      // dimension (the rows), one per column of D, in D's type (fp32).
-      p->set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
-      p->set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_out.data_ptr());
-    }
-    check(p->l.layout_create(&p->a, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
-    check(p->l.layout_create(&p->b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M, transposed
-    check(p->l.layout_create(&p->d, CUDA_R_32F, k, n, k), "layout");   // out^T: K x N
-    return p;
-  };
+  Plan p(*lt());
+  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
+  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_T);
+  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
+  check(p.l.layout_create(&p.b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M, transposed
+  check(p.l.layout_create(&p.d, CUDA_R_32F, k, n, k), "layout");   // out^T: K x N
   at::Tensor d = out;
-  if (with_bias && alignment(bias_out) >= 16 && run(*plan(true), x, g, d)) return true;
-  TORCH_CHECK(run(*plan(false), x, g, d), "weight_grad: cuBLASLt has no bf16 x bf16 -> fp32 algorithm for g ",
-              g.sizes(), " x ", x.sizes());
-  return false;
+  TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt has no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
+              x.sizes());
 }
 
 at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre) {

@@ -13,8 +13,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <tuple>
-#include <utility>
 
 #include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
@@ -53,28 +51,13 @@ torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, c
 }
 
 // EXPERIMENT (issue 15, session 23): DDP_LT_EPILOGUES=0 turns cuBLASLt's
-// BGRADB and DGELU epilogues off, for an A/B in one binary.
+// DGELU epilogue off, for an A/B in one binary.
 bool lt_epilogues() {
   static const bool on = [] {
     const char* e = std::getenv("DDP_LT_EPILOGUES");
     return !(e && std::string(e) == "0");
   }();
   return on;
-}
-
-// {dW, db} for dW = g^T x and db = the column sums of g, both fp32, into
-// their slots where they have them; each only where asked for (else
-// undefined). The sums come out of the weight's matmul where cuBLASLt can
-// (it reads g anyway), else from column_sum.
-std::pair<torch::Tensor, torch::Tensor> weight_and_bias_grad(const torch::Tensor& w, const torch::Tensor& b,
-                                                             const torch::Tensor& g, const torch::Tensor& x2,
-                                                             bool need_w, bool need_b) {
-  torch::Tensor dw = need_w ? gradient_home(w) : torch::Tensor();
-  torch::Tensor db = need_b ? gradient_home(b) : torch::Tensor();
-  bool summed = false;
-  if (need_w) summed = cuda::weight_grad(g, x2, dw, lt_epilogues() ? db : torch::Tensor());
-  if (need_b && !summed) cuda::column_sum(g, db);
-  return {dw, db};
 }
 
 // A bias's gradient: the column sums of g (with the GELU's backward first
@@ -119,20 +102,20 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     const int64_t out = w16.size(0), in = w16.size(1);
     auto g = as_rows(grads[0], out);
     const bool has_bias = ctx->saved_data["bias"].toBool();
-    const bool need_b = has_bias && ctx->needs_input_grad(2);
-    auto x2 = x.reshape({-1, in}).contiguous();
-    torch::Tensor dw, db;
+    const auto bias = has_bias && ctx->needs_input_grad(2) ? b : torch::Tensor();
+    torch::Tensor db;
     if (ctx->saved_data["gelu"].toBool()) {
-      auto r = bias_grad(need_b ? b : torch::Tensor(), g, as_rows(s[4], out), cuda::Gelu::kErf);
+      auto r = bias_grad(bias, g, as_rows(s[4], out), cuda::Gelu::kErf);
       g = r[0];
       db = r[1];
-      if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
-    } else {
-      std::tie(dw, db) = weight_and_bias_grad(w, b, g, x2, ctx->needs_input_grad(1), need_b);
+    } else if (bias.defined()) {
+      db = bias_grad(bias, g, torch::Tensor(), std::nullopt)[1];
     }
-    torch::Tensor dx;
+    auto x2 = x.reshape({-1, in}).contiguous();
+    torch::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
-    return {dx, dw, need_b ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
+    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -144,8 +127,8 @@ torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const t
 // weights and biases the fp32 parameters, read in bf16. Forward: the first
 // matmul with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps
 // pre = x W1^T + b1), the second as at::linear. Backward: db2 = column sums
-// of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) and db1, its column
-// sums, in one pass after the matmul; dW1 = dh^T x; dx = dh W1. The weight
+// of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) in the matmul's DGELU
+// epilogue, then db1, its column sums; dW1 = dh^T x; dx = dh W1. The weight
 // and bias gradients in fp32, into their slots where they have them.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
@@ -165,19 +148,22 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto &x2 = s[0], &w1_16 = s[1], &w2_16 = s[2], &y = s[3], &pre = s[4];
     const auto &w1 = s[5], &b1 = s[6], &w2 = s[7], &b2 = s[8];
     auto g = as_rows(grads[0], w2_16.size(0));
-    auto [dw2, db2] = weight_and_bias_grad(w2, b2, g, y, ctx->needs_input_grad(3), ctx->needs_input_grad(4));
-    // dh from the matmul's epilogue where cuBLASLt has one, its bias
-    // gradient then from dW1's; else the matmul, then one pass for both.
-    torch::Tensor dh = lt_epilogues() ? cuda::matmul_gelu_tanh_backward(g, w2_16, pre) : torch::Tensor();
-    torch::Tensor dw1, db1;
+    torch::Tensor db2, dw2, dw1;
+    if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
+    if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
+    const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
+    // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
+    // a column sum of its own), else the matmul, then one pass for both.
+    auto dh = lt_epilogues() ? cuda::matmul_gelu_tanh_backward(g, w2_16, pre) : torch::Tensor();
+    torch::Tensor db1;
     if (dh.defined()) {
-      std::tie(dw1, db1) = weight_and_bias_grad(w1, b1, dh, x2, ctx->needs_input_grad(1), ctx->needs_input_grad(2));
+      if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
     } else {
-      auto r = bias_grad(ctx->needs_input_grad(2) ? b1 : torch::Tensor(), at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
+      auto r = bias_grad(b1_wanted, at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
       dh = r[0];
       db1 = r[1];
-      if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
     }
+    if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();

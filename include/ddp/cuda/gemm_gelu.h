@@ -5,10 +5,10 @@
 // Why: in config (e) (GPT-2 124M, bf16) the exact GELU's forward takes
 // 0.83 ms a step (bench/RESULTS.md, session 13). cuBLASLt's GELU epilogue
 // computes the tanh approximation (the GELU of GPT-2 itself, and of llm.c),
-// so it serves a model that uses it. The backward stays a plain matmul and
-// gelu_backward_column_sum (linear_bias.h): cuBLASLt's DGELU_BGRAD epilogue
-// ran as a separate generic kernel on the H200, 3.99 ms a step against
-// about 1.3 ms for ours (session 15).
+// so it serves a model that uses it. In the backward, the matmul before the
+// GELU applies its derivative in its epilogue (DGELU): on the H100 that
+// matmul took 2.06 ms a step against 2.85 ms for a plain matmul and ddptrain's
+// GELU-backward pass (bench/RESULTS.md, session 23).
 //
 // cuBLASLt is reached through the copy that LibTorch's CUDA library has
 // already loaded (its functions looked up by name), not linked again: a
@@ -37,18 +37,17 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
 /// gradient slot, param_slots.h). The products accumulate in fp32 and are
 /// written without rounding to bf16 first, as Megatron-LM's fused weight
 /// gradients are: autocast's matmul would round them to bf16, then cast.
-/// With `bias_out` (a contiguous fp32 [N]) the bias gradient, g's column
-/// sums, comes out of the same matmul (epilogue BGRADB), which reads g
-/// anyway: true where it did, false (bias_out untouched) where cuBLASLt
-/// offers no such algorithm or bias_out is not 16-byte aligned.
-bool weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out = {});
+void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out);
 
 /// The tanh GELU's backward through the matmul before it, in one matmul
 /// (epilogue DGELU): dh = (g W) * gelu_tanh'(pre), for g: [M, N], w: [N, K]
 /// and pre: [M, K] (linear_gelu_tanh's pre-activation), contiguous bf16;
 /// dh: [M, K] bf16, from the fp32 products. Undefined where cuBLASLt offers
 /// no such algorithm (the caller then runs the matmul and
-/// gelu_backward_column_sum).
+/// gelu_backward_column_sum). The bias gradient before the GELU is left to
+/// column_sum: cuBLASLt's DGELU_BGRAD and BGRADB epilogues run their sums
+/// as a separate generic kernel, slower than column_sum (bench/RESULTS.md,
+/// sessions 15 and 23).
 at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre);
 
 }  // namespace ddp::cuda
