@@ -49,6 +49,12 @@ timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --m
   --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
 log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA}" tests2
 log "(e) A/B again"; ab
+if [[ -n ${EXTRA_RUNS:-} ]]; then  # "VAR=a VAR=b ...": this tree's (e) under each
+  log "(e) under $EXTRA_RUNS"
+  for v in $EXTRA_RUNS; do
+    echo -n "$v "; env "$v" timeout 60 ./build/ddptrain bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
+  done | tee -a "$OUT/ab.jsonl"
+fi
 log "profile, graphed"
 LINE=$(timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
