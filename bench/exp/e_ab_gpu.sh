@@ -9,7 +9,8 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
+#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [EXTRA_RUNS="VAR=a VAR=b"] \
+#     bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
 # Session 21 wrote it as slots_gpu.sh for branch param-slots.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

@@ -14,9 +14,7 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
-#include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -113,7 +111,7 @@ uint32_t alignment(const at::Tensor& t) {
 // heuristic choice for the operands' actual alignment (a view at an
 // offset must not get an algorithm that assumes 256 bytes). False if it
 // offers none.
-bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d, int pick = 0) {
+bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
   cublasLtMatmulPreference_t pref = nullptr;
@@ -125,13 +123,12 @@ bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d,
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
-  std::array<cublasLtMatmulHeuristicResult_t, 8> results{};
+  cublasLtMatmulHeuristicResult_t found{};
   int count = 0;
   const auto h = handle_for(d.get_device());
-  const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, pick + 1, results.data(), &count);
+  const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, 1, &found, &count);
   l.pref_destroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS || count <= pick) return false;
-  const auto& found = results[pick];
+  if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
   auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
   const float one = 1.f, zero = 0.f;
   check(l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
@@ -219,12 +216,7 @@ at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, c
   check(p.l.layout_create(&p.a, CUDA_R_16BF, k, n, k), "layout");  // W: K x N
   check(p.l.layout_create(&p.b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M
   check(p.l.layout_create(&p.d, CUDA_R_16BF, k, m, k), "layout");  // dh^T: K x M, as pre^T
-  // EXPERIMENT (session 23): DDP_DGELU_ALGO=i takes the heuristic's i-th choice.
-  static const int pick = [] {
-    const char* e = std::getenv("DDP_DGELU_ALGO");
-    return e ? std::min(7, std::max(0, std::atoi(e))) : 0;
-  }();
-  if (alignment(pre) < 16 || !run(p, w, g, dh, pick)) return {};
+  if (alignment(pre) < 16 || !run(p, w, g, dh)) return {};
   return dh;
 }
 

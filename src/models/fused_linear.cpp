@@ -10,9 +10,7 @@
 #include "ddp/dist/param_slots.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
-#include <cstdlib>
 #include <mutex>
-#include <string>
 
 #include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
@@ -48,16 +46,6 @@ torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, c
   auto dw = gradient_home(param);
   cuda::weight_grad(g2, x2, dw);
   return dw;
-}
-
-// EXPERIMENT (issue 15, session 23): DDP_LT_EPILOGUES=0 turns cuBLASLt's
-// DGELU epilogue off, for an A/B in one binary.
-bool lt_epilogues() {
-  static const bool on = [] {
-    const char* e = std::getenv("DDP_LT_EPILOGUES");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
 }
 
 // A bias's gradient: the column sums of g (with the GELU's backward first
@@ -154,7 +142,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
     // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
     // a column sum of its own), else the matmul, then one pass for both.
-    auto dh = lt_epilogues() ? cuda::matmul_gelu_tanh_backward(g, w2_16, pre) : torch::Tensor();
+    auto dh = cuda::matmul_gelu_tanh_backward(g, w2_16, pre);
     torch::Tensor db1;
     if (dh.defined()) {
       if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
