@@ -97,6 +97,17 @@ struct Plan {
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
     check(l.desc_set(op, attr, &value, sizeof(value)), "set attribute");
   }
+  // D = op_a(A) op_b(B), bf16 operands, fp32 accumulation; each matrix as
+  // stored, column-major {rows, columns} with the rows as leading dimension.
+  void describe(cublasOperation_t op_a, cublasOperation_t op_b, std::array<int64_t, 2> a_dims,
+                std::array<int64_t, 2> b_dims, std::array<int64_t, 2> d_dims, cudaDataType_t d_type) {
+    check(l.desc_create(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
+    set(CUBLASLT_MATMUL_DESC_TRANSA, op_a);
+    set(CUBLASLT_MATMUL_DESC_TRANSB, op_b);
+    check(l.layout_create(&a, CUDA_R_16BF, a_dims[0], a_dims[1], a_dims[0]), "layout");
+    check(l.layout_create(&b, CUDA_R_16BF, b_dims[0], b_dims[1], b_dims[0]), "layout");
+    check(l.layout_create(&d, d_type, d_dims[0], d_dims[1], d_dims[0]), "layout");
+  }
 };
 
 // The largest power of two, up to 256, that divides the tensor's address.
@@ -160,16 +171,12 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   auto y = at::empty({m, n}, x.options());
   auto pre = at::empty({m, n}, x.options());
   Plan p(*lt());
-  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  // W (K x N, transposed) times x^T (K x M) is y^T (N x M).
+  p.describe(CUBLAS_OP_T, CUBLAS_OP_N, {k, n}, {k, m}, {n, m}, CUDA_R_16BF);
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
   p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(n));
-  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, n, k), "layout");  // W: K x N, transposed
-  check(p.l.layout_create(&p.b, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
-  check(p.l.layout_create(&p.d, CUDA_R_16BF, n, m, n), "layout");  // y^T: N x M
   TORCH_CHECK(run(p, w, x, y), "gemm_gelu: cuBLASLt has no GELU_AUX_BIAS algorithm for x ", x.sizes(), " w ", w.sizes());
   return {y, pre};
 }
@@ -185,12 +192,8 @@ void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out
               " do not fit (out: a contiguous fp32 [g's columns, x's columns])");
   const c10::cuda::CUDAGuard guard(g.device());
   Plan p(*lt());
-  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
-  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_T);
-  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, m, k), "layout");  // x^T: K x M
-  check(p.l.layout_create(&p.b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M, transposed
-  check(p.l.layout_create(&p.d, CUDA_R_32F, k, n, k), "layout");   // out^T: K x N
+  // x^T (K x M) times g^T (N x M, transposed) is out^T (K x N), in fp32.
+  p.describe(CUBLAS_OP_N, CUBLAS_OP_T, {k, m}, {n, m}, {k, n}, CUDA_R_32F);
   at::Tensor d = out;
   TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt has no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
               x.sizes());
@@ -207,15 +210,11 @@ at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, c
   const c10::cuda::CUDAGuard guard(g.device());
   auto dh = at::empty({m, k}, g.options());
   Plan p(*lt());
-  check(p.l.desc_create(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "desc");
-  p.set(CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);
-  p.set(CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  // W (K x N) times g^T (N x M) is dh^T (K x M), laid out as pre^T.
+  p.describe(CUBLAS_OP_N, CUBLAS_OP_N, {k, n}, {n, m}, {k, m}, CUDA_R_16BF);
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU);
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(k));
-  check(p.l.layout_create(&p.a, CUDA_R_16BF, k, n, k), "layout");  // W: K x N
-  check(p.l.layout_create(&p.b, CUDA_R_16BF, n, m, n), "layout");  // g^T: N x M
-  check(p.l.layout_create(&p.d, CUDA_R_16BF, k, m, k), "layout");  // dh^T: K x M, as pre^T
   if (alignment(pre) < 16 || !run(p, w, g, dh)) return {};
   return dh;
 }
