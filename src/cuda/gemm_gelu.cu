@@ -210,7 +210,7 @@ at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, c
   const c10::cuda::CUDAGuard guard(g.device());
   auto dh = at::empty({m, k}, g.options());
   Plan p(*lt());
-  // W (K x N) times g^T (N x M) is dh^T (K x M), laid out as pre^T.
+  // W^T (K x N: W as stored) times g^T (N x M) is dh^T (K x M), laid out as pre^T.
   p.describe(CUBLAS_OP_N, CUBLAS_OP_N, {k, n}, {n, m}, {k, m}, CUDA_R_16BF);
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_DGELU);
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());

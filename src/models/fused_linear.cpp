@@ -139,6 +139,8 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     torch::Tensor db2, dw2, dw1;
     if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
     if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
+    if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1) && !ctx->needs_input_grad(2))
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2};
     const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
     // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
     // a column sum of its own), else the matmul, then one pass for both.

@@ -128,8 +128,11 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
       cuda::adam_step(p[i], g[i], m[i], v[i], step[i], lr_t_,
                       {o_.beta1(), o_.beta2(), weight_decay[i], o_.eps(), o_.name() == "adamw"}, grad_scale, found_inf,
                       p16.empty() ? torch::Tensor() : p16[i]);
-    // As an in-place ATen op would: autograd's checks on saved tensors see it.
+    // As in-place ATen ops would: GradSync reads the flat buffers' counters
+    // to tell whether its bf16 copies are stale, and autograd's checks on
+    // saved tensors see the copies (a graph that saved one) change.
     for (const auto& t : p) torch::autograd::impl::bump_version(t);
+    for (const auto& t : p16) torch::autograd::impl::bump_version(t);
     return;
   }
 #endif

@@ -309,6 +309,9 @@ void TrainStep::save(TensorMap& state) const {
 
 void TrainStep::load(const TensorMap& state) {
   optimizer_->load(state);
+  // The checkpoint's weights were just written, maybe where no version
+  // counter sees it: the bf16 copies are cast again before they are read.
+  sync_->bf16_copies_stale();
   torch::NoGradGuard no_grad;
   auto scale = state.find("scaler/scale"), growth = state.find("scaler/growth_tracker");
   if (fp16_ && scale != state.end()) scale_.copy_(scale->second);

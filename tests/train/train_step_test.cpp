@@ -1,5 +1,6 @@
 // The training step: channels-last, clipping, fp16 rules, and CUDA graphs
 // against eager execution.
+#include "ddp/dist/param_slots.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/models/registry.h"
@@ -111,6 +112,36 @@ TEST(TrainStep, CudaGraphOnCpuFallsBackWithAReason) {
   ddp::TrainStep step(*model, *world, sgd().cuda_graph(true));
   EXPECT_NE(step.graph_fallback().find("CUDA"), std::string::npos);
   EXPECT_FALSE(step.graphed());
+}
+
+// Loading a checkpoint's state marks the bf16 copies stale: the weights
+// were written before it, maybe where no version counter saw it (here
+// through .data(), as a collective would), and the copies must not be
+// read as current.
+TEST(TrainStep, LoadMarksTheBf16CopiesStale) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto world = one_rank_world(false);
+  auto model = small_resnet(torch::kCPU);
+  ddp::TrainStep step(*model, *world, sgd());
+  auto& sync = step.sync();
+  auto weight = model->parameters().front();
+  sync.bf16_copies(true);
+  ddp::param_slots::bf16_copy(weight);  // asks for the copies: made when the window closes
+  sync.bf16_copies(false);
+  sync.bf16_copies(true);  // cast
+  sync.bf16_copies(false);
+  ASSERT_TRUE(sync.bf16_copies_current());
+  {
+    torch::NoGradGuard no_grad;
+    weight.data().add_(1.0);  // unseen by the version counters
+  }
+  ASSERT_TRUE(sync.bf16_copies_current()) << "the control: a write through .data() is not seen";
+  ddp::TensorMap state;
+  step.save(state);
+  step.load(state);
+  EXPECT_FALSE(sync.bf16_copies_current());
+  sync.refresh_bf16_copies();
+  EXPECT_TRUE(torch::equal(sync.bf16_flat(0), sync.flat_params().front().to(torch::kBFloat16)));
 }
 
 // 50 steps graphed and eager: the same loss trajectory to rounding.

@@ -160,7 +160,10 @@ class GradSync {
   void before_graph_replay();
   void graph_replayed();
   /// The copies no longer hold the parameters (e.g. a failed capture
-  /// recorded a step that never ran): the next window casts them.
+  /// recorded a step that never ran, a checkpoint was loaded, or the
+  /// parameters were written where their version counters do not see it:
+  /// through .data(), set_data(), a collective or raw memory): the next
+  /// window casts them.
   void bf16_copies_stale();
 
   /// param_slots.h's functions for this GradSync's parameter `index`.
