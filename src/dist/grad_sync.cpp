@@ -416,10 +416,12 @@ int64_t GradSync::version_signature() const {
   return sum;
 }
 
-// Under a CUDA graph capture the cast is only recorded, to run at each
-// replay: the host records nothing then (graph_replayed does, after a
-// replay, from what the captured step does to the copies).
-void GradSync::cast_bf16_copies() {
+// Casts the copies where they exist and are not current. Under a CUDA
+// graph capture the cast is only recorded, to run at each replay: the host
+// records nothing then (graph_replayed does, after a replay, from what the
+// captured step does to the copies).
+void GradSync::cast_stale_bf16_copies() {
+  if (bf16_views_.empty() || bf16_signature_ == version_signature()) return;  // none, or current
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < flat_bf16_.size(); ++k)
     if (flat_bf16_[k].defined()) flat_bf16_[k].copy_(flat_params_[k]);
@@ -436,7 +438,7 @@ void GradSync::bf16_copies(bool open) {
     bf16_signature_ = -1;
   }
   if (open && compat::stream_capturing()) capture_casts_ = capture_writes_ = false;  // a capture's step begins
-  if (open && !bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
+  if (open) cast_stale_bf16_copies();
   bf16_open_ = open;
 }
 
@@ -461,7 +463,7 @@ void GradSync::before_graph_replay() {
   std::lock_guard<std::mutex> lock(mu_);
   // A captured step that casts at its start needs nothing; one that relies
   // on the copies being current gets a cast here where they are not.
-  if (!bf16_views_.empty() && !capture_casts_ && bf16_signature_ != version_signature()) cast_bf16_copies();
+  if (!capture_casts_) cast_stale_bf16_copies();
 }
 
 void GradSync::graph_replayed() {
@@ -474,7 +476,7 @@ void GradSync::graph_replayed() {
 
 void GradSync::refresh_bf16_copies() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!bf16_views_.empty() && bf16_signature_ != version_signature()) cast_bf16_copies();
+  cast_stale_bf16_copies();
 }
 
 void GradSync::bf16_copies_stale() {

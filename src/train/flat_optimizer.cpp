@@ -185,13 +185,14 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 }
 
 // The common step: every buffer whole, with the buffers' step count.
-void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale) {
+void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale,
+                               const std::vector<torch::Tensor>& p16) {
   if (!fused_) {
     update(params_, grads_, m_, v_, {}, weight_decay_, ++host_step_, {});
     return;
   }
   for (auto& s : step_) s.add_(1);
-  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_scale, bf16_targets());
+  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_scale, p16);
   // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
   if (found_inf.defined())
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
@@ -219,11 +220,12 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
     // step before, whose own step count may then differ from the buffer's.
     for (size_t i = 0; i < n; ++i)
       if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
-    whole_step(found_inf, grad_scale);
-    if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf);
+    const auto p16 = bf16_targets();
+    whole_step(found_inf, grad_scale, p16);
+    if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf, p16);
     for (size_t i = 0; i < n; ++i) may_have_missed_[i] = may_have_missed_[i] || unused_here[i];
     // The kernel wrote the next step's bf16 copies, and the fix-ups theirs.
-    if (own_adam_ && sync_ && !bf16_targets().empty()) sync_->bf16_copies_written();
+    if (!p16.empty()) sync_->bf16_copies_written();
     return;
   }
   // Composed: the ranks' decision on the host (a parameter unused on every
@@ -246,10 +248,9 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
 // own step count if it may have missed a step, and keeps that result only
 // where some rank had a gradient (a select on the device).
 void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere,
-                                  const torch::Tensor& found_inf) {
-  // The slices changed here get their bf16 copies again (the kernel wrote
-  // the whole step's), so the copies stay equal to the parameters.
-  const auto p16 = bf16_targets();
+                                  const torch::Tensor& found_inf, const std::vector<torch::Tensor>& p16) {
+  // The slices changed here get their bf16 copies (p16) again (the kernel
+  // wrote the whole step's), so the copies stay equal to the parameters.
   auto refresh_bf16 = [&](size_t i, const torch::Tensor& p) {
     if (!p16.empty()) slice(p16, i).copy_(p);
   };

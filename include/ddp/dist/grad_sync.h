@@ -242,7 +242,7 @@ class GradSync {
   bool capture_casts_ = false;
   mutable bool capture_writes_ = false;
   int64_t version_signature() const;
-  void cast_bf16_copies();
+  void cast_stale_bf16_copies();
   std::vector<char> slot_taken_;
   mutable std::mutex mu_;
 };

@@ -135,9 +135,11 @@ class FlatOptimizer {
               const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay, int64_t host_step,
               const torch::Tensor& found_inf, const torch::Tensor& grad_scale = {},
               const std::vector<torch::Tensor>& p16 = {});
-  void whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale);
+  void whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale,
+                  const std::vector<torch::Tensor>& p16 = {});
   std::vector<torch::Tensor> bf16_targets() const;
-  void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf);
+  void fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor& used_anywhere, const torch::Tensor& found_inf,
+                     const std::vector<torch::Tensor>& p16);
   void composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped);
 
   FlatOptimizerOptions o_;
