@@ -221,8 +221,10 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
     // step before, whose own step count may then differ from the buffer's.
     for (size_t i = 0; i < n; ++i)
       if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
-    // The fix-ups read the clipped gradients.
-    store_clipped_ = after == GradientsAfterStep::kRead || !saved.empty();
+    // A fix-up that steps a parameter again on its own reads its clipped
+    // gradient; the others only put values back.
+    store_clipped_ = after == GradientsAfterStep::kRead ||
+                     std::any_of(saved.begin(), saved.end(), [&](const Saved& s) { return adam_ && may_have_missed_[s.slice]; });
     const auto p16 = bf16_targets();
     whole_step(found_inf, grad_scale, p16);
     if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf, p16);

@@ -112,7 +112,8 @@ class FlatOptimizer {
   /// `after` says whether the caller reads the gradients after the step.
   /// kDropped (TrainStep, which sets them to none right after) lets
   /// ddptrain's Adam kernel clip without storing the clipped values back,
-  /// where no unused-parameter fix-up reads them.
+  /// where no fix-up steps a parameter that missed steps again (which
+  /// reads them).
   void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0,
             GradientsAfterStep after = GradientsAfterStep::kRead);
 
