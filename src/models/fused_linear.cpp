@@ -5,6 +5,8 @@
 #include "ddp/models/fused_linear.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 
 #include "ddp/compat.h"
 #include "ddp/dist/param_slots.h"
@@ -21,6 +23,15 @@ namespace ddp::models {
 namespace {
 
 std::atomic<bool> g_fused_linear{false};
+
+// [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
+// views, as the model's split, view and transpose give.
+std::vector<torch::Tensor> split_heads(const torch::Tensor& y, int64_t parts, int64_t heads) {
+  const int64_t b = y.size(0), t = y.size(1), width = y.size(2) / parts;
+  std::vector<torch::Tensor> out;
+  for (auto& m : y.split(width, 2)) out.push_back(m.view({b, t, heads, width / heads}).transpose(1, 2));
+  return out;
+}
 
 #ifdef DDP_WITH_CUDA_KERNELS
 using torch::autograd::AutogradContext;
@@ -110,6 +121,45 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
 torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu) {
   return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu);
 }
+
+// The attention's projection split into heads: linear_bias's forward, then
+// split_heads. Backward: the heads' gradients side by side (the split's
+// cat) with the bias's column sums in one pass (heads_column_sum), then
+// dW = g^T x and dx = g W as LinearBiasFn's. Without a bias, `b` is W again
+// and unused.
+struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
+  static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
+                               int64_t parts, int64_t heads) {
+    auto w16 = in_bf16(w);
+    auto y = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
+    ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["heads"] = heads;
+    ctx->save_for_backward({x, w16, w, b});
+    return split_heads(y, parts, heads);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w16 = s[1], &w = s[2], &b = s[3];
+    const int64_t in = w16.size(1);
+    const auto bias = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2) ? b : torch::Tensor();
+    std::vector<torch::Tensor> dparts;
+    for (size_t i = 0; i < grads.size(); ++i) {  // an unused part: zeros of its shape
+      if (grads[i].defined()) {
+        dparts.push_back(grads[i].to(torch::kBFloat16));
+      } else {
+        const int64_t heads = ctx->saved_data["heads"].toInt();
+        const int64_t width = w16.size(0) / static_cast<int64_t>(grads.size());
+        dparts.push_back(torch::zeros({x.size(0), heads, x.size(1), width / heads}, w16.options()));
+      }
+    }
+    auto r = cuda::heads_column_sum(dparts, bias.defined() ? gradient_home(bias) : torch::Tensor());
+    const auto& g = r[0];
+    torch::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
+    if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x.reshape({-1, in}).contiguous());
+    return {dx, dw, bias.defined() ? r[1] : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
 
 // z = gelu_tanh(x W1^T + b1) W2^T + b2, x in bf16 (cast by the caller), the
 // weights and biases the fp32 parameters, read in bf16. Forward: the first
@@ -282,6 +332,20 @@ torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, c
   if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false);
 #endif
   return torch::linear(x, weight, bias);
+}
+
+std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                        int64_t parts, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && parts > 0 && heads > 0 && weight.dim() == 2 && weight.size(0) % (parts * heads) == 0,
+              "linear_heads: x must be [B, T, C] and the weight's rows a multiple of parts x heads, got x ", x.sizes(),
+              ", weight ", weight.sizes(), ", ", parts, " parts of ", heads, " heads");
+#ifdef DDP_WITH_CUDA_KERNELS
+  static const bool off = std::getenv("DDP_LINEAR_HEADS") && std::string(std::getenv("DDP_LINEAR_HEADS")) == "0";  // EXPERIMENT: A/B switch, to go
+  if (!off && fused_linear_applies(x, weight, bias) && parts <= 3 && (weight.size(0) / (parts * heads)) % 8 == 0)
+    return LinearHeadsFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), parts,
+                                heads);
+#endif
+  return split_heads(linear_bias(x, weight, bias), parts, heads);
 }
 
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,

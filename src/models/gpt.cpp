@@ -93,10 +93,9 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& o) : n_head(o
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
-  // One matmul for queries, keys and values, then B x heads x T x head_dim.
-  auto qkv = linear(c_attn, x).split(c, 2);
-  auto heads = [&](const torch::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
-  auto y = compat::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), dropout, is_training());
+  // One matmul for queries, keys and values, each then B x heads x T x head_dim.
+  auto qkv = linear_heads(x, c_attn->weight, c_attn->bias, 3, n_head);
+  auto y = compat::causal_attention(qkv[0], qkv[1], qkv[2], dropout, is_training());
   y = y.transpose(1, 2).contiguous().view({b, t, c});
   y = linear(c_proj, y);
   return dropout > 0 ? resid_dropout(y) : y;  // p = 0 costs no kernel

@@ -33,6 +33,15 @@ torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, c
 /// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
+/// Attention's projection split into heads: x W^T + b for x [B, T, C], cut
+/// into `parts` (q, k, v) column blocks, each as [B, heads, T, head_dim]
+/// (views, as y.split(...)[i].view({B, T, heads, head_dim}).transpose(1, 2)).
+/// Where the kernels apply (linear_bias's conditions, at most 3 parts,
+/// head_dim a multiple of 8) the backward puts the parts' gradients side by
+/// side and sums the bias's gradient in one pass (cuda/linear_bias.h).
+std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                        int64_t parts, int64_t heads);
+
 /// The GPT's MLP with the tanh GELU: gelu_tanh(x W1^T + b1) W2^T + b2, as
 /// torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2).
 /// Where the kernels apply to both layers (widths multiples of 8) and
