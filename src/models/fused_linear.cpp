@@ -83,10 +83,10 @@ torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
 // Without a bias (the GPT's output head), `b` is W again and unused.
 struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
-                               bool gelu) {
+                               bool gelu, bool bias_grad) {
     auto w16 = in_bf16(w);
     auto h = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
-    ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["bias"] = has_bias && bias_grad;  // no bias gradient here without both
     ctx->saved_data["gelu"] = gelu;
     if (!gelu) {
       ctx->save_for_backward({x, w16, w, b});
@@ -114,12 +114,14 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     torch::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
     if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
-    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
-torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu) {
-  return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu);
+torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu,
+                    BiasGrad bias_grad = BiasGrad::kHere) {
+  return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu,
+                             bias_grad == BiasGrad::kHere);
 }
 
 // The attention's projection split into heads: linear_bias's forward, then
@@ -170,13 +172,14 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
 // and bias gradients in fp32, into their slots where they have them.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
-                               torch::Tensor w2, torch::Tensor b2) {
+                               torch::Tensor w2, torch::Tensor b2, bool b2_grad) {
     const int64_t in = x.size(-1);
     auto x2 = x.reshape({-1, in}).contiguous();
     auto w1_16 = in_bf16(w1), w2_16 = in_bf16(w2);
     auto r = cuda::linear_gelu_tanh(x2, w1_16, in_bf16(b1));
     auto z = at::linear(r[0], w2_16, in_bf16(b2));
     ctx->save_for_backward({x2, w1_16, w2_16, r[0], r[1], w1, b1, w2, b2});
+    ctx->saved_data["b2_grad"] = b2_grad;
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     return z.view(sizes);
@@ -187,10 +190,11 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto &w1 = s[5], &b1 = s[6], &w2 = s[7], &b2 = s[8];
     auto g = as_rows(grads[0], w2_16.size(0));
     torch::Tensor db2, dw2, dw1;
-    if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
+    if (ctx->needs_input_grad(4) && ctx->saved_data["b2_grad"].toBool())
+      db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
     if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
     if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1) && !ctx->needs_input_grad(2))
-      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2};
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2, torch::Tensor()};
     const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
     // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
     // a column sum of its own), else the matmul, then one pass for both.
@@ -210,7 +214,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
       sizes.back() = w1_16.size(1);
       dx = at::mm(dh, w1_16).view(sizes);
     }
-    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2};
+    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2, torch::Tensor()};
   }
 };
 
@@ -327,11 +331,12 @@ bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, c
 #endif
 }
 
-torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          BiasGrad bias_grad) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false);
+  if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false, bias_grad);
 #endif
-  return torch::linear(x, weight, bias);
+  return torch::linear(x, weight, bias_grad == BiasGrad::kHere || !bias.defined() ? bias : bias.detach());
 }
 
 std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
@@ -349,13 +354,14 @@ std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Ten
 }
 
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                            const torch::Tensor& w2, const torch::Tensor& b2) {
+                            const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad) {
 #ifdef DDP_WITH_CUDA_KERNELS
   if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
       w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0))
-    return MlpGeluTanhFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2);
+    return MlpGeluTanhFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, b2_grad == BiasGrad::kHere);
 #endif
-  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2);
+  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2,
+                       b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach());
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

@@ -28,8 +28,16 @@ bool fused_linear_enabled();
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
+/// Who gives a linear layer's bias its gradient: the layer (kHere, as
+/// nn.Linear), or the residual add that its output goes into (kInTheAdd):
+/// the bias then gets no gradient from the layer, and the caller passes it
+/// to that add_layer_norm as branch_bias (fused_layer_norm.h), whose
+/// backward sums it in the LayerNorm's pass instead of a pass of its own.
+enum class BiasGrad { kHere, kInTheAdd };
+
 /// x W^T + b, as torch::linear; `bias` may be undefined (no bias).
-torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          BiasGrad bias_grad = BiasGrad::kHere);
 /// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
@@ -50,7 +58,7 @@ std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Ten
 /// applies the GELU's derivative and sums b1's gradient in one pass
 /// (cuda/linear_bias.h).
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                            const torch::Tensor& w2, const torch::Tensor& b2);
+                            const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad = BiasGrad::kHere);
 
 /// The GPT's token embedding and its output head, which share one weight
 /// (GPT-2 ties them): embed(idx) is weight[idx] and head(x) is x weight^T,
