@@ -80,7 +80,8 @@ torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
 // Backward: dx = g W, the matmul autograd runs for at::linear; dW = g^T x
 // and db = the column sums of g, both in fp32 (weight_grad, column_sum);
 // with `gelu`, g is first the GELU's backward, in the same pass as db.
-// Without a bias (the GPT's output head), `b` is W again and unused.
+// Without a bias (the GPT's output head), `b` is W again and unused. With
+// bias_grad false (BiasGrad::kInTheAdd) b gets no gradient here.
 struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
                                bool gelu, bool bias_grad) {
@@ -169,7 +170,8 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
 // pre = x W1^T + b1), the second as at::linear. Backward: db2 = column sums
 // of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) in the matmul's DGELU
 // epilogue, then db1, its column sums; dW1 = dh^T x; dx = dh W1. The weight
-// and bias gradients in fp32, into their slots where they have them.
+// and bias gradients in fp32, into their slots where they have them. With
+// b2_grad false (BiasGrad::kInTheAdd) b2 gets no gradient here.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
                                torch::Tensor w2, torch::Tensor b2, bool b2_grad) {
