@@ -5,8 +5,6 @@
 #include "ddp/models/fused_linear.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "ddp/compat.h"
 #include "ddp/dist/param_slots.h"
@@ -347,8 +345,7 @@ std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Ten
               "linear_heads: x must be [B, T, C] and the weight's rows a multiple of parts x heads, got x ", x.sizes(),
               ", weight ", weight.sizes(), ", ", parts, " parts of ", heads, " heads");
 #ifdef DDP_WITH_CUDA_KERNELS
-  static const bool off = std::getenv("DDP_LINEAR_HEADS") && std::string(std::getenv("DDP_LINEAR_HEADS")) == "0";  // EXPERIMENT: A/B switch, to go
-  if (!off && fused_linear_applies(x, weight, bias) && parts <= 3 && (weight.size(0) / (parts * heads)) % 8 == 0)
+  if (fused_linear_applies(x, weight, bias) && parts <= 3 && (weight.size(0) / (parts * heads)) % 8 == 0)
     return LinearHeadsFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), parts,
                                 heads);
 #endif

@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 #include <unordered_set>
 
@@ -205,8 +204,7 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // LayerNorm adds it (the same sums, in the same order, as GptBlock).
   // Without dropout, the branch's last bias gets its gradient from that
   // add's backward pass, not a pass of its own.
-  static const bool sums_off = std::getenv("DDP_BRANCH_SUMS") && std::string(std::getenv("DDP_BRANCH_SUMS")) == "0";  // EXPERIMENT: A/B switch, to go
-  const auto bias_grad = options.dropout() > 0 || sums_off ? BiasGrad::kHere : BiasGrad::kInTheAdd;
+  const auto bias_grad = options.dropout() > 0 ? BiasGrad::kHere : BiasGrad::kInTheAdd;
   auto in_the_add = [&](const torch::nn::Linear& proj) {
     return bias_grad == BiasGrad::kInTheAdd ? proj->bias : torch::Tensor();
   };
