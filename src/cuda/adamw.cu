@@ -28,6 +28,7 @@ struct Scalars {
   float beta1, beta2, weight_decay, eps;
   double beta1_d, beta2_d;  // for the bias corrections, in fp64 as torch.optim's
   bool decoupled;
+  bool store_clipped;  // write the clipped gradient back
 };
 
 // One element: p, g, m, v in registers, updated in place.
@@ -67,7 +68,7 @@ __global__ void adam_kernel(float* __restrict__ p, float* __restrict__ g, float*
       float4 mm = *reinterpret_cast<const float4*>(m + i), vv = *reinterpret_cast<const float4*>(v + i);
       if (coef_ptr) {
         gg.x *= coef, gg.y *= coef, gg.z *= coef, gg.w *= coef;
-        *reinterpret_cast<float4*>(g + i) = gg;
+        if (s.store_clipped) *reinterpret_cast<float4*>(g + i) = gg;
       }
       update(pp.x, gg.x, mm.x, vv.x, lr, step_size, bc2_sqrt, s);
       update(pp.y, gg.y, mm.y, vv.y, lr, step_size, bc2_sqrt, s);
@@ -87,7 +88,7 @@ __global__ void adam_kernel(float* __restrict__ p, float* __restrict__ g, float*
     float pp = p[i], gg = g[i], mm = m[i], vv = v[i];
     if (coef_ptr) {
       gg *= coef;
-      g[i] = gg;
+      if (s.store_clipped) g[i] = gg;
     }
     update(pp, gg, mm, vv, lr, step_size, bc2_sqrt, s);
     p[i] = pp, m[i] = mm, v[i] = vv;
@@ -120,7 +121,7 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
   const bool vec4 = aligned(p) && aligned(g) && aligned(m) && aligned(v) &&
                     (!p16.defined() || reinterpret_cast<std::uintptr_t>(p16.data_ptr()) % 8 == 0);
   const Scalars s{static_cast<float>(o.beta1), static_cast<float>(o.beta2), static_cast<float>(o.weight_decay),
-                  static_cast<float>(o.eps), o.beta1, o.beta2, o.decoupled};
+                  static_cast<float>(o.eps), o.beta1, o.beta2, o.decoupled, o.store_clipped_grad};
   const int64_t work = vec4 ? (n + 3) / 4 : n;
   auto launch = [&](auto kernel) {
     const int per_sm = std::max(1, resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, 0));

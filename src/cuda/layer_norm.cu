@@ -139,15 +139,20 @@ __global__ void param_grads_kernel(const __nv_bfloat16* __restrict__ dout, const
 int64_t row_blocks(int64_t rows) { return (rows + kRowsPerBlock - 1) / kRowsPerBlock; }
 
 // The weight's and the bias's gradients from their partial rows, in one
-// launch (blockIdx.y: 0 the weight, 1 the bias; no bias: out_b null): each
-// block sums 32 columns, its 32 lanes per column taking every 32nd row,
-// then a tree over the lanes. A fixed order, so the sums are deterministic.
+// launch (blockIdx.y: 0 the weight, 1 the bias, 2 the branch's column sums;
+// one not wanted: its out null): each block sums 32 columns, its 32 lanes
+// per column taking every 32nd row, then a tree over the lanes. A fixed
+// order, so the sums are deterministic.
 constexpr int kSumLanes = 32;
-__global__ void sum_rows_kernel(const float* __restrict__ parts_w, const float* __restrict__ parts_b, int64_t rows,
-                                int cols, float* __restrict__ out_w, float* __restrict__ out_b) {
+struct PartialRows {
+  const float* parts[3];
+  float* out[3];
+};
+__global__ void sum_rows_kernel(PartialRows p, int64_t rows, int cols) {
   __shared__ float s[kSumLanes][33];
-  const float* part = blockIdx.y == 0 ? parts_w : parts_b;
-  float* out = blockIdx.y == 0 ? out_w : out_b;
+  const int y = blockIdx.y;
+  const float* part = y == 0 ? p.parts[0] : y == 1 ? p.parts[1] : p.parts[2];
+  float* out = y == 0 ? p.out[0] : y == 1 ? p.out[1] : p.out[2];
   if (out == nullptr) return;
   const int tx = threadIdx.x, ty = threadIdx.y, c = blockIdx.x * 32 + tx;
   float a = 0.f;
@@ -228,21 +233,32 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock)
 
 // Warp `wid` of the grid takes rows wid, wid + warps, ...; its weight and
 // bias gradients over them go to row wid of dweight_parts and dbias_parts.
-template <int kChunks, bool kDsum, bool kBranch>
+// With kBranchSum, also the column sums of dbranch as written (bf16), to row
+// wid of dbranch_parts: they are the bias gradient of the layer that made
+// the branch. Those sums live in shared memory, a row per warp (the
+// registers are full: 128 at two blocks an SM).
+template <int kChunks, bool kDsum, bool kBranch, bool kBranchSum = false>
 __global__ void __launch_bounds__(32 * kRowsPerBlock, 2)
     backward_vec_kernel(const __nv_bfloat16* __restrict__ dout, const float* __restrict__ dsum,
                         const float* __restrict__ sum, const float* __restrict__ mean, const float* __restrict__ rstd,
                         const float* __restrict__ weight, float* __restrict__ dx, __nv_bfloat16* __restrict__ dbranch,
-                        float* __restrict__ dweight_parts, float* __restrict__ dbias_parts, int64_t rows) {
+                        float* __restrict__ dweight_parts, float* __restrict__ dbias_parts,
+                        float* __restrict__ dbranch_parts, int64_t rows) {
+  static_assert(kBranch || !kBranchSum, "the branch's sums need the branch");
   constexpr int kCols = kChunks * kChunkCols;
+  extern __shared__ float4 branch_sums[];  // kBranchSum: [kRowsPerBlock][kCols / 4]
   const int lane = threadIdx.x % 32;
   const int64_t wid = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  float4* own_sums = branch_sums + (threadIdx.x / 32) * (kCols / kVecCols);  // this warp's row
   float dw[kChunks][kVecCols], db[kChunks][kVecCols];
 #pragma unroll
-  for (int i = 0; i < kChunks; ++i)
+  for (int i = 0; i < kChunks; ++i) {
 #pragma unroll
     for (int k = 0; k < kVecCols; ++k) dw[i][k] = db[i][k] = 0.f;
+    // A lane only ever touches its own four columns of each chunk: no sync.
+    if constexpr (kBranchSum) own_sums[i * 32 + lane] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   for (int64_t row = wid; row < rows; row += warps) {
     const int64_t base = row * kCols;
     const float m = mean[row], r = rstd[row];
@@ -281,6 +297,14 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock, 2)
       for (int k = 0; k < kVecCols; ++k) v[k] = r * (d[k] * w[k] - mean_g - (xhat[k] - m) * r * mean_gx) + ds[k];
       store_f4(dx + base + c, v);
       if constexpr (kBranch) store4(dbranch + base + c, v);
+      if constexpr (kBranchSum) {  // the values as stored, rounded to bf16
+        float4 a = own_sums[i * 32 + lane];
+        a.x += __bfloat162float(__float2bfloat16_rn(v[0]));
+        a.y += __bfloat162float(__float2bfloat16_rn(v[1]));
+        a.z += __bfloat162float(__float2bfloat16_rn(v[2]));
+        a.w += __bfloat162float(__float2bfloat16_rn(v[3]));
+        own_sums[i * 32 + lane] = a;
+      }
     }
   }
 #pragma unroll
@@ -288,6 +312,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock, 2)
     const int c = i * kChunkCols + lane * kVecCols;
     store_f4(dweight_parts + wid * kCols + c, dw[i]);
     store_f4(dbias_parts + wid * kCols + c, db[i]);
+    if constexpr (kBranchSum) *reinterpret_cast<float4*>(dbranch_parts + wid * kCols + c) = own_sums[i * 32 + lane];
   }
 }
 
@@ -378,26 +403,31 @@ std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Te
 std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const at::Tensor& dsum_in,
                                                 const at::Tensor& sum, const at::Tensor& mean, const at::Tensor& rstd,
                                                 const at::Tensor& weight, bool with_branch, bool with_bias,
-                                                const at::Tensor& dweight_out, const at::Tensor& dbias_out) {
+                                                const at::Tensor& dweight_out, const at::Tensor& dbias_out,
+                                                bool branch_sums, const at::Tensor& dbranch_sum_out) {
+  TORCH_CHECK(with_branch || !branch_sums, "add_layer_norm_backward: the branch's sums need with_branch");
   const c10::cuda::CUDAGuard guard(sum.device());
   const int64_t cols = sum.size(-1), rows = sum.numel() / cols;
-  // The weight's and the bias's gradients, the sums of their partial rows:
-  // into the parameters' gradient slots where given (param_slots.h), else
-  // into fresh tensors.
-  auto column_sums = [&](const at::Tensor& parts_w, const at::Tensor& parts_b) -> std::vector<at::Tensor> {
-    auto fresh = [&](const at::Tensor& out) {
-      TORCH_CHECK(!out.defined() || (out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == cols &&
-                                     out.device() == sum.device()),
-                  "add_layer_norm_backward: a gradient slot must be a contiguous fp32 vector of ", cols);
-      return out.defined() ? out : at::empty({cols}, sum.options());
-    };
-    auto dw = fresh(dweight_out), db = with_bias ? fresh(dbias_out) : at::Tensor();
-    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), with_bias ? 2 : 1);
-    sum_rows_kernel<<<grid, dim3(32, kSumLanes), 0, at::cuda::getCurrentCUDAStream()>>>(
-        as<float>(parts_w), with_bias ? as<float>(parts_b) : nullptr, parts_w.numel() / cols, static_cast<int>(cols),
-        as_mut<float>(dw), with_bias ? as_mut<float>(db) : nullptr);
+  // A gradient vector: into the parameter's slot where given (param_slots.h), else fresh.
+  auto fresh = [&](const at::Tensor& out) {
+    TORCH_CHECK(!out.defined() || (out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == cols &&
+                                   out.device() == sum.device()),
+                "add_layer_norm_backward: a gradient slot must be a contiguous fp32 vector of ", cols);
+    return out.defined() ? out : at::empty({cols}, sum.options());
+  };
+  auto dw = fresh(dweight_out), dbias = with_bias ? fresh(dbias_out) : at::Tensor();
+  auto dbranch_sum = branch_sums ? fresh(dbranch_sum_out) : at::Tensor();
+  // The weight's, the bias's (and the branch's) gradients: the sums of
+  // their partial rows, in one launch.
+  auto sum_partial_rows = [&](const at::Tensor& parts_w, const at::Tensor& parts_b, const at::Tensor& parts_r) {
+    PartialRows p{{as<float>(parts_w), with_bias ? as<float>(parts_b) : nullptr,
+                   parts_r.defined() ? as<float>(parts_r) : nullptr},
+                  {as_mut<float>(dw), with_bias ? as_mut<float>(dbias) : nullptr,
+                   parts_r.defined() ? as_mut<float>(dbranch_sum) : nullptr}};
+    const dim3 grid(static_cast<unsigned>((cols + 31) / 32), parts_r.defined() ? 3 : with_bias ? 2 : 1);
+    sum_rows_kernel<<<grid, dim3(32, kSumLanes), 0, at::cuda::getCurrentCUDAStream()>>>(p, parts_w.numel() / cols,
+                                                                                      static_cast<int>(cols));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {dw, db};
   };
   const auto dout = dout_in.to(at::kBFloat16).contiguous();
   const auto dsum = dsum_in.defined() ? dsum_in.to(at::kFloat).contiguous() : dsum_in;
@@ -411,26 +441,30 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
   __nv_bfloat16* db = with_branch ? as_mut<__nv_bfloat16>(dbranch) : nullptr;
   if (add_layer_norm_vectorised(cols, {dout, dsum, sum, weight})) {
     const int chunks = vec_chunks(cols);
-    at::Tensor parts;  // [2, warps, cols]: the weight's partial gradients, then the bias's
+    at::Tensor parts;  // [2 or 3, warps, cols]: the weight's partial gradients, the bias's, the branch's sums
     with_chunks(chunks, [&](auto k) {
       constexpr int kChunks = decltype(k)::value;
-      auto launch = [&](auto kernel) {
-        const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * kRowsPerBlock, 0);
+      auto launch = [&](auto kernel, bool sums) {
+        const size_t shared = sums ? sizeof(float) * kRowsPerBlock * kChunks * kChunkCols : 0;
+        const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(kernel), 32 * kRowsPerBlock, shared);
         const int64_t resident = int64_t{at::cuda::getCurrentDeviceProperties()->multiProcessorCount} * std::max(per_sm, 1);
         const int64_t blocks = std::max<int64_t>(1, std::min(row_blocks(rows), resident));
-        parts = at::empty({2, blocks * kRowsPerBlock, cols}, sum.options());
-        kernel<<<static_cast<unsigned>(blocks), block, 0, stream>>>(
+        parts = at::empty({sums ? 3 : 2, blocks * kRowsPerBlock, cols}, sum.options());
+        kernel<<<static_cast<unsigned>(blocks), block, shared, stream>>>(
             as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd), as<float>(weight),
-            as_mut<float>(dx), db, as_mut<float>(parts[0]), as_mut<float>(parts[1]), rows);
+            as_mut<float>(dx), db, as_mut<float>(parts[0]), as_mut<float>(parts[1]),
+            sums ? as_mut<float>(parts[2]) : nullptr, rows);
       };
-      if (ds && with_branch) launch(backward_vec_kernel<kChunks, true, true>);
-      else if (ds) launch(backward_vec_kernel<kChunks, true, false>);
-      else if (with_branch) launch(backward_vec_kernel<kChunks, false, true>);
-      else launch(backward_vec_kernel<kChunks, false, false>);
+      if (ds && branch_sums) launch(backward_vec_kernel<kChunks, true, true, true>, true);
+      else if (branch_sums) launch(backward_vec_kernel<kChunks, false, true, true>, true);
+      else if (ds && with_branch) launch(backward_vec_kernel<kChunks, true, true>, false);
+      else if (ds) launch(backward_vec_kernel<kChunks, true, false>, false);
+      else if (with_branch) launch(backward_vec_kernel<kChunks, false, true>, false);
+      else launch(backward_vec_kernel<kChunks, false, false>, false);
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    auto d = column_sums(parts[0], parts[1]);
-    return {dx, dbranch, d[0], d[1]};
+    sum_partial_rows(parts[0], parts[1], branch_sums ? parts[2] : at::Tensor());
+    return {dx, dbranch, dw, dbias, dbranch_sum};
   }
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(as<__nv_bfloat16>(dout), ds, as<float>(sum), as<float>(mean), as<float>(rstd),
@@ -452,8 +486,11 @@ std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout_in, const
                                                             as_mut<float>(dbias_parts), rows, static_cast<int>(cols),
                                                             rows_per_slice);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto d = column_sums(dweight_parts, dbias_parts);
-  return {dx, dbranch, d[0], d[1]};
+  sum_partial_rows(dweight_parts, dbias_parts, at::Tensor());
+  // The scalar kernels' branch sums: a plain fp32 sum over the rows of the
+  // bf16 branch gradient (widths the vectorised kernels do not take).
+  if (branch_sums) at::sum_out(dbranch_sum, dbranch.reshape({rows, cols}), {0}, false, at::kFloat);
+  return {dx, dbranch, dw, dbias, dbranch_sum};
 }
 
 }  // namespace ddp::cuda

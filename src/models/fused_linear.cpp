@@ -22,6 +22,15 @@ namespace {
 
 std::atomic<bool> g_fused_linear{false};
 
+// [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
+// views, as the model's split, view and transpose give.
+std::vector<torch::Tensor> split_heads(const torch::Tensor& y, int64_t parts, int64_t heads) {
+  const int64_t b = y.size(0), t = y.size(1), width = y.size(2) / parts;
+  std::vector<torch::Tensor> out;
+  for (auto& m : y.split(width, 2)) out.push_back(m.view({b, t, heads, width / heads}).transpose(1, 2));
+  return out;
+}
+
 #ifdef DDP_WITH_CUDA_KERNELS
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
@@ -69,13 +78,14 @@ torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
 // Backward: dx = g W, the matmul autograd runs for at::linear; dW = g^T x
 // and db = the column sums of g, both in fp32 (weight_grad, column_sum);
 // with `gelu`, g is first the GELU's backward, in the same pass as db.
-// Without a bias (the GPT's output head), `b` is W again and unused.
+// Without a bias (the GPT's output head), `b` is W again and unused. With
+// bias_grad false (BiasGrad::kInTheAdd) b gets no gradient here.
 struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
-                               bool gelu) {
+                               bool gelu, bool bias_grad) {
     auto w16 = in_bf16(w);
     auto h = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
-    ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["bias"] = has_bias && bias_grad;  // no bias gradient here without both
     ctx->saved_data["gelu"] = gelu;
     if (!gelu) {
       ctx->save_for_backward({x, w16, w, b});
@@ -103,13 +113,54 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     torch::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
     if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
-    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
-torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu) {
-  return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu);
+torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias, bool gelu,
+                    BiasGrad bias_grad = BiasGrad::kHere) {
+  return LinearBiasFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), gelu,
+                             bias_grad == BiasGrad::kHere);
 }
+
+// The attention's projection split into heads: linear_bias's forward, then
+// split_heads. Backward: the heads' gradients side by side (the split's
+// cat) with the bias's column sums in one pass (heads_column_sum), then
+// dW = g^T x and dx = g W as LinearBiasFn's. Without a bias, `b` is W again
+// and unused.
+struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
+  static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
+                               int64_t parts, int64_t heads) {
+    auto w16 = in_bf16(w);
+    auto y = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
+    ctx->saved_data["bias"] = has_bias;
+    ctx->saved_data["heads"] = heads;
+    ctx->save_for_backward({x, w16, w, b});
+    return split_heads(y, parts, heads);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto s = ctx->get_saved_variables();
+    const auto &x = s[0], &w16 = s[1], &w = s[2], &b = s[3];
+    const int64_t in = w16.size(1);
+    const auto bias = ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2) ? b : torch::Tensor();
+    std::vector<torch::Tensor> dparts;
+    for (size_t i = 0; i < grads.size(); ++i) {  // an unused part: zeros of its shape
+      if (grads[i].defined()) {
+        dparts.push_back(grads[i].to(torch::kBFloat16));
+      } else {
+        const int64_t heads = ctx->saved_data["heads"].toInt();
+        const int64_t width = w16.size(0) / static_cast<int64_t>(grads.size());
+        dparts.push_back(torch::zeros({x.size(0), heads, x.size(1), width / heads}, w16.options()));
+      }
+    }
+    auto r = cuda::heads_column_sum(dparts, bias.defined() ? gradient_home(bias) : torch::Tensor());
+    const auto& g = r[0];
+    torch::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
+    if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x.reshape({-1, in}).contiguous());
+    return {dx, dw, bias.defined() ? r[1] : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
 
 // z = gelu_tanh(x W1^T + b1) W2^T + b2, x in bf16 (cast by the caller), the
 // weights and biases the fp32 parameters, read in bf16. Forward: the first
@@ -117,16 +168,18 @@ torch::Tensor apply(const torch::Tensor& x, const torch::Tensor& weight, const t
 // pre = x W1^T + b1), the second as at::linear. Backward: db2 = column sums
 // of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) in the matmul's DGELU
 // epilogue, then db1, its column sums; dW1 = dh^T x; dx = dh W1. The weight
-// and bias gradients in fp32, into their slots where they have them.
+// and bias gradients in fp32, into their slots where they have them. With
+// b2_grad false (BiasGrad::kInTheAdd) b2 gets no gradient here.
 struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
-                               torch::Tensor w2, torch::Tensor b2) {
+                               torch::Tensor w2, torch::Tensor b2, bool b2_grad) {
     const int64_t in = x.size(-1);
     auto x2 = x.reshape({-1, in}).contiguous();
     auto w1_16 = in_bf16(w1), w2_16 = in_bf16(w2);
     auto r = cuda::linear_gelu_tanh(x2, w1_16, in_bf16(b1));
     auto z = at::linear(r[0], w2_16, in_bf16(b2));
     ctx->save_for_backward({x2, w1_16, w2_16, r[0], r[1], w1, b1, w2, b2});
+    ctx->saved_data["b2_grad"] = b2_grad;
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     return z.view(sizes);
@@ -137,10 +190,11 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     const auto &w1 = s[5], &b1 = s[6], &w2 = s[7], &b2 = s[8];
     auto g = as_rows(grads[0], w2_16.size(0));
     torch::Tensor db2, dw2, dw1;
-    if (ctx->needs_input_grad(4)) db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
+    if (ctx->needs_input_grad(4) && ctx->saved_data["b2_grad"].toBool())
+      db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
     if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
     if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1) && !ctx->needs_input_grad(2))
-      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2};
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2, torch::Tensor()};
     const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
     // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
     // a column sum of its own), else the matmul, then one pass for both.
@@ -160,7 +214,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
       sizes.back() = w1_16.size(1);
       dx = at::mm(dh, w1_16).view(sizes);
     }
-    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2};
+    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2, torch::Tensor()};
   }
 };
 
@@ -277,21 +331,36 @@ bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, c
 #endif
 }
 
-torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
+torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          BiasGrad bias_grad) {
 #ifdef DDP_WITH_CUDA_KERNELS
-  if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false);
+  if (fused_linear_applies(x, weight, bias)) return apply(x, weight, bias, false, bias_grad);
 #endif
-  return torch::linear(x, weight, bias);
+  return torch::linear(x, weight, bias_grad == BiasGrad::kHere || !bias.defined() ? bias : bias.detach());
+}
+
+std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                        int64_t parts, int64_t heads) {
+  TORCH_CHECK(x.dim() == 3 && parts > 0 && heads > 0 && weight.dim() == 2 && weight.size(0) % (parts * heads) == 0,
+              "linear_heads: x must be [B, T, C] and the weight's rows a multiple of parts x heads, got x ", x.sizes(),
+              ", weight ", weight.sizes(), ", ", parts, " parts of ", heads, " heads");
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (fused_linear_applies(x, weight, bias) && parts <= 3 && (weight.size(0) / (parts * heads)) % 8 == 0)
+    return LinearHeadsFn::apply(x.to(torch::kBFloat16), weight, bias.defined() ? bias : weight, bias.defined(), parts,
+                                heads);
+#endif
+  return split_heads(linear_bias(x, weight, bias), parts, heads);
 }
 
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                            const torch::Tensor& w2, const torch::Tensor& b2) {
+                            const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad) {
 #ifdef DDP_WITH_CUDA_KERNELS
   if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
       w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0))
-    return MlpGeluTanhFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2);
+    return MlpGeluTanhFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, b2_grad == BiasGrad::kHere);
 #endif
-  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2);
+  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2,
+                       b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach());
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <string>
 #include <unordered_set>
 
 #include "ddp/compat.h"
@@ -80,8 +81,8 @@ void check_options(const GptOptions& o) {
 namespace {
 // With use_fused_linear on, the bias gradients come from ddptrain's kernels
 // (fused_linear.h); the same forward either way.
-torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x) {
-  return linear_bias(x, layer->weight, layer->bias);
+torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x, BiasGrad bias_grad = BiasGrad::kHere) {
+  return linear_bias(x, layer->weight, layer->bias, bias_grad);
 }
 }  // namespace
 
@@ -91,14 +92,14 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const GptOptions& o) : n_head(o
   resid_dropout = register_module("resid_dropout", torch::nn::Dropout(o.dropout()));
 }
 
-torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x, BiasGrad c_proj_bias) {
+  TORCH_CHECK(c_proj_bias == BiasGrad::kHere || dropout == 0, "attention: the bias's gradient is the add's only without dropout");
   const int64_t b = x.size(0), t = x.size(1), c = x.size(2);
-  // One matmul for queries, keys and values, then B x heads x T x head_dim.
-  auto qkv = linear(c_attn, x).split(c, 2);
-  auto heads = [&](const torch::Tensor& m) { return m.view({b, t, n_head, c / n_head}).transpose(1, 2); };
-  auto y = compat::causal_attention(heads(qkv[0]), heads(qkv[1]), heads(qkv[2]), dropout, is_training());
+  // One matmul for queries, keys and values, each then B x heads x T x head_dim.
+  auto qkv = linear_heads(x, c_attn->weight, c_attn->bias, 3, n_head);
+  auto y = compat::causal_attention(qkv[0], qkv[1], qkv[2], dropout, is_training());
   y = y.transpose(1, 2).contiguous().view({b, t, c});
-  y = linear(c_proj, y);
+  y = linear(c_proj, y, c_proj_bias);
   return dropout > 0 ? resid_dropout(y) : y;  // p = 0 costs no kernel
 }
 
@@ -109,11 +110,14 @@ GptMlpImpl::GptMlpImpl(const GptOptions& o) {
   gelu = o.gelu();
 }
 
-torch::Tensor GptMlpImpl::forward(const torch::Tensor& x) {
+torch::Tensor GptMlpImpl::forward(const torch::Tensor& x, BiasGrad c_proj_bias) {
+  TORCH_CHECK(c_proj_bias == BiasGrad::kHere || dropout->options.p() == 0,
+              "MLP: the bias's gradient is the add's only without dropout");
   // The exact (erf) GELU, as nn.GELU(); or the tanh one, with both layers
   // in one function so that the GELU can live in the matmuls' epilogues.
-  auto y = gelu == GptGelu::kTanh ? mlp_gelu_tanh(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias)
-                                  : linear(c_proj, linear_gelu(x, c_fc->weight, c_fc->bias));
+  auto y = gelu == GptGelu::kTanh
+               ? mlp_gelu_tanh(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, c_proj_bias)
+               : linear(c_proj, linear_gelu(x, c_fc->weight, c_fc->bias), c_proj_bias);
   return dropout->options.p() > 0 ? dropout(y) : y;
 }
 
@@ -198,14 +202,23 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // --ln-kernel auto: each residual add is fused into the LayerNorm that
   // follows it, so a block's branch output stays pending until the next
   // LayerNorm adds it (the same sums, in the same order, as GptBlock).
-  torch::Tensor pending, h;
+  // Without dropout, the branch's last bias gets its gradient from that
+  // add's backward pass, not a pass of its own.
+  const auto bias_grad = options.dropout() > 0 ? BiasGrad::kHere : BiasGrad::kInTheAdd;
+  auto in_the_add = [&](const torch::nn::Linear& proj) {
+    return bias_grad == BiasGrad::kInTheAdd ? proj->bias : torch::Tensor();
+  };
+  torch::Tensor pending, pending_bias, h;
+  const double eps = 1e-5;
   for (const auto& item : *transformer->h) {
     auto& block = *item->as<GptBlock>();
-    std::tie(x, h) = add_layer_norm(x, pending, block.ln_1->weight, block.ln_1->bias);
-    std::tie(x, h) = add_layer_norm(x, block.attn(h), block.ln_2->weight, block.ln_2->bias);
-    pending = block.mlp(h);
+    std::tie(x, h) = add_layer_norm(x, pending, block.ln_1->weight, block.ln_1->bias, eps, pending_bias);
+    std::tie(x, h) = add_layer_norm(x, block.attn->forward(h, bias_grad), block.ln_2->weight, block.ln_2->bias, eps,
+                                    in_the_add(block.attn->c_proj));
+    pending = block.mlp->forward(h, bias_grad);
+    pending_bias = in_the_add(block.mlp->c_proj);
   }
-  std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias);
+  std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias, eps, pending_bias);
   return tied.head(h);
 }
 

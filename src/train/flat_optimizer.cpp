@@ -126,7 +126,8 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
   if (own_adam_) {
     for (size_t i = 0; i < p.size(); ++i)
       cuda::adam_step(p[i], g[i], m[i], v[i], step[i], lr_t_,
-                      {o_.beta1(), o_.beta2(), weight_decay[i], o_.eps(), o_.name() == "adamw"}, grad_scale, found_inf,
+                      {o_.beta1(), o_.beta2(), weight_decay[i], o_.eps(), o_.name() == "adamw", store_clipped_},
+                      grad_scale, found_inf,
                       p16.empty() ? torch::Tensor() : p16[i]);
     // As in-place ATen ops would: GradSync reads the flat buffers' counters
     // to tell whether its bf16 copies are stale, and autograd's checks on
@@ -198,7 +199,7 @@ void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tens
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
 }
 
-void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
+void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, GradientsAfterStep after) {
   torch::NoGradGuard no_grad;
   check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
@@ -220,6 +221,10 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm) {
     // step before, whose own step count may then differ from the buffer's.
     for (size_t i = 0; i < n; ++i)
       if (unused_here[i] || (adam_ && may_have_missed_[i])) saved.push_back(save(i, unused_here[i]));
+    // A fix-up that steps a parameter again on its own reads its clipped
+    // gradient; the others only put values back.
+    store_clipped_ = after == GradientsAfterStep::kRead ||
+                     std::any_of(saved.begin(), saved.end(), [&](const Saved& s) { return adam_ && may_have_missed_[s.slice]; });
     const auto p16 = bf16_targets();
     whole_step(found_inf, grad_scale, p16);
     if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf, p16);

@@ -181,7 +181,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
       at::_amp_foreach_non_finite_check_and_unscale_(sync_->flat_grads(), found_inf_, scale_.reciprocal());
       found_inf = found_inf_;
     }
-    optimizer_->step(found_inf, o_.clip_grad_norm());
+    optimizer_->step(found_inf, o_.clip_grad_norm(), GradientsAfterStep::kDropped);  // set to none below
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
     // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
     // backward's gradients are copied into the flat buffer, not added to

@@ -74,6 +74,32 @@ TEST(AdamStep, FollowsTorchOptimWithClippingAndWritesTheBf16Copy_CUDA) {
     EXPECT_TRUE(torch::equal(p16, p.to(torch::kBFloat16)));
   }
 }
+// store_clipped_grad = false: the same update, bit for bit, and the
+// gradient left as it was (vector and scalar paths).
+TEST(AdamStep, ClipsWithoutStoringTheGradientWhenAsked_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  const int64_t n = 100004;  // offset 0: every row 16-byte aligned (the vector path); 1: none (scalar)
+  for (int64_t offset : {0, 1}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    torch::manual_seed(18);
+    auto init = torch::randn({4, n + offset}, opts);
+    init.select(0, 3).abs_();  // v, a second moment: never negative (else sqrt gives NaNs, which equal nothing)
+    auto stored = init.clone(), kept = init.clone();
+    auto part = [&](torch::Tensor& all, int64_t row) { return all.select(0, row).narrow(0, offset, n); };
+    auto step = torch::ones({}, opts), lr = torch::full({}, 0.01, opts), coef = torch::full({}, 0.25, opts);
+    auto p16_a = torch::empty({n}, opts.dtype(torch::kBFloat16)), p16_b = torch::empty_like(p16_a);
+    ddp::cuda::adam_step(part(stored, 0), part(stored, 1), part(stored, 2), part(stored, 3), step, lr,
+                         {0.9, 0.999, 0.1, 1e-8, true, true}, coef, torch::Tensor(), p16_a);
+    ddp::cuda::adam_step(part(kept, 0), part(kept, 1), part(kept, 2), part(kept, 3), step, lr,
+                         {0.9, 0.999, 0.1, 1e-8, true, false}, coef, torch::Tensor(), p16_b);
+    ASSERT_TRUE(torch::isfinite(part(kept, 0)).all().item<bool>());
+    for (int64_t row : {0, 2, 3}) EXPECT_TRUE(torch::equal(part(stored, row), part(kept, row))) << "row " << row;
+    EXPECT_TRUE(torch::equal(p16_a, p16_b));
+    EXPECT_TRUE(torch::equal(part(kept, 1), part(init, 1))) << "the gradient as it was";
+    EXPECT_TRUE(torch::equal(part(stored, 1), part(init, 1) * 0.25f)) << "the control: stored clipped";
+  }
+}
 #endif
 
 }  // namespace

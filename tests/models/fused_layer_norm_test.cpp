@@ -6,6 +6,7 @@
 #include "ddp/models/fused_layer_norm.h"
 
 #include "ddp/compat.h"
+#include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
 #include "ddp/train/lm_task.h"
 #include "support/small_gpt.h"
@@ -132,6 +133,72 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
           EXPECT_TRUE(close(b.grad(), rb.grad(), 1e-4));
         }
       }
+}
+
+// A linear layer's bias left to the residual add (BiasGrad::kInTheAdd, then
+// add_layer_norm's branch_bias) gets the gradient it gets from the layer
+// (kHere), and nothing else changes: on CPU tensors (LibTorch's ops, the
+// bias through a zero autograd differentiates) and, with a GPU, under bf16
+// autocast with the kernels (the vectorised LayerNorm backward's sums in
+// shared memory, the scalar one's at::sum) and with the LayerNorm's output
+// unused.
+TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
+  struct Case {
+    torch::Device device;
+    std::vector<int64_t> shape;  // x's: [..., C]
+    bool use_out;
+  };
+  std::vector<Case> cases{{torch::kCPU, {2, 3, 8}, true}, {torch::kCPU, {4, 5, 16}, false}};
+  if (torch::cuda::is_available() && have_fused_layer_norm())
+    for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {16, 256, 768}, {3, 11, 384}, {3, 7, 96}})
+      for (bool use_out : {true, false}) cases.push_back({torch::Device(torch::kCUDA, 0), shape, use_out});
+  FusedLayerNormOn on;
+  use_fused_linear(true);
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.device.str() + " " + ::testing::PrintToString(c.shape) + (c.use_out ? "" : " output unused"));
+    const auto f32 = torch::TensorOptions().device(c.device);
+    const int64_t width = c.shape.back(), in = 24;
+    torch::manual_seed(11);
+    auto x0 = torch::randn(c.shape, f32), y0 = torch::randn({c.shape[0], c.shape[1], in}, f32);
+    auto w0 = torch::randn({width, in}, f32) * 0.2, b0 = torch::randn({width}, f32);
+    auto lw0 = torch::rand({width}, f32) + 0.5, lb0 = torch::randn({width}, f32);
+    auto g_out = torch::randn(c.shape, f32).to(torch::kBFloat16).to(torch::kFloat), g_sum = torch::randn(c.shape, f32);
+    std::vector<std::vector<torch::Tensor>> grads;
+    for (auto mode : {BiasGrad::kHere, BiasGrad::kInTheAdd}) {
+      std::vector<torch::Tensor> p;
+      for (const auto& t : {x0, y0, w0, b0, lw0, lb0}) p.push_back(t.clone().requires_grad_());
+      torch::Tensor sum, out;
+      {
+        compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, c.device.is_cuda());
+        auto branch = linear_bias(p[1], p[2], p[3], mode);
+        if (c.device.is_cuda()) EXPECT_TRUE(fused_layer_norm_applies(p[0], branch, p[4], p[5]));
+        std::tie(sum, out) =
+            add_layer_norm(p[0], branch, p[4], p[5], 1e-5, mode == BiasGrad::kInTheAdd ? p[3] : torch::Tensor());
+      }
+      auto loss = (sum * g_sum).sum();
+      if (c.use_out) loss = loss + (out.to(torch::kFloat) * g_out).sum();
+      loss.backward();
+      std::vector<torch::Tensor> g;
+      for (const auto& t : p) g.push_back(t.grad());
+      grads.push_back(g);
+    }
+    const char* names[] = {"x", "y", "w", "b", "ln weight", "ln bias"};
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      SCOPED_TRACE(names[i]);
+      ASSERT_EQ(grads[0][i].defined(), grads[1][i].defined());
+      if (!grads[0][i].defined()) continue;
+      // b: the same bf16 (CPU: fp32) values summed in another order; the
+      // rest: the same arithmetic (another kernel variant may contract
+      // another multiply-add).
+      const double scale = grads[0][i].abs().max().item<double>();
+      if (c.use_out || i < 4) EXPECT_GT(scale, 0);  // an unused LayerNorm output gives its weight and bias zeros
+      EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(), (i == 3 ? 1e-5 : 1e-6) * scale);
+    }
+  }
+  use_fused_linear(false);
+  EXPECT_THROW(add_layer_norm(torch::randn({2, 8}), torch::Tensor(), torch::ones({8}), torch::Tensor(), 1e-5,
+                              torch::zeros({8})),
+               c10::Error);  // a branch bias needs a branch
 }
 
 // Losses of `steps` bf16 AdamW steps of a small GPT, with the kernels or

@@ -49,6 +49,12 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   auto w2 = torch::randn({8, 16}), b2 = torch::randn({8});
   EXPECT_TRUE(torch::equal(mlp_gelu_tanh(x, w, b, w2, b2),
                            torch::linear(torch::gelu(torch::linear(x, w, b), "tanh"), w2, b2)));
+  auto heads = linear_heads(x, w, b, 2, 2);  // 16 outputs: two parts of two heads of 4
+  ASSERT_EQ(heads.size(), 2u);
+  auto y = torch::linear(x, w, b);
+  EXPECT_TRUE(torch::equal(heads[1], y.narrow(2, 8, 8).reshape({2, 3, 2, 4}).transpose(1, 2)));
+  EXPECT_EQ(heads[1].sizes(), (std::vector<int64_t>{2, 2, 3, 4}));
+  EXPECT_THROW(linear_heads(x, w, b, 3, 2), c10::Error);  // 16 rows are not 3 x 2 heads
 }
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -105,6 +111,116 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
       EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
     }
   }
+}
+
+// Attention's q, k and v gradients side by side with their column sums:
+// the cat of the transposed parts to the bit, the sums against float64,
+// for parts at ATen's dense layouts (B, T, H, D order, as cuDNN writes
+// them, and B, H, T, D), strided views into one buffer, odd part counts
+// and sizes, and parts that must be copied first (a stride not a multiple
+// of 8, an unaligned start).
+TEST(FusedLinear, HeadsColumnSumIsTheCatAndItsSums_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(6);
+  struct Case {
+    std::string name;
+    std::vector<torch::Tensor> parts;
+  };
+  auto bthd = [&](int64_t b, int64_t h, int64_t t, int64_t d) {  // [B, H, T, D] at B, T, H, D strides
+    return torch::randn({b, t, h, d}, opts).to(torch::kBFloat16).transpose(1, 2);
+  };
+  auto bhtd = [&](int64_t b, int64_t h, int64_t t, int64_t d) {
+    return torch::randn({b, h, t, d}, opts).to(torch::kBFloat16);
+  };
+  auto of_one = torch::randn({3, 5, 3 * 2 * 16}, opts).to(torch::kBFloat16);  // [B, T, 3C]: q, k, v views
+  std::vector<torch::Tensor> views;
+  for (auto& m : of_one.split(32, 2)) views.push_back(m.view({3, 5, 2, 16}).transpose(1, 2));
+  auto odd_stride = torch::randn({2, 4, 7, 20}, opts).to(torch::kBFloat16).narrow(3, 0, 16);  // D's stride 1, T's 20
+  std::vector<Case> cases{
+      {"gpt2 bthd", {bthd(4, 12, 256, 64), bthd(4, 12, 256, 64), bthd(4, 12, 256, 64)}},
+      {"bhtd", {bhtd(2, 3, 37, 8), bhtd(2, 3, 37, 8), bhtd(2, 3, 37, 8)}},
+      {"mixed, two parts", {bthd(1, 4, 130, 16), bhtd(1, 4, 130, 16)}},
+      {"views of one projection", views},
+      {"T's stride 20: copied first", {odd_stride, bhtd(2, 4, 7, 16)}},
+      {"an unaligned start: copied first", {torch::randn({2, 7, 4, 20}, opts).to(torch::kBFloat16).narrow(3, 2, 16)}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const auto& p = c.parts[0];
+    auto r = cuda::heads_column_sum(c.parts);
+    std::vector<torch::Tensor> rows;
+    for (const auto& t : c.parts) rows.push_back(t.transpose(1, 2).reshape({p.size(0) * p.size(2), -1}));
+    auto want = torch::cat(rows, 1);
+    ASSERT_EQ(r[0].sizes(), want.sizes());
+    EXPECT_TRUE(torch::equal(r[0], want)) << "the cat, bit for bit";
+    EXPECT_EQ(r[1].scalar_type(), torch::kFloat);
+    EXPECT_LE(rel_err(r[1], want.to(torch::kDouble).sum(0)), 1e-5);
+    EXPECT_TRUE(torch::equal(r[1], cuda::column_sum(want))) << "the same sums as column_sum of the cat";
+    auto slot = torch::full({want.size(1)}, 7.0f, opts);
+    EXPECT_EQ(cuda::heads_column_sum(c.parts, slot)[1].data_ptr(), slot.data_ptr()) << "into the slot given";
+    EXPECT_TRUE(torch::equal(slot, r[1]));
+  }
+  EXPECT_THROW(cuda::heads_column_sum({bthd(1, 2, 3, 12)}), c10::Error);                      // head_dim % 8
+  EXPECT_THROW(cuda::heads_column_sum({bthd(1, 2, 3, 16), bthd(1, 2, 4, 16)}), c10::Error);  // shapes differ
+}
+
+// linear_heads under bf16 autocast against the model's split of
+// torch::linear: the same q, k and v bits, and gradients within bf16
+// rounding through a causal attention, for x and, with a bias and
+// without, the weight and bias; the fused function's node on the tape.
+TEST(FusedLinear, LinearHeadsMatchesTheSplitOfLibTorchsLinear_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  FusedLinearOn on;
+  for (bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias ? "bias" : "no bias");
+    torch::manual_seed(9);
+    const int64_t B = 2, T = 48, C = 64, H = 4;
+    auto x = torch::randn({B, T, C}, opts).requires_grad_();
+    auto w = (torch::randn({3 * C, C}, opts) * 0.1).requires_grad_();
+    auto b = with_bias ? torch::randn({3 * C}, opts).requires_grad_() : torch::Tensor();
+    auto rx = x.detach().clone().requires_grad_(), rw = w.detach().clone().requires_grad_();
+    auto rb = with_bias ? b.detach().clone().requires_grad_() : torch::Tensor();
+    auto g = torch::randn({B, H, T, C / H}, opts).to(torch::kBFloat16);
+    std::vector<torch::Tensor> y, ry;
+    torch::Tensor out, rout;
+    {
+      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      y = linear_heads(x, w, b, 3, H);
+      out = compat::causal_attention(y[0], y[1], y[2], 0.0, true);
+      auto all = torch::linear(rx, rw, rb);
+      for (auto& m : all.split(C, 2)) ry.push_back(m.view({B, T, H, C / H}).transpose(1, 2));
+      rout = compat::causal_attention(ry[0], ry[1], ry[2], 0.0, true);
+    }
+    ASSERT_EQ(y.size(), 3u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(y[i].sizes(), ry[i].sizes());
+      EXPECT_TRUE(torch::equal(y[i], ry[i])) << "part " << i;
+    }
+    ASSERT_TRUE(y[0].grad_fn());
+    EXPECT_NE(y[0].grad_fn()->name().find("LinearHeadsFn"), std::string::npos) << y[0].grad_fn()->name();
+    EXPECT_TRUE(torch::equal(out, rout));
+    (out.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    (rout.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    EXPECT_LE(rel_err(x.grad(), rx.grad()), 1.0 / 128);
+    EXPECT_LE(rel_err(w.grad(), rw.grad()), 1.0 / 128);
+    if (with_bias) {
+      EXPECT_LE(rel_err(b.grad(), rb.grad()), 1.0 / 128);
+      EXPECT_EQ(b.grad().scalar_type(), torch::kFloat);
+    }
+  }
+  // Only q used: k and v get zero gradients, as the split's backward gives.
+  torch::manual_seed(10);
+  auto x = torch::randn({1, 8, 32}, opts).requires_grad_();
+  auto w = torch::randn({96, 32}, opts).requires_grad_(), b = torch::randn({96}, opts).requires_grad_();
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    auto y = linear_heads(x, w, b, 3, 2);
+    y[0].to(torch::kFloat).sum().backward();
+  }
+  EXPECT_TRUE(torch::equal(b.grad().narrow(0, 32, 64), torch::zeros({64}, opts)));
+  EXPECT_TRUE(torch::equal(b.grad().narrow(0, 0, 32), torch::full({32}, 8.0f, opts)));
 }
 
 // linear_bias and linear_gelu under bf16 autocast against LibTorch's ops:

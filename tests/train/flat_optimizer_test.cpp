@@ -194,6 +194,56 @@ TEST(FlatOptimizer, LeavesTheNextStepsBf16CopiesCurrent_CUDA) {
   }
 }
 
+// GradientsAfterStep::kDropped (what TrainStep passes, as it sets the
+// gradients to none right after): the same parameters, bit for bit, as
+// kRead, over clipped steps and an unused parameter's missed steps, whose
+// fix-ups read the clipped gradients; where ddptrain's Adam kernel runs,
+// the steps whose fix-ups read none leave the gradients unclipped.
+TEST(FlatOptimizer, DroppedGradientsStepAsReadOnes_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto world = ddp::testing::one_rank_world(true);
+  const torch::Device gpu(torch::kCUDA, 0);
+  struct Run {
+    torch::nn::Sequential net{torch::nn::Linear(16, 16), torch::nn::Linear(16, 8)};
+    std::unique_ptr<ddp::GradSync> sync;
+    std::unique_ptr<ddp::FlatOptimizer> opt;
+  };
+  auto make = [&] {
+    torch::manual_seed(4);
+    auto r = std::make_unique<Run>();
+    r->net->to(gpu);
+    r->sync = std::make_unique<ddp::GradSync>(*r->net, *world);
+    r->opt = std::make_unique<ddp::FlatOptimizer>(
+        *r->sync, ddp::FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1));
+    return r;
+  };
+  auto read = make(), dropped = make();
+  torch::manual_seed(5);
+  int unclipped_left = 0;
+  for (bool use_second : {true, true, false, true, true}) {
+    auto x = torch::randn({4, 16}, gpu) * 50;  // gradients far above the clip norm
+    torch::Tensor grads_before;
+    for (auto* r : {read.get(), dropped.get()}) {
+      r->sync->zero_grad();
+      auto h = r->net[0]->as<torch::nn::Linear>()->forward(x);
+      if (use_second) h = r->net[1]->as<torch::nn::Linear>()->forward(h);
+      h.pow(2).sum().backward();
+      r->sync->finish();
+      grads_before = r->sync->flat_grads().front().clone();
+      r->opt->step({}, 0.5, r == read.get() ? ddp::GradientsAfterStep::kRead : ddp::GradientsAfterStep::kDropped);
+    }
+    if (torch::equal(dropped->sync->flat_grads().front(), grads_before)) ++unclipped_left;
+    for (size_t i = 0; i < read->net->parameters().size(); ++i)
+      ASSERT_TRUE(torch::equal(read->net->parameters()[i], dropped->net->parameters()[i])) << "parameter " << i;
+  }
+#ifdef DDP_WITH_CUDA_KERNELS
+  // Steps 1-2: no fix-up; step 3: the unused layer is put back, which reads
+  // no gradient; steps 4-5: it is stepped again on its own (it missed a
+  // step), which reads its clipped gradient.
+  if (ddp::compat::kHasFusedOptimizers) EXPECT_EQ(unclipped_left, 3) << "the kernel's store skipped, where nothing reads it";
+#endif
+}
+
 TEST(FlatOptimizer, UnknownNameAndMismatchedBuffersAreErrors) {
   auto a = torch::zeros({3});
   EXPECT_THROW(ddp::FlatOptimizer({a}, {a.clone()}, ddp::FlatOptimizerOptions().name("lbfgs")), ddp::UserError);

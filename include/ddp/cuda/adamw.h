@@ -16,13 +16,18 @@ namespace ddp::cuda {
 struct AdamStep {
   double beta1 = 0.9, beta2 = 0.999, weight_decay = 0, eps = 1e-8;
   bool decoupled = true;  // AdamW; false: Adam's L2 term added to the gradient
+  // false: the clipped gradient is used but not stored back (g stays as
+  // it was), for a caller that drops the gradients after the step: a
+  // write of 4 bytes a parameter less.
+  bool store_clipped_grad = true;
 };
 
 /// p, g, m, v: contiguous CUDA fp32 tensors of one size (the flat
 /// parameters, gradients and moments). step: the step count, already
 /// incremented, and lr: one float each on the device. coef (one float, or
 /// undefined: 1): the gradient is multiplied by it first and stored back
-/// multiplied, as clip_grad_norm_ leaves it. found_inf (one float, or
+/// multiplied, as clip_grad_norm_ leaves it (unless o.store_clipped_grad
+/// is false). found_inf (one float, or
 /// undefined): non-zero leaves p, g, m and v as they were (p16 still
 /// receives p). p16 (bf16 of p's size, or undefined): receives the new
 /// parameters rounded to bf16, the same bits as p.to(bf16).

@@ -38,16 +38,23 @@ bool add_layer_norm_vectorised(int64_t cols, std::initializer_list<at::Tensor> t
 std::vector<at::Tensor> add_layer_norm_forward(const at::Tensor& x, const at::Tensor& branch, const at::Tensor& weight,
                                                const at::Tensor& bias, double eps);
 
-/// Backward: returns {dx, dbranch, dweight, dbias}. dx (fp32) = LayerNorm's
+/// Backward: returns {dx, dbranch, dweight, dbias, dbranch_sum}. dx (fp32) = LayerNorm's
 /// input gradient from dout (bf16) plus dsum (fp32, may be undefined: zero);
 /// dbranch = dx in bf16 when `with_branch`, else undefined; dbias undefined
 /// when `with_bias` is false. dweight and dbias are summed over the rows in
 /// a fixed order (deterministic), into dweight_out and dbias_out (contiguous
 /// fp32 vectors: gradient slots, param_slots.h) where given. `sum` is the
 /// forward's sum.
+///
+/// With `branch_sums` (and `with_branch`) a fifth result: dbranch's column
+/// sums in fp32, the sums of its bf16 values over the rows (the bias
+/// gradient of the linear layer whose output was the branch, as column_sum
+/// in linear_bias.h gives it), from the same pass; into dbranch_sum_out
+/// where given. Else the fifth is undefined.
 std::vector<at::Tensor> add_layer_norm_backward(const at::Tensor& dout, const at::Tensor& dsum, const at::Tensor& sum,
                                                 const at::Tensor& mean, const at::Tensor& rstd,
                                                 const at::Tensor& weight, bool with_branch, bool with_bias,
-                                                const at::Tensor& dweight_out = {}, const at::Tensor& dbias_out = {});
+                                                const at::Tensor& dweight_out = {}, const at::Tensor& dbias_out = {},
+                                                bool branch_sums = false, const at::Tensor& dbranch_sum_out = {});
 
 }  // namespace ddp::cuda

@@ -25,9 +25,16 @@ bool have_fused_layer_norm();
 /// {x + branch, LayerNorm(x + branch)} over the last dimension (eps as
 /// torch.layer_norm's); with `branch` undefined, {x, LayerNorm(x)}. With the
 /// kernels the LayerNorm comes back in bf16, else as LibTorch gives it.
+///
+/// `branch_bias`, where defined, is the bias of the linear layer whose
+/// output the branch is, added there with its gradient left to this
+/// function (fused_linear.h: BiasGrad::kInTheAdd): its gradient is the
+/// column sums of the branch's gradient, which the kernels take in the
+/// LayerNorm's backward pass instead of a pass of their own. The forward
+/// does not read it.
 std::pair<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& branch,
                                                        const torch::Tensor& weight, const torch::Tensor& bias,
-                                                       double eps = 1e-5);
+                                                       double eps = 1e-5, const torch::Tensor& branch_bias = {});
 
 /// Whether add_layer_norm(x, branch, ...) takes the kernels now.
 bool fused_layer_norm_applies(const torch::Tensor& x, const torch::Tensor& branch, const torch::Tensor& weight,

@@ -28,10 +28,27 @@ bool fused_linear_enabled();
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
+/// Who gives a linear layer's bias its gradient: the layer (kHere, as
+/// nn.Linear), or the residual add that its output goes into (kInTheAdd):
+/// the bias then gets no gradient from the layer, and the caller passes it
+/// to that add_layer_norm as branch_bias (fused_layer_norm.h), whose
+/// backward sums it in the LayerNorm's pass instead of a pass of its own.
+enum class BiasGrad { kHere, kInTheAdd };
+
 /// x W^T + b, as torch::linear; `bias` may be undefined (no bias).
-torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+torch::Tensor linear_bias(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                          BiasGrad bias_grad = BiasGrad::kHere);
 /// gelu(x W^T + b) with the exact (erf) GELU, as torch::gelu(torch::linear(...)).
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
+
+/// Attention's projection split into heads: x W^T + b for x [B, T, C], cut
+/// into `parts` (q, k, v) column blocks, each as [B, heads, T, head_dim]
+/// (views, as y.split(...)[i].view({B, T, heads, head_dim}).transpose(1, 2)).
+/// Where the kernels apply (linear_bias's conditions, at most 3 parts,
+/// head_dim a multiple of 8) the backward puts the parts' gradients side by
+/// side and sums the bias's gradient in one pass (cuda/linear_bias.h).
+std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                        int64_t parts, int64_t heads);
 
 /// The GPT's MLP with the tanh GELU: gelu_tanh(x W1^T + b1) W2^T + b2, as
 /// torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2).
@@ -41,7 +58,7 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
 /// applies the GELU's derivative and sums b1's gradient in one pass
 /// (cuda/linear_bias.h).
 torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                            const torch::Tensor& w2, const torch::Tensor& b2);
+                            const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad = BiasGrad::kHere);
 
 /// The GPT's token embedding and its output head, which share one weight
 /// (GPT-2 ties them): embed(idx) is weight[idx] and head(x) is x weight^T,

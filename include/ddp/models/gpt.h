@@ -25,6 +25,7 @@
 
 #include <torch/torch.h>
 
+#include "ddp/models/fused_linear.h"
 #include "ddp/models/net.h"
 
 namespace ddp::models {
@@ -83,7 +84,9 @@ TORCH_MODULE(GptLayerNorm);
 class CausalSelfAttentionImpl : public torch::nn::Module {
  public:
   explicit CausalSelfAttentionImpl(const GptOptions& o);
-  torch::Tensor forward(const torch::Tensor& x);
+  /// BiasGrad::kInTheAdd (no dropout only): c_proj's bias gets its gradient
+  /// from the residual add the output goes into (GptImpl::forward).
+  torch::Tensor forward(const torch::Tensor& x, BiasGrad c_proj_bias = BiasGrad::kHere);
   torch::nn::Linear c_attn{nullptr}, c_proj{nullptr};
   torch::nn::Dropout resid_dropout{nullptr};
   int64_t n_head;
@@ -94,7 +97,8 @@ TORCH_MODULE(CausalSelfAttention);
 class GptMlpImpl : public torch::nn::Module {
  public:
   explicit GptMlpImpl(const GptOptions& o);
-  torch::Tensor forward(const torch::Tensor& x);
+  /// c_proj_bias: as CausalSelfAttention's.
+  torch::Tensor forward(const torch::Tensor& x, BiasGrad c_proj_bias = BiasGrad::kHere);
   torch::nn::Linear c_fc{nullptr}, c_proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
   GptGelu gelu = GptGelu::kExact;

@@ -69,6 +69,12 @@ struct FlatOptimizerOptions {
   TORCH_ARG(bool, no_decay_1d) = false;
 };
 
+/// Whether the caller reads the gradients after FlatOptimizer::step().
+enum class GradientsAfterStep {
+  kRead,     // left clipped, as clip_grad_norm_ leaves them
+  kDropped,  // set to none right after the step: their clipped values need not be stored
+};
+
 class FlatOptimizer {
  public:
   /// `params[i]` and `grads[i]` are flat buffers of equal size; each is
@@ -91,7 +97,7 @@ class FlatOptimizer {
   /// With `max_grad_norm` > 0 the gradients are first clipped to that joint
   /// L2 norm, by torch.nn.utils.clip_grad_norm_'s rule (scaled by
   /// max / (norm + 1e-6) where that is below 1), without reading the norm
-  /// back to the host, and are left clipped. The Adam/AdamW kernels apply
+  /// back to the host, and are left clipped (but see `after`). The Adam/AdamW kernels apply
   /// the scale in their own pass over the gradients, so clipping costs no
   /// pass of its own there: ddptrain's (fp32 buffers on CUDA, with its CUDA
   /// kernels) multiplies by the coefficient, as clip_grad_norm_ does;
@@ -102,7 +108,14 @@ class FlatOptimizer {
   /// Built on a GradSync that has bf16 copies of the parameters
   /// (param_slots.h), ddptrain's Adam kernel also writes the updated
   /// parameters into them, in bf16, so the next step need not cast them.
-  void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0);
+  ///
+  /// `after` says whether the caller reads the gradients after the step.
+  /// kDropped (TrainStep, which sets them to none right after) lets
+  /// ddptrain's Adam kernel clip without storing the clipped values back,
+  /// where no fix-up steps a parameter that missed steps again (which
+  /// reads them).
+  void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0,
+            GradientsAfterStep after = GradientsAfterStep::kRead);
 
   /// Whether step() runs without host synchronisation or host-side
   /// per-step scalars (so it can be captured in a CUDA graph).
@@ -145,6 +158,7 @@ class FlatOptimizer {
   FlatOptimizerOptions o_;
   bool adam_ = true, fused_ = false;
   bool own_adam_ = false;  // ddptrain's Adam kernel (cuda/adamw.h): fp32 buffers on CUDA
+  bool store_clipped_ = true;  // this step's: the kernel writes the clipped gradients back
   std::vector<torch::Tensor> params_, grads_;
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_)
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
