@@ -80,7 +80,8 @@ void check_options(const GptOptions& o) {
 // bias with the rest and folds it into the matmul, as PyTorch's nn.Linear.
 namespace {
 // With use_fused_linear on, the bias gradients come from ddptrain's kernels
-// (fused_linear.h); the same forward either way.
+// (fused_linear.h; with BiasGrad::kInTheAdd, from the residual add's
+// LayerNorm backward); the same forward either way.
 torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x, BiasGrad bias_grad = BiasGrad::kHere) {
   return linear_bias(x, layer->weight, layer->bias, bias_grad);
 }
@@ -202,9 +203,11 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // --ln-kernel auto: each residual add is fused into the LayerNorm that
   // follows it, so a block's branch output stays pending until the next
   // LayerNorm adds it (the same sums, in the same order, as GptBlock).
-  // Without dropout, the branch's last bias gets its gradient from that
-  // add's backward pass, not a pass of its own.
-  const auto bias_grad = options.dropout() > 0 ? BiasGrad::kHere : BiasGrad::kInTheAdd;
+  // Without dropout, and with the linear kernels (--linear-kernel native
+  // keeps LibTorch's bias gradients), the branch's last bias gets its
+  // gradient from that add's backward pass, not a pass of its own.
+  const auto bias_grad =
+      options.dropout() > 0 || !fused_linear_enabled() ? BiasGrad::kHere : BiasGrad::kInTheAdd;
   auto in_the_add = [&](const torch::nn::Linear& proj) {
     return bias_grad == BiasGrad::kInTheAdd ? proj->bias : torch::Tensor();
   };

@@ -140,22 +140,29 @@ TEST(FusedLayerNorm, MatchesLibTorchForwardAndBackward_CUDA) {
 // (kHere), and nothing else changes: on CPU tensors (LibTorch's ops, the
 // bias through a zero autograd differentiates) and, with a GPU, under bf16
 // autocast with the kernels (the vectorised LayerNorm backward's sums in
-// shared memory, the scalar one's at::sum) and with the LayerNorm's output
-// unused.
+// shared memory, the scalar one's at::sum), with the LayerNorm's output
+// unused, and with the sum unused (autograd hands the function zeros for
+// its gradient, as for the GPT's last LayerNorm).
 TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
   struct Case {
     torch::Device device;
     std::vector<int64_t> shape;  // x's: [..., C]
-    bool use_out;
+    bool use_out, use_sum;       // which outputs the loss reads
   };
-  std::vector<Case> cases{{torch::kCPU, {2, 3, 8}, true}, {torch::kCPU, {4, 5, 16}, false}};
+  std::vector<Case> cases{{torch::kCPU, {2, 3, 8}, true, true}, {torch::kCPU, {4, 5, 16}, false, true},
+                          {torch::kCPU, {2, 3, 8}, true, false}};
   if (torch::cuda::is_available() && have_fused_layer_norm())
     for (auto shape : std::vector<std::vector<int64_t>>{{4, 64, 768}, {16, 256, 768}, {3, 11, 384}, {3, 7, 96}})
-      for (bool use_out : {true, false}) cases.push_back({torch::Device(torch::kCUDA, 0), shape, use_out});
+      for (auto [use_out, use_sum] : std::vector<std::pair<bool, bool>>{{true, true}, {false, true}, {true, false}})
+        cases.push_back({torch::Device(torch::kCUDA, 0), shape, use_out, use_sum});
   FusedLayerNormOn on;
-  use_fused_linear(true);
+  struct FusedLinearOn {  // off again however the test ends
+    FusedLinearOn() { use_fused_linear(true); }
+    ~FusedLinearOn() { use_fused_linear(false); }
+  } linear_on;
   for (const auto& c : cases) {
-    SCOPED_TRACE(c.device.str() + " " + ::testing::PrintToString(c.shape) + (c.use_out ? "" : " output unused"));
+    SCOPED_TRACE(c.device.str() + " " + ::testing::PrintToString(c.shape) + (c.use_out ? "" : " output unused") +
+                 (c.use_sum ? "" : " sum unused"));
     const auto f32 = torch::TensorOptions().device(c.device);
     const int64_t width = c.shape.back(), in = 24;
     torch::manual_seed(11);
@@ -175,7 +182,10 @@ TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
         std::tie(sum, out) =
             add_layer_norm(p[0], branch, p[4], p[5], 1e-5, mode == BiasGrad::kInTheAdd ? p[3] : torch::Tensor());
       }
-      auto loss = (sum * g_sum).sum();
+      if (c.device.is_cuda())  // the kernels' function, not the fallback (which would give the same gradient)
+        EXPECT_NE(sum.grad_fn()->name().find("AddLayerNormFn"), std::string::npos) << sum.grad_fn()->name();
+      auto loss = torch::zeros({}, f32);
+      if (c.use_sum) loss = loss + (sum * g_sum).sum();
       if (c.use_out) loss = loss + (out.to(torch::kFloat) * g_out).sum();
       loss.backward();
       std::vector<torch::Tensor> g;
@@ -195,7 +205,6 @@ TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
       EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(), (i == 3 ? 1e-5 : 1e-6) * scale);
     }
   }
-  use_fused_linear(false);
   EXPECT_THROW(add_layer_norm(torch::randn({2, 8}), torch::Tensor(), torch::ones({8}), torch::Tensor(), 1e-5,
                               torch::zeros({8})),
                c10::Error);  // a branch bias needs a branch

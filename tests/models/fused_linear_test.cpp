@@ -118,7 +118,7 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
 // for parts at ATen's dense layouts (B, T, H, D order, as cuDNN writes
 // them, and B, H, T, D), strided views into one buffer, odd part counts
 // and sizes, and parts that must be copied first (a stride not a multiple
-// of 8, an unaligned start).
+// of 8, a start 2 bytes off 16-byte alignment).
 TEST(FusedLinear, HeadsColumnSumIsTheCatAndItsSums_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
@@ -143,7 +143,8 @@ TEST(FusedLinear, HeadsColumnSumIsTheCatAndItsSums_CUDA) {
       {"mixed, two parts", {bthd(1, 4, 130, 16), bhtd(1, 4, 130, 16)}},
       {"views of one projection", views},
       {"T's stride 20: copied first", {odd_stride, bhtd(2, 4, 7, 16)}},
-      {"an unaligned start: copied first", {torch::randn({2, 7, 4, 20}, opts).to(torch::kBFloat16).narrow(3, 2, 16)}},
+      {"an unaligned start: copied first",
+       {torch::randn({2 * 3 * 5 * 16 + 1}, opts).to(torch::kBFloat16).narrow(0, 1, 2 * 3 * 5 * 16).view({2, 3, 5, 16})}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -221,6 +222,50 @@ TEST(FusedLinear, LinearHeadsMatchesTheSplitOfLibTorchsLinear_CUDA) {
   }
   EXPECT_TRUE(torch::equal(b.grad().narrow(0, 32, 64), torch::zeros({64}, opts)));
   EXPECT_TRUE(torch::equal(b.grad().narrow(0, 0, 32), torch::full({32}, 8.0f, opts)));
+}
+
+// One backward of a GPT with the kernels (the LayerNorm at width 128 takes
+// the vectorised kernels, whose backward sums the c_proj biases; the qkv
+// split's backward sums c_attn's) against the same GPT on LibTorch's ops:
+// every bias gets its own gradient, within bf16 rounding of LibTorch's, and
+// none is zero. A bias summed twice, missed or handed to the wrong add would
+// be off by its whole size.
+TEST(FusedLinear, GptBiasGradientsMatchLibTorchsOps_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto o = GptOptions().n_layer(2).n_head(4).n_embd(128).block_size(32).vocab_size(97).gelu(GptGelu::kTanh);
+  torch::manual_seed(12);
+  auto idx = torch::randint(0, 97, {4, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+  auto targets = torch::randint(0, 97, {4, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+  std::vector<std::map<std::string, torch::Tensor>> grads;
+  for (bool kernels : {true, false}) {
+    torch::manual_seed(13);
+    Gpt model(o);
+    model->to(gpu);
+    use_fused_linear(kernels);
+    use_fused_layer_norm(kernels);
+    {
+      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      auto logits = model->forward(idx);
+      torch::nn::functional::cross_entropy(logits.to(torch::kFloat).view({-1, 97}), targets.view({-1})).backward();
+    }
+    use_fused_linear(false);
+    use_fused_layer_norm(false);
+    std::map<std::string, torch::Tensor> g;
+    for (const auto& p : model->named_parameters()) g[p.key()] = p.value().grad();
+    grads.push_back(g);
+  }
+  int biases = 0;
+  for (const auto& [name, want] : grads[1]) {
+    if (name.size() < 5 || name.compare(name.size() - 5, 5, ".bias") != 0) continue;
+    SCOPED_TRACE(name);
+    ++biases;
+    const auto& got = grads[0].at(name);
+    ASSERT_TRUE(got.defined() && want.defined());
+    EXPECT_GT(want.abs().max().item<double>(), 0);
+    EXPECT_LE(rel_err(got, want), 2e-2);
+  }
+  EXPECT_EQ(biases, 2 * 6 + 1) << "per block: ln_1, c_attn, c_proj, ln_2, c_fc, c_proj; and ln_f";
 }
 
 // linear_bias and linear_gelu under bf16 autocast against LibTorch's ops:

@@ -30,8 +30,10 @@ bool have_fused_layer_norm();
 /// output the branch is, added there with its gradient left to this
 /// function (fused_linear.h: BiasGrad::kInTheAdd): its gradient is the
 /// column sums of the branch's gradient, which the kernels take in the
-/// LayerNorm's backward pass instead of a pass of their own. The forward
-/// does not read it.
+/// LayerNorm's backward pass instead of a pass of their own. The forward's
+/// values do not depend on it (where the kernels do not apply, LibTorch's
+/// ops add branch_bias - branch_bias.detach(), a zero that autograd
+/// differentiates).
 std::pair<torch::Tensor, torch::Tensor> add_layer_norm(const torch::Tensor& x, const torch::Tensor& branch,
                                                        const torch::Tensor& weight, const torch::Tensor& bias,
                                                        double eps = 1e-5, const torch::Tensor& branch_bias = {});

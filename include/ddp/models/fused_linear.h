@@ -12,7 +12,10 @@
 // matmul and the bias gradient as a column sum in fp32 (autocast rounds both
 // to bf16 and casts them back), each written straight into the parameter's
 // slot of the flat gradient buffer where it has one; the GELU's backward is
-// folded into the MLP's first bias sum. ddptrain turns them on unless
+// folded into the MLP's first bias sum, and the attention's qkv split into
+// its bias sum (linear_heads). A layer whose output goes straight into a
+// residual add may leave its bias's sum to that add's LayerNorm backward
+// (BiasGrad::kInTheAdd). ddptrain turns them on unless
 // --linear-kernel native. On the H200 (2026-12-04) the bias sums took config
 // (e)'s step from 35.61 to 34.31-34.63 ms, with the same validation loss
 // after 300 steps (2.636 against 2.633).
@@ -25,7 +28,9 @@ namespace ddp::models {
 void use_fused_linear(bool on);
 bool fused_linear_enabled();
 
-/// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now.
+/// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now
+/// (linear_heads also needs at most 3 parts and a head size that is a
+/// multiple of 8).
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias);
 
 /// Who gives a linear layer's bias its gradient: the layer (kHere, as
@@ -33,6 +38,9 @@ bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, c
 /// the bias then gets no gradient from the layer, and the caller passes it
 /// to that add_layer_norm as branch_bias (fused_layer_norm.h), whose
 /// backward sums it in the LayerNorm's pass instead of a pass of its own.
+/// The contract is the caller's: with kInTheAdd the layer's output must go
+/// into that add alone (unchanged: no dropout), and the bias must be passed
+/// there; with kHere it must not be (it would be summed twice).
 enum class BiasGrad { kHere, kInTheAdd };
 
 /// x W^T + b, as torch::linear; `bias` may be undefined (no bias).
