@@ -19,12 +19,8 @@
 namespace ddp::models {
 namespace {
 
-// Turns the kernels on for a scope (process-wide they are off until a program
-// turns them on; ddptrain does, unless --ln-kernel native).
-struct FusedLayerNormOn {
-  FusedLayerNormOn() { use_fused_layer_norm(true); }
-  ~FusedLayerNormOn() { use_fused_layer_norm(false); }
-};
+using ddp::testing::FusedLayerNormOn;
+using ddp::testing::FusedLinearOn;
 
 TEST(FusedLayerNorm, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_layer_norm_enabled());
@@ -156,10 +152,7 @@ TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
       for (auto [use_out, use_sum] : std::vector<std::pair<bool, bool>>{{true, true}, {false, true}, {true, false}})
         cases.push_back({torch::Device(torch::kCUDA, 0), shape, use_out, use_sum});
   FusedLayerNormOn on;
-  struct FusedLinearOn {  // off again however the test ends
-    FusedLinearOn() { use_fused_linear(true); }
-    ~FusedLinearOn() { use_fused_linear(false); }
-  } linear_on;
+  FusedLinearOn linear_on;
   for (const auto& c : cases) {
     SCOPED_TRACE(c.device.str() + " " + ::testing::PrintToString(c.shape) + (c.use_out ? "" : " output unused") +
                  (c.use_sum ? "" : " sum unused"));

@@ -28,15 +28,8 @@
 namespace ddp::models {
 namespace {
 
-struct FusedLinearOn {
-  FusedLinearOn() { use_fused_linear(true); }
-  ~FusedLinearOn() { use_fused_linear(false); }
-};
-
-struct LayerNormKernelsOn {  // off again however the test ends
-  LayerNormKernelsOn() { use_fused_layer_norm(true); }
-  ~LayerNormKernelsOn() { use_fused_layer_norm(false); }
-};
+using ddp::testing::FusedLayerNormOn;
+using ddp::testing::FusedLinearOn;
 
 TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_enabled());
@@ -359,7 +352,7 @@ TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
 TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   FusedLinearOn on;
-  LayerNormKernelsOn ln_on;
+  FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
   const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(GptGelu::kTanh);
   torch::manual_seed(21);
@@ -480,7 +473,7 @@ TEST(FusedLinear, TiedEmbeddingGivesItsWeightOneGradient_CUDA) {
 TEST(FusedLinear, Bf16CopiesHoldTheParametersAcrossGraphReplays_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   FusedLinearOn on;
-  LayerNormKernelsOn ln_on;
+  FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
   for (const std::string name : {"sgd", "adamw"}) {
     SCOPED_TRACE(name);

@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "ddp/models/fused_layer_norm.h"
+#include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
 
 namespace ddp::testing {
@@ -16,6 +18,18 @@ namespace ddp::testing {
 /// `graph`, the step is captured (and the test fails if it is not).
 std::vector<double> small_gpt_bf16_losses(const ddp::models::GptOptions& options, bool graph, int steps,
                                           bool ignore_one = false);
+
+/// ddptrain's GPT kernels on for a scope (process-wide they are off until a
+/// program turns them on; ddptrain does, unless --linear-kernel or
+/// --ln-kernel native), and off again however the test ends.
+struct FusedLinearOn {
+  FusedLinearOn() { ddp::models::use_fused_linear(true); }
+  ~FusedLinearOn() { ddp::models::use_fused_linear(false); }
+};
+struct FusedLayerNormOn {
+  FusedLayerNormOn() { ddp::models::use_fused_layer_norm(true); }
+  ~FusedLayerNormOn() { ddp::models::use_fused_layer_norm(false); }
+};
 
 /// The largest |a[i] - b[i]| / |b[i]|.
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b);
