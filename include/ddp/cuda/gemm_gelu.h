@@ -18,6 +18,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <vector>
 
 namespace ddp::cuda {
@@ -25,6 +26,30 @@ namespace ddp::cuda {
 /// True where the functions below run: a CUDA build whose LibTorch has
 /// loaded cuBLASLt.
 bool gemm_gelu_available();
+
+/// Whether the matmuls below choose their algorithm by timing: on by
+/// default. The first eager call of each kind (shapes, layouts, epilogue,
+/// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
+/// operands and keeps the fastest for the process, as cuDNN's autotuning
+/// does for convolutions; off, they take cuBLASLt's first choice, as
+/// LibTorch does. Either way the results are the same products, rounded
+/// the same way; an algorithm may split the sum over K differently, so the
+/// last bits may differ from another choice's.
+void set_gemm_tuning(bool on);
+bool gemm_tuning();
+/// How many kinds of matmul have their algorithm chosen by timing so far.
+size_t gemm_tuned_kinds();
+
+/// y = x W^T (+ b) in bf16 (epilogue BIAS with a bias), for x: [M, K],
+/// w: [N, K], b: [N] or undefined, contiguous bf16 on one GPU; at::linear's
+/// product with the algorithm chosen as set_gemm_tuning says. Undefined
+/// where cuBLASLt cannot take it (N or K not a multiple of 8, a bias not
+/// 16-byte aligned, no algorithm): the caller then runs at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+/// g W in bf16, for g: [M, N] and w: [N, K], contiguous bf16: a linear
+/// layer's input gradient (at::mm's product), undefined as linear() is.
+at::Tensor matmul(const at::Tensor& g, const at::Tensor& w);
 
 /// {y, pre} for pre = x W^T + b and y = gelu_tanh(pre), in one matmul
 /// (epilogue GELU_AUX_BIAS). x: [M, K], w: [N, K], b: [N], all bf16 and
