@@ -53,7 +53,7 @@ log "(e) torch.compile, tanh GELU (the contender, same machine)"
 timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
   --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
 log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA}" tests2
-log "(e) A/B again"; ab
+[[ ${AB_TWICE:-1} == 1 ]] && { log "(e) A/B again"; ab; }
 if [[ -n ${EXTRA_RUNS:-} ]]; then  # "VAR=a VAR=b ...": this tree's (e) under each
   log "(e) under $EXTRA_RUNS"
   for v in $EXTRA_RUNS; do
