@@ -68,26 +68,27 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   return {g, cuda::column_sum(g, db)};
 }
 
-// Session 25's experiment: DDP_GEMM_ROUTE=1 sends the forward's and the
-// input gradient's matmuls through cuda::linear and cuda::matmul (tuned
-// algorithms) instead of at::linear and at::mm.
+// Session 25's experiment: DDP_GEMM_ROUTE=0 sends the forward's and the
+// input gradient's matmuls to at::linear and at::mm instead of cuda::linear
+// and cuda::matmul (tuned algorithms).
 bool route_matmuls() {
   static const bool on = [] {
     const char* v = std::getenv("DDP_GEMM_ROUTE");
-    return v && *v == '1';
+    return !(v && *v == '0');
   }();
   return on;
 }
 
 // x W^T (+ b), bf16: cuda::linear where it takes the operands, else
-// at::linear.
+// at::linear. The result is not a view for autograd (as at::linear's is
+// not): the loss may overwrite the logits in place.
 torch::Tensor linear16(const torch::Tensor& x, const torch::Tensor& w16, const torch::Tensor& b16) {
   if (route_matmuls() && x.is_contiguous() && x.dim() >= 2) {
     auto y = cuda::linear(x.view({-1, x.size(-1)}), w16, b16);
     if (y.defined()) {
       auto sizes = x.sizes().vec();
       sizes.back() = w16.size(0);
-      return y.view(sizes);
+      return at::_unsafe_view(y, sizes);
     }
   }
   return b16.defined() ? at::linear(x, w16, b16) : at::linear(x, w16);
