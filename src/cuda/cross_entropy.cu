@@ -32,7 +32,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <tuple>
 
@@ -181,48 +180,16 @@ __device__ __forceinline__ MaxSum thread_max_sum(const T* row, RowSplit split, i
   return acc;
 }
 
-// 2^x on the FMA units, for the gradient's exp when kPoly: x = r + f with r
-// an integer and |f| <= 1/2, 2^f from a degree-5 polynomial (fitted by
-// least squares on Chebyshev nodes in float64: within 2.2e-7 of 2^f in fp32,
-// as close as ex2.approx's 2 ulp), 2^r added to the exponent bits; 0 below
-// 2^-125 (the exponent would leave the normal range), NaN stays NaN. Why by
-// hand: each logit takes two exps a step (the forward's sum and the
-// gradient) and the special-function units do 16 a clock per SM, an eighth
-// of the FMA units' rate; moving the second exp to the FMA units halves
-// their load (session 25's experiment).
-__device__ __forceinline__ float exp2_fma(float x) {
-  const float r = rintf(x);
-  const float f = x - r;
-  float p = 1.326697064e-03f;
-  p = fmaf(p, f, 9.675459936e-03f);
-  p = fmaf(p, f, 5.550742522e-02f);
-  p = fmaf(p, f, 2.402212173e-01f);
-  p = fmaf(p, f, 6.931469440e-01f);
-  p = fmaf(p, f, 1.000000119e+00f);
-  const float y = __int_as_float(__float_as_int(p) + (static_cast<int>(r) << 23));
-  return x < -125.f ? 0.f : y;
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-
 // Writes this thread's share of a row's gradient, out[j] = (exp(in[j] - l)
 // - [j == t]) * g, reading `in` (the row in global memory, or its staged
 // copy in shared memory: either way at `split`'s alignment); an ignored
 // row's gradient is 0 and its input is not read. `in` may be `out` itself.
-template <typename T, bool kPoly = false>
+template <typename T>
 __device__ __forceinline__ void row_gradient(const T* in, T* out, RowSplit split, int64_t V, int64_t t, bool ignored,
                                              float l, float g) {
   constexpr int kN = kPerVec<T>;
   const int64_t step = blockDim.x;
-  const float l2 = l * kLog2e;
-  auto e = [&](float x) {
-    if constexpr (kPoly) {
-      return exp2_fma(fmaf(x, kLog2e, -l2));
-    } else {
-      return __expf(x - l);
-    }
-  };
-  auto d = [&](float x, int64_t j) { return (e(x) - (j == t ? 1.f : 0.f)) * g; };
+  auto d = [&](float x, int64_t j) { return (__expf(x - l) - (j == t ? 1.f : 0.f)) * g; };
   auto element = [&](int64_t j) { out[j] = from_float<T>(ignored ? 0.f : d(to_float(in[j]), j)); };
   const auto* vin = reinterpret_cast<const uint4*>(in + split.head);
   auto* vout = reinterpret_cast<uint4*>(out + split.head);
@@ -275,7 +242,7 @@ __global__ void forward_kernel(const T* __restrict__ logits, const int64_t* __re
 // written over the row. `count` (the rows not ignored) is already known
 // (count_kernel), so a mean's 1/count is applied here too. An ignored row is
 // not read: its loss and gradient are 0.
-template <typename T, bool kPoly = false>
+template <typename T>
 __global__ void one_pass_kernel(T* logits, const int64_t* __restrict__ targets, int64_t V, int64_t ignore_index,
                                 const float* __restrict__ count, bool sum, float* __restrict__ row_loss) {
   extern __shared__ uint4 stage_raw[];
@@ -300,7 +267,7 @@ __global__ void one_pass_kernel(T* logits, const int64_t* __restrict__ targets, 
   } else if (threadIdx.x == 0) {
     row_loss[i] = 0.f;
   }
-  row_gradient<T, kPoly>(stage, row, split, V, t, ignored, l, sum ? 1.f : 1.f / *count);
+  row_gradient<T>(stage, row, split, V, t, ignored, l, sum ? 1.f : 1.f / *count);
 }
 
 // One block: count = the targets not ignored, for one_pass_kernel's mean.
@@ -440,11 +407,7 @@ template <typename T>
 void launch_one_pass(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index,
                      const at::Tensor& count, bool sum, const at::Tensor& row_loss, cudaStream_t stream) {
   const int64_t N = logits.size(0), V = logits.size(1);
-  static const bool poly = [] {  // session 25's experiment: DDP_CE_POLY=1
-    const char* v = std::getenv("DDP_CE_POLY");
-    return v && *v == '1';
-  }();
-  const auto kernel = poly ? one_pass_kernel<T, true> : one_pass_kernel<T, false>;
+  const auto kernel = one_pass_kernel<T>;
   const size_t shared = stage_bytes<T>(V);
   allow_dynamic_shared(reinterpret_cast<const void*>(kernel), shared);
   kernel<<<static_cast<unsigned>(N), threads_for(V, sizeof(T)), shared, stream>>>(
