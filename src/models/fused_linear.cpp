@@ -5,7 +5,6 @@
 #include "ddp/models/fused_linear.h"
 
 #include <atomic>
-#include <cstdlib>
 
 #include "ddp/compat.h"
 #include "ddp/dist/param_slots.h"
@@ -68,22 +67,11 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   return {g, cuda::column_sum(g, db)};
 }
 
-// Session 25's experiment: DDP_GEMM_ROUTE=0 sends the forward's and the
-// input gradient's matmuls to at::linear and at::mm instead of cuda::linear
-// and cuda::matmul (tuned algorithms).
-bool route_matmuls() {
-  static const bool on = [] {
-    const char* v = std::getenv("DDP_GEMM_ROUTE");
-    return !(v && *v == '0');
-  }();
-  return on;
-}
-
 // x W^T (+ b), bf16: cuda::linear where it takes the operands, else
 // at::linear. The result is not a view for autograd (as at::linear's is
 // not): the loss may overwrite the logits in place.
 torch::Tensor linear16(const torch::Tensor& x, const torch::Tensor& w16, const torch::Tensor& b16) {
-  if (route_matmuls() && x.is_contiguous() && x.dim() >= 2) {
+  if (x.is_contiguous() && x.dim() >= 2 && w16.is_contiguous() && (!b16.defined() || b16.is_contiguous())) {
     auto y = cuda::linear(x.view({-1, x.size(-1)}), w16, b16);
     if (y.defined()) {
       auto sizes = x.sizes().vec();
@@ -94,14 +82,11 @@ torch::Tensor linear16(const torch::Tensor& x, const torch::Tensor& w16, const t
   return b16.defined() ? at::linear(x, w16, b16) : at::linear(x, w16);
 }
 
-// g W for a contiguous [rows, N] g, bf16: cuda::matmul where it takes the
-// operands, else at::mm.
+// g W for a [rows, N] g, bf16: cuda::matmul where it takes the operands,
+// else at::mm.
 torch::Tensor mm16(const torch::Tensor& g, const torch::Tensor& w16) {
-  if (route_matmuls()) {
-    auto y = cuda::matmul(g, w16);
-    if (y.defined()) return y;
-  }
-  return at::mm(g, w16);
+  auto y = g.is_contiguous() && w16.is_contiguous() ? cuda::matmul(g, w16) : torch::Tensor();
+  return y.defined() ? y : at::mm(g, w16);
 }
 
 // A bf16 [.., C] gradient as the contiguous [rows, C] matrix the kernels take.

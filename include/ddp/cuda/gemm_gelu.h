@@ -1,14 +1,17 @@
-// The GPT MLP's first layer with its GELU in the matmul's epilogue
-// (cuBLASLt): for a model with the tanh GELU, the GELU's own pass over the
-// MLP's widest activation disappears into the matmul.
+// The GPT's linear layers as cuBLASLt matmuls, each with its algorithm
+// chosen by timing (set_gemm_tuning): the forward with its bias in the
+// epilogue, the input and weight gradients, and for the MLP's first layer
+// the GELU in the epilogue both ways.
 //
-// Why: in config (e) (GPT-2 124M, bf16) the exact GELU's forward takes
-// 0.83 ms a step (bench/RESULTS.md, session 13). cuBLASLt's GELU epilogue
-// computes the tanh approximation (the GELU of GPT-2 itself, and of llm.c),
-// so it serves a model that uses it. In the backward, the matmul before the
-// GELU applies its derivative in its epilogue (DGELU): on the H100 that
-// matmul took 2.06 ms a step against 2.85 ms for a plain matmul and ddptrain's
-// GELU-backward pass (bench/RESULTS.md, session 23).
+// Why: cuBLASLt's first heuristic choice, which LibTorch takes, is not
+// always its fastest; on an H100 the tuned choices took config (e)'s step
+// (GPT-2 124M, bf16) from 32.08 to 31.45-31.77 ms (bench/RESULTS.md,
+// session 25). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
+// GELU epilogue removes the GELU's pass over the MLP's widest activation
+// (the exact GELU's forward took 0.83 ms a step, session 13), and in the
+// backward the matmul before the GELU applies its derivative in its
+// epilogue (DGELU): 2.06 ms a step on the H100 against 2.85 ms for a plain
+// matmul and ddptrain's GELU-backward pass (session 23).
 //
 // cuBLASLt is reached through the copy that LibTorch's CUDA library has
 // already loaded (its functions looked up by name), not linked again: a
@@ -32,9 +35,10 @@ bool gemm_gelu_available();
 /// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
 /// operands and keeps the fastest for the process, as cuDNN's autotuning
 /// does for convolutions; off, they take cuBLASLt's first choice, as
-/// LibTorch does. Either way the results are the same products, rounded
-/// the same way; an algorithm may split the sum over K differently, so the
-/// last bits may differ from another choice's.
+/// LibTorch does. Either way the result is the product accumulated in fp32
+/// and rounded once; algorithms may order or split the sum over K
+/// differently, so the last bit may differ from another choice's. Once
+/// chosen, a kind keeps its algorithm: the same operands give the same bits.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 /// How many kinds of matmul have their algorithm chosen by timing so far.
