@@ -9,8 +9,12 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [EXTRA_RUNS="VAR=a VAR=b"] \
-#     bash bench/exp/e_ab_gpu.sh   (logs under $OUT/ab)
+#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
+#     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
+#     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
+#   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
+#   PROBE_*: one more (e) run under PROBE_ENV, its stderr lines matching
+#   PROBE_GREP shown. TESTS3: CUDA tests under TESTS3_ENV, last.
 # Session 21 wrote it as slots_gpu.sh for branch param-slots.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -49,18 +53,28 @@ log "(e) torch.compile, tanh GELU (the contender, same machine)"
 timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
   --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
 log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA}" tests2
-log "(e) A/B again"; ab
+[[ ${AB_TWICE:-1} == 1 ]] && { log "(e) A/B again"; ab; }
 if [[ -n ${EXTRA_RUNS:-} ]]; then  # "VAR=a VAR=b ...": this tree's (e) under each
   log "(e) under $EXTRA_RUNS"
   for v in $EXTRA_RUNS; do
-    echo -n "$v "; env "$v" timeout 60 ./build/ddptrain bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
+    echo -n "$v "; env ${v//,/ } timeout 60 ./build/ddptrain bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
   done | tee -a "$OUT/ab.jsonl"
 fi
-log "profile, graphed"
-LINE=$(timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
+if [[ -n ${PROBE_ENV:-} ]]; then
+  log "(e) under $PROBE_ENV, stderr matching ${PROBE_GREP:-.}"
+  env $PROBE_ENV timeout 90 ./build/ddptrain bench "${gpt[@]}" 2>"$OUT/probe.err" | grep '^{'
+  grep -E "${PROBE_GREP:-.}" "$OUT/probe.err" | head -60
+fi
+log "profile, graphed ${PROFILE_ENV:-}"
+LINE=$(env ${PROFILE_ENV:-} timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")
 python3 bench/kernel_breakdown.py "$OUT/trace.json" --steps 10 --wall-ms "$WALL" --gpt --top 40 --gaps 15 --by-stream > "$OUT/breakdown.txt"
 head -c 1500 "$OUT/breakdown.txt"; rm -f "$OUT/trace.json"
+if [[ -n ${TESTS3:-} ]]; then
+  log "CUDA tests under ${TESTS3_ENV:-}"
+  (if [[ -n ${TESTS3_ENV:-} ]]; then export ${TESTS3_ENV}; fi; tests "$TESTS3" tests3)
+fi
+[[ ${SKIP_ATTN:-0} == 1 ]] && finish
 log "attention backends"; timeout 90 python3 bench/exp/attention_backends.py 2>"$OUT/attn.err" | tee "$OUT/attn.jsonl"
 if (( SECONDS < 420 )); then
   log "profile, eager, by op"

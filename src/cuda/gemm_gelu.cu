@@ -1,4 +1,5 @@
-// cuBLASLt matmuls with GELU epilogues (see the header).
+// The GPT's cuBLASLt matmuls: plain, with a bias, with GELU epilogues, and
+// their choice of algorithm (see the header).
 //
 // cuBLASLt is column-major. A row-major [R, C] matrix is a column-major
 // C x R one with leading dimension C, so the row-major products here are
@@ -15,10 +16,14 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <type_traits>
+#include <vector>
 
 namespace ddp::cuda {
 namespace {
@@ -81,11 +86,22 @@ cublasLtHandle_t handle_for(int device) {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
 
-// The descriptors of one matmul, destroyed with it.
+// The largest power of two, up to 256, that divides the address.
+uint32_t alignment(const void* address) {
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  uint32_t a = 1;
+  while (a < 256 && at % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+// The descriptors of one matmul, destroyed with it, and what identifies it
+// for the choice of algorithm: every attribute set, with pointers by their
+// alignment only.
 struct Plan {
   const Lt& l;
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  std::vector<int64_t> key;
   explicit Plan(const Lt& lt) : l(lt) {}
   ~Plan() {
     if (d) l.layout_destroy(d);
@@ -96,6 +112,12 @@ struct Plan {
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
     check(l.desc_set(op, attr, &value, sizeof(value)), "set attribute");
+    key.push_back(static_cast<int64_t>(attr));
+    if constexpr (std::is_pointer_v<T>) {
+      key.push_back(static_cast<int64_t>(alignment(value)));
+    } else {
+      key.push_back(static_cast<int64_t>(value));
+    }
   }
   // D = op_a(A) op_b(B), bf16 operands, fp32 accumulation; each matrix as
   // stored, column-major {rows, columns} with the rows as leading dimension.
@@ -107,43 +129,132 @@ struct Plan {
     check(l.layout_create(&a, CUDA_R_16BF, a_dims[0], a_dims[1], a_dims[0]), "layout");
     check(l.layout_create(&b, CUDA_R_16BF, b_dims[0], b_dims[1], b_dims[0]), "layout");
     check(l.layout_create(&d, d_type, d_dims[0], d_dims[1], d_dims[0]), "layout");
+    key.insert(key.end(), {a_dims[0], a_dims[1], b_dims[0], b_dims[1], d_dims[0], d_dims[1], d_type});
   }
 };
 
-// The largest power of two, up to 256, that divides the tensor's address.
-uint32_t alignment(const at::Tensor& t) {
-  const auto address = reinterpret_cast<std::uintptr_t>(t.data_ptr());
-  uint32_t a = 1;
-  while (a < 256 && address % (2 * a) == 0) a *= 2;
-  return a;
+// ---- the choice of algorithm ----------------------------------------------
+// Why by hand: cuBLASLt's heuristic ranks its algorithms by a model of the
+// GPU, and its first choice is not always the fastest for a given shape;
+// LibTorch takes the first. Like cuDNN's autotuning (which ddptrain turns
+// on), the first eager call of each kind of matmul times the heuristic's
+// candidates on the real operands and keeps the fastest for the process.
+// For GPT-2 124M on an H100 (bench/RESULTS.md, session 25) the output
+// head's forward went from 1.78 to 1.61 ms, its weight gradient from 1.60
+// to 1.52, the MLP's DGELU matmul from 0.159 to 0.148 a layer. Inside a
+// CUDA graph's capture nothing can be timed: a kind not yet seen runs the
+// first choice there (ddptrain's step captures after eager steps).
+
+std::atomic<bool> g_tuning{true};
+
+constexpr int kCandidates = 16;
+constexpr int kTimedRuns = 5;
+
+struct Chosen {
+  cublasLtMatmulAlgo_t algo;
+  bool tuned;  // by timing (else cuBLASLt's first choice, tuning off)
+};
+
+std::mutex& cache_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::vector<int64_t>, Chosen>& cache() {
+  static auto& c = *new std::map<std::vector<int64_t>, Chosen>;  // kept for the process
+  return c;
 }
 
-// Runs the matmul `p` describes on a, b into d, with cuBLASLt's first
-// heuristic choice for the operands' actual alignment (a view at an
-// offset must not get an algorithm that assumes 256 bytes). False if it
-// offers none.
-bool run(const Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// The fastest of `count` candidates over kTimedRuns runs each, after one
+// untimed run; a candidate that fails to run is skipped. Each run writes d
+// in full, so the caller's last run decides what d holds.
+int fastest(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulHeuristicResult_t* found, int count,
+            const at::Tensor& a, const at::Tensor& b, at::Tensor& d, void* workspace, size_t workspace_bytes,
+            cudaStream_t stream) {
+  const float one = 1.f, zero = 0.f;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  C10_CUDA_CHECK(cudaEventCreate(&start));
+  C10_CUDA_CHECK(cudaEventCreate(&stop));
+  int best = 0;
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (int i = 0; i < count; ++i) {
+    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes) continue;
+    auto go = [&] {
+      return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
+                        p.d, &found[i].algo, workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+    };
+    if (!go()) continue;
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    bool ran = true;
+    for (int r = 0; r < kTimedRuns && ran; ++r) ran = go();
+    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    ms /= kTimedRuns;
+    if (ran && ms < best_ms) best_ms = ms, best = i;
+  }
+  C10_CUDA_CHECK(cudaEventDestroy(start));
+  C10_CUDA_CHECK(cudaEventDestroy(stop));
+  return best;
+}
+
+// The largest power of two, up to 256, that divides the tensor's address.
+uint32_t alignment(const at::Tensor& t) { return alignment(t.data_ptr()); }
+
+// Runs the matmul `p` describes on a, b into d, for the operands' actual
+// alignment (a view at an offset must not get an algorithm that assumes
+// 256 bytes): the algorithm chosen for this kind of matmul before, else
+// the fastest of cuBLASLt's candidates (tuning on, not capturing), else
+// its first choice. False if it offers none.
+bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  cublasLtMatmulPreference_t pref = nullptr;
-  check(l.pref_create(&pref), "preference");
-  const uint64_t bytes = kWorkspaceBytes;
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
   const uint32_t align_a = alignment(a), align_b = alignment(b), align_d = alignment(d);
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
-  cublasLtMatmulHeuristicResult_t found{};
-  int count = 0;
+  const bool tune = g_tuning.load();
+  auto key = p.key;
+  key.insert(key.end(), {d.get_device(), align_a, align_b, align_d, tune});
   const auto h = handle_for(d.get_device());
-  const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, 1, &found, &count);
-  l.pref_destroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
   auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
   const float one = 1.f, zero = 0.f;
+  cublasLtMatmulAlgo_t algo{};
+  bool known = false;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    auto it = cache().find(key);
+    if (it != cache().end()) algo = it->second.algo, known = true;
+  }
+  if (!known) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    check(l.pref_create(&pref), "preference");
+    const uint64_t bytes = kWorkspaceBytes;
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
+    const bool timed = tune && !capturing(stream.stream());
+    cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
+    int count = 0;
+    const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
+    l.pref_destroy(pref);
+    if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+    const int pick = timed && count > 1 ? fastest(p, h, found, count, a, b, d, workspace.data_ptr(), kWorkspaceBytes,
+                                                  stream.stream())
+                                        : 0;
+    algo = found[pick].algo;
+    if (timed || !tune) {  // while capturing, the first choice stands in until an eager call can time
+      std::lock_guard<std::mutex> lock(cache_mutex());
+      cache()[key] = Chosen{algo, timed};
+    }
+  }
   check(l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
-                 &found.algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()),
+                 &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()),
         "matmul");
   return true;
 }
@@ -157,6 +268,54 @@ void check_operand(const at::Tensor& t, const char* name, int64_t dims) {
 }  // namespace
 
 bool gemm_gelu_available() { return lt() != nullptr; }
+
+void set_gemm_tuning(bool on) { g_tuning.store(on); }
+bool gemm_tuning() { return g_tuning.load(); }
+
+size_t gemm_tuned_kinds() {
+  std::lock_guard<std::mutex> lock(cache_mutex());
+  size_t n = 0;
+  for (const auto& kind : cache()) n += kind.second.tuned;
+  return n;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  TORCH_CHECK(gemm_gelu_available(), "linear: cuBLASLt is not loaded in this process");
+  check_operand(x, "x", 2);
+  check_operand(w, "w", 2);
+  if (b.defined()) check_operand(b, "b", 1);
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && (!b.defined() || b.size(0) == n), "linear: x ", x.sizes(), ", w ", w.sizes(),
+              " and b ", b.defined() ? b.sizes() : at::IntArrayRef{}, " do not fit");
+  if (n % 8 != 0 || k % 8 != 0 || (b.defined() && alignment(b) < 16)) return {};
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({m, n}, x.options());
+  Plan p(*lt());
+  // W (K x N, transposed) times x^T (K x M) is y^T (N x M).
+  p.describe(CUBLAS_OP_T, CUBLAS_OP_N, {k, n}, {k, m}, {n, m}, CUDA_R_16BF);
+  if (b.defined()) {
+    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BIAS);
+    p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
+  }
+  if (!run(p, w, x, y)) return {};
+  return y;
+}
+
+at::Tensor matmul(const at::Tensor& g, const at::Tensor& w) {
+  TORCH_CHECK(gemm_gelu_available(), "matmul: cuBLASLt is not loaded in this process");
+  check_operand(g, "g", 2);
+  check_operand(w, "w", 2);
+  const int64_t m = g.size(0), n = g.size(1), k = w.size(1);
+  TORCH_CHECK(w.size(0) == n, "matmul: g ", g.sizes(), " and w ", w.sizes(), " do not fit (g: [M, N], w: [N, K])");
+  if (n % 8 != 0 || k % 8 != 0) return {};
+  const c10::cuda::CUDAGuard guard(g.device());
+  auto out = at::empty({m, k}, g.options());
+  Plan p(*lt());
+  // W^T (K x N: W as stored) times g^T (N x M) is out^T (K x M).
+  p.describe(CUBLAS_OP_N, CUBLAS_OP_N, {k, n}, {n, m}, {k, m}, CUDA_R_16BF);
+  if (!run(p, w, g, out)) return {};
+  return out;
+}
 
 std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
   TORCH_CHECK(gemm_gelu_available(), "gemm_gelu: cuBLASLt is not loaded in this process");

@@ -290,7 +290,9 @@ std::vector<at::Tensor> heads_column_sum(at::TensorList parts, const at::Tensor&
     TORCH_CHECK(t.defined() && t.sizes() == first.sizes() && t.scalar_type() == at::kBFloat16 &&
                     t.device() == first.device(),
                 "heads_column_sum: part ", i, " is ", t.sizes(), ", not like part 0's ", first.sizes());
-    kept.push_back(heads_readable(t) ? t : t.contiguous());
+    // A fresh copy where the kernel cannot read t as it is: contiguous() would
+    // return an already contiguous t at its unaligned start unchanged.
+    kept.push_back(heads_readable(t) ? t : t.clone(at::MemoryFormat::Contiguous));
     heads.p[i] = as<__nv_bfloat16>(kept.back());
     heads.sb[i] = kept.back().stride(0);
     heads.sh[i] = kept.back().stride(1);

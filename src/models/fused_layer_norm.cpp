@@ -46,6 +46,9 @@ struct AddLayerNormFn : torch::autograd::Function<AddLayerNormFn> {
                                bool branch_sums) {
     // {sum, out, mean, rstd}
     auto r = cuda::add_layer_norm_forward(x, branch, weight, with_bias ? bias : torch::Tensor(), eps);
+    // An unused output's gradient stays undefined (the backward takes that),
+    // not a tensor of zeros to write and read: the GPT's last sum is unused.
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({r[0], r[2], r[3], weight, bias, branch_bias});
     ctx->saved_data["bias"] = with_bias;
     ctx->saved_data["branch_sums"] = branch_sums;

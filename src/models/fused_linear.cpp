@@ -67,6 +67,28 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   return {g, cuda::column_sum(g, db)};
 }
 
+// x W^T (+ b), bf16: cuda::linear where it takes the operands, else
+// at::linear. The result is not a view for autograd (as at::linear's is
+// not): the loss may overwrite the logits in place.
+torch::Tensor linear16(const torch::Tensor& x, const torch::Tensor& w16, const torch::Tensor& b16) {
+  if (x.is_contiguous() && x.dim() >= 2 && w16.is_contiguous() && (!b16.defined() || b16.is_contiguous())) {
+    auto y = cuda::linear(x.view({-1, x.size(-1)}), w16, b16);
+    if (y.defined()) {
+      auto sizes = x.sizes().vec();
+      sizes.back() = w16.size(0);
+      return at::_unsafe_view(y, sizes);
+    }
+  }
+  return b16.defined() ? at::linear(x, w16, b16) : at::linear(x, w16);
+}
+
+// g W for a [rows, N] g, bf16: cuda::matmul where it takes the operands,
+// else at::mm.
+torch::Tensor mm16(const torch::Tensor& g, const torch::Tensor& w16) {
+  auto y = g.is_contiguous() && w16.is_contiguous() ? cuda::matmul(g, w16) : torch::Tensor();
+  return y.defined() ? y : at::mm(g, w16);
+}
+
 // A bf16 [.., C] gradient as the contiguous [rows, C] matrix the kernels take.
 torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
   auto g = grad.to(torch::kBFloat16).reshape({-1, cols}).contiguous();
@@ -84,7 +106,7 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
                                bool gelu, bool bias_grad) {
     auto w16 = in_bf16(w);
-    auto h = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
+    auto h = linear16(x, w16, has_bias ? in_bf16(b) : torch::Tensor());
     ctx->saved_data["bias"] = has_bias && bias_grad;  // no bias gradient here without both
     ctx->saved_data["gelu"] = gelu;
     if (!gelu) {
@@ -111,7 +133,7 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     }
     auto x2 = x.reshape({-1, in}).contiguous();
     torch::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
+    if (ctx->needs_input_grad(0)) dx = mm16(g, w16).view(x.sizes());
     if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x2);
     return {dx, dw, has_bias ? db : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -132,7 +154,7 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
   static variable_list forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w, torch::Tensor b, bool has_bias,
                                int64_t parts, int64_t heads) {
     auto w16 = in_bf16(w);
-    auto y = has_bias ? at::linear(x, w16, in_bf16(b)) : at::linear(x, w16);
+    auto y = linear16(x, w16, has_bias ? in_bf16(b) : torch::Tensor());
     ctx->saved_data["bias"] = has_bias;
     ctx->saved_data["heads"] = heads;
     ctx->save_for_backward({x, w16, w, b});
@@ -156,7 +178,7 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
     auto r = cuda::heads_column_sum(dparts, bias.defined() ? gradient_home(bias) : torch::Tensor());
     const auto& g = r[0];
     torch::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::mm(g, w16).view(x.sizes());
+    if (ctx->needs_input_grad(0)) dx = mm16(g, w16).view(x.sizes());
     if (ctx->needs_input_grad(1)) dw = weight_grad(w, g, x.reshape({-1, in}).contiguous());
     return {dx, dw, bias.defined() ? r[1] : torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
@@ -177,7 +199,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     auto x2 = x.reshape({-1, in}).contiguous();
     auto w1_16 = in_bf16(w1), w2_16 = in_bf16(w2);
     auto r = cuda::linear_gelu_tanh(x2, w1_16, in_bf16(b1));
-    auto z = at::linear(r[0], w2_16, in_bf16(b2));
+    auto z = linear16(r[0], w2_16, in_bf16(b2));
     ctx->save_for_backward({x2, w1_16, w2_16, r[0], r[1], w1, b1, w2, b2});
     ctx->saved_data["b2_grad"] = b2_grad;
     auto sizes = x.sizes().vec();
@@ -203,7 +225,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     if (dh.defined()) {
       if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
     } else {
-      auto r = bias_grad(b1_wanted, at::mm(g, w2_16), pre, cuda::Gelu::kTanh);
+      auto r = bias_grad(b1_wanted, mm16(g, w2_16), pre, cuda::Gelu::kTanh);
       dh = r[0];
       db1 = r[1];
     }
@@ -212,7 +234,7 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w1_16.size(1);
-      dx = at::mm(dh, w1_16).view(sizes);
+      dx = mm16(dh, w1_16).view(sizes);
     }
     return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2, torch::Tensor()};
   }
@@ -267,7 +289,7 @@ struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
     auto w16 = in_bf16(t->weight);
     ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
     ctx->save_for_backward({x, w16});
-    return at::linear(x, w16);
+    return linear16(x, w16, torch::Tensor());
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
@@ -282,7 +304,7 @@ struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
       if (tie->dw.defined()) tie->dw.add_(dw);
       else tie->dw = dw;
     }
-    return {at::mm(g, w16).view(x.sizes()), torch::Tensor()};
+    return {mm16(g, w16).view(x.sizes()), torch::Tensor()};
   }
 };
 #endif

@@ -81,7 +81,8 @@ void check_options(const GptOptions& o) {
 namespace {
 // With use_fused_linear on, the bias gradients come from ddptrain's kernels
 // (fused_linear.h; with BiasGrad::kInTheAdd, from the residual add's
-// LayerNorm backward); the same forward either way.
+// LayerNorm backward), and the matmuls choose their algorithm by timing;
+// the same products either way, up to the last bit.
 torch::Tensor linear(const torch::nn::Linear& layer, const torch::Tensor& x, BiasGrad bias_grad = BiasGrad::kHere) {
   return linear_bias(x, layer->weight, layer->bias, bias_grad);
 }

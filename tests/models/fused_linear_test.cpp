@@ -160,8 +160,9 @@ TEST(FusedLinear, HeadsColumnSumIsTheCatAndItsSums_CUDA) {
 }
 
 // linear_heads under bf16 autocast against the model's split of
-// torch::linear: the same q, k and v bits, and gradients within bf16
-// rounding through a causal attention, for x and, with a bias and
+// torch::linear: q, k and v of the same layout and products within bf16
+// rounding (the tuned matmul may round a last bit otherwise), and gradients
+// within bf16 rounding through a causal attention, for x and, with a bias and
 // without, the weight and bias; the fused function's node on the tape.
 TEST(FusedLinear, LinearHeadsMatchesTheSplitOfLibTorchsLinear_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
@@ -188,13 +189,14 @@ TEST(FusedLinear, LinearHeadsMatchesTheSplitOfLibTorchsLinear_CUDA) {
       rout = compat::causal_attention(ry[0], ry[1], ry[2], 0.0, true);
     }
     ASSERT_EQ(y.size(), 3u);
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 3; ++i) {  // the same products; the tuned algorithm may round the last bit otherwise
       EXPECT_EQ(y[i].sizes(), ry[i].sizes());
-      EXPECT_TRUE(torch::equal(y[i], ry[i])) << "part " << i;
+      EXPECT_EQ(y[i].strides(), ry[i].strides()) << "part " << i;
+      EXPECT_LE(rel_err(y[i], ry[i]), 1.0 / 128) << "part " << i;
     }
     ASSERT_TRUE(y[0].grad_fn());
     EXPECT_NE(y[0].grad_fn()->name().find("LinearHeadsFn"), std::string::npos) << y[0].grad_fn()->name();
-    EXPECT_TRUE(torch::equal(out, rout));
+    EXPECT_LE(rel_err(out, rout), 1.0 / 64);
     (out.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
     (rout.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
     EXPECT_LE(rel_err(x.grad(), rx.grad()), 1.0 / 128);
@@ -262,9 +264,9 @@ TEST(FusedLinear, GptBiasGradientsMatchLibTorchsOps_CUDA) {
 }
 
 // linear_bias and linear_gelu under bf16 autocast against LibTorch's ops:
-// the same forward bits (the same at::linear and at::gelu), the input and
-// weight gradients from the same matmuls, the bias gradient in fp32 within
-// the bf16 rounding of LibTorch's.
+// the same products (cuBLASLt's, with the algorithm chosen by timing, so the
+// last bit may differ from LibTorch's choice), and the gradients, the bias's
+// in fp32, within the bf16 rounding of LibTorch's.
 TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
@@ -288,7 +290,9 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
       use_fused_linear(true);
     }
     ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
-    EXPECT_TRUE(torch::equal(y, ry));
+    ASSERT_TRUE(y.grad_fn());
+    EXPECT_NE(y.grad_fn()->name().find("LinearBiasFn"), std::string::npos) << y.grad_fn()->name();
+    EXPECT_LE(rel_err(y, ry), 1.0 / 128);
     (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
     (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
     EXPECT_LE(rel_err(x.grad(), rx.grad()), 1.0 / 128);

@@ -1,14 +1,17 @@
-// The GPT MLP's first layer with its GELU in the matmul's epilogue
-// (cuBLASLt): for a model with the tanh GELU, the GELU's own pass over the
-// MLP's widest activation disappears into the matmul.
+// The GPT's linear layers as cuBLASLt matmuls, each with its algorithm
+// chosen by timing (set_gemm_tuning): the forward with its bias in the
+// epilogue, the input and weight gradients, and for the MLP's first layer
+// the GELU in the epilogue both ways.
 //
-// Why: in config (e) (GPT-2 124M, bf16) the exact GELU's forward takes
-// 0.83 ms a step (bench/RESULTS.md, session 13). cuBLASLt's GELU epilogue
-// computes the tanh approximation (the GELU of GPT-2 itself, and of llm.c),
-// so it serves a model that uses it. In the backward, the matmul before the
-// GELU applies its derivative in its epilogue (DGELU): on the H100 that
-// matmul took 2.06 ms a step against 2.85 ms for a plain matmul and ddptrain's
-// GELU-backward pass (bench/RESULTS.md, session 23).
+// Why: cuBLASLt's first heuristic choice, which LibTorch takes, is not
+// always its fastest; on an H100 the tuned choices took config (e)'s step
+// (GPT-2 124M, bf16) from 32.08 to 31.45-31.77 ms (bench/RESULTS.md,
+// session 25). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
+// GELU epilogue removes the GELU's pass over the MLP's widest activation
+// (the exact GELU's forward took 0.83 ms a step, session 13), and in the
+// backward the matmul before the GELU applies its derivative in its
+// epilogue (DGELU): 2.06 ms a step on the H100 against 2.85 ms for a plain
+// matmul and ddptrain's GELU-backward pass (session 23).
 //
 // cuBLASLt is reached through the copy that LibTorch's CUDA library has
 // already loaded (its functions looked up by name), not linked again: a
@@ -18,6 +21,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <vector>
 
 namespace ddp::cuda {
@@ -25,6 +29,31 @@ namespace ddp::cuda {
 /// True where the functions below run: a CUDA build whose LibTorch has
 /// loaded cuBLASLt.
 bool gemm_gelu_available();
+
+/// Whether the matmuls below choose their algorithm by timing: on by
+/// default. The first eager call of each kind (shapes, layouts, epilogue,
+/// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
+/// operands and keeps the fastest for the process, as cuDNN's autotuning
+/// does for convolutions; off, they take cuBLASLt's first choice, as
+/// LibTorch does. Either way the result is the product accumulated in fp32
+/// and rounded once; algorithms may order or split the sum over K
+/// differently, so the last bit may differ from another choice's. Once
+/// chosen, a kind keeps its algorithm: the same operands give the same bits.
+void set_gemm_tuning(bool on);
+bool gemm_tuning();
+/// How many kinds of matmul have their algorithm chosen by timing so far.
+size_t gemm_tuned_kinds();
+
+/// y = x W^T (+ b) in bf16 (epilogue BIAS with a bias), for x: [M, K],
+/// w: [N, K], b: [N] or undefined, contiguous bf16 on one GPU; at::linear's
+/// product with the algorithm chosen as set_gemm_tuning says. Undefined
+/// where cuBLASLt cannot take it (N or K not a multiple of 8, a bias not
+/// 16-byte aligned, no algorithm): the caller then runs at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b);
+
+/// g W in bf16, for g: [M, N] and w: [N, K], contiguous bf16: a linear
+/// layer's input gradient (at::mm's product), undefined as linear() is.
+at::Tensor matmul(const at::Tensor& g, const at::Tensor& w);
 
 /// {y, pre} for pre = x W^T + b and y = gelu_tanh(pre), in one matmul
 /// (epilogue GELU_AUX_BIAS). x: [M, K], w: [N, K], b: [N], all bf16 and

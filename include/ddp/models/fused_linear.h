@@ -5,12 +5,15 @@
 // They apply on CUDA under bf16 autocast, to a layer with fp32 weights (and
 // an fp32 bias, or none) whose output width is a multiple of 8, once
 // use_fused_linear(true) turned them on (off until then, process-wide). The
-// forward is the same at::linear (and at::gelu) on the same bf16 values:
-// the training step's bf16 copies of the parameters where it has them
-// (param_slots.h), else casts. The backward computes the input gradient with
-// the matmul autograd runs; the weight gradient with a bf16 x bf16 -> fp32
-// matmul and the bias gradient as a column sum in fp32 (autocast rounds both
-// to bf16 and casts them back), each written straight into the parameter's
+// forward computes at::linear's product (and at::gelu) on the same bf16
+// values: the training step's bf16 copies of the parameters where it has
+// them (param_slots.h), else casts; its matmuls, and the backward's, are
+// cuBLASLt's with the algorithm chosen by timing (cuda/gemm_gelu.h), so a
+// last bit may differ from LibTorch's. The backward computes the input
+// gradient as autograd's bf16 matmul; the weight gradient with a bf16 x
+// bf16 -> fp32 matmul and the bias gradient as a column sum in fp32
+// (autocast rounds both to bf16 and casts them back), each written straight
+// into the parameter's
 // slot of the flat gradient buffer where it has one; the GELU's backward is
 // folded into the MLP's first bias sum, and the attention's qkv split into
 // its bias sum (linear_heads). A layer whose output goes straight into a
