@@ -152,7 +152,7 @@ constexpr int kTimedRuns = 5;
 
 struct Chosen {
   cublasLtMatmulAlgo_t algo;
-  bool tuned;  // by timing (else cuBLASLt's first choice, tuning off)
+  bool tuned;  // while tuning: the fastest candidate, or the only one (else cuBLASLt's first choice, tuning off)
 };
 
 std::mutex& cache_mutex() {
@@ -170,17 +170,29 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// Two CUDA events, destroyed with it.
+struct EventPair {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EventPair() {
+    C10_CUDA_CHECK(cudaEventCreate(&start));
+    C10_CUDA_CHECK(cudaEventCreate(&stop));
+  }
+  ~EventPair() {
+    cudaEventDestroy(stop);
+    cudaEventDestroy(start);
+  }
+};
+
 // The fastest of `count` candidates over kTimedRuns runs each, after one
-// untimed run; a candidate that fails to run is skipped. Each run writes d
-// in full, so the caller's last run decides what d holds.
+// untimed run; a candidate that fails to run is skipped (-1: none ran).
+// Each run writes d in full, so the caller's last run decides what d holds.
 int fastest(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulHeuristicResult_t* found, int count,
             const at::Tensor& a, const at::Tensor& b, at::Tensor& d, void* workspace, size_t workspace_bytes,
             cudaStream_t stream) {
   const float one = 1.f, zero = 0.f;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  C10_CUDA_CHECK(cudaEventCreate(&start));
-  C10_CUDA_CHECK(cudaEventCreate(&stop));
-  int best = 0;
+  EventPair events;
+  const cudaEvent_t start = events.start, stop = events.stop;
+  int best = -1;
   float best_ms = std::numeric_limits<float>::infinity();
   for (int i = 0; i < count; ++i) {
     if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes) continue;
@@ -199,8 +211,6 @@ int fastest(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulHeuristicResu
     ms /= kTimedRuns;
     if (ran && ms < best_ms) best_ms = ms, best = i;
   }
-  C10_CUDA_CHECK(cudaEventDestroy(start));
-  C10_CUDA_CHECK(cudaEventDestroy(stop));
   return best;
 }
 
@@ -211,7 +221,7 @@ uint32_t alignment(const at::Tensor& t) { return alignment(t.data_ptr()); }
 // alignment (a view at an offset must not get an algorithm that assumes
 // 256 bytes): the algorithm chosen for this kind of matmul before, else
 // the fastest of cuBLASLt's candidates (tuning on, not capturing), else
-// its first choice. False if it offers none.
+// its first choice. False if it offers none, or none runs.
 bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -247,16 +257,16 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
     const int pick = timed && count > 1 ? fastest(p, h, found, count, a, b, d, workspace.data_ptr(), kWorkspaceBytes,
                                                   stream.stream())
                                         : 0;
+    if (pick < 0) return false;  // no candidate ran: nothing is kept, the caller falls back
     algo = found[pick].algo;
     if (timed || !tune) {  // while capturing, the first choice stands in until an eager call can time
       std::lock_guard<std::mutex> lock(cache_mutex());
-      cache()[key] = Chosen{algo, timed};
+      // A kind keeps one algorithm: where another thread chose first, its choice stands.
+      algo = cache().emplace(key, Chosen{algo, timed}).first->second.algo;
     }
   }
-  check(l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
-                 &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()),
-        "matmul");
-  return true;
+  return l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
+                  &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()) == CUBLAS_STATUS_SUCCESS;
 }
 
 void check_operand(const at::Tensor& t, const char* name, int64_t dims) {
@@ -336,7 +346,7 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, b.data_ptr());
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, pre.data_ptr());
   p.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(n));
-  TORCH_CHECK(run(p, w, x, y), "gemm_gelu: cuBLASLt has no GELU_AUX_BIAS algorithm for x ", x.sizes(), " w ", w.sizes());
+  TORCH_CHECK(run(p, w, x, y), "gemm_gelu: cuBLASLt offered or ran no GELU_AUX_BIAS algorithm for x ", x.sizes(), " w ", w.sizes());
   return {y, pre};
 }
 
@@ -354,7 +364,7 @@ void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out
   // x^T (K x M) times g^T (N x M, transposed) is out^T (K x N), in fp32.
   p.describe(CUBLAS_OP_N, CUBLAS_OP_T, {k, m}, {n, m}, {k, n}, CUDA_R_32F);
   at::Tensor d = out;
-  TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt has no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
+  TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt offered or ran no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
               x.sizes());
 }
 

@@ -312,7 +312,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock, 2)
   // The block's warps add their rows in shared memory (warp 0 to the last:
   // a fixed order), and the block writes one row of each part: the
   // finalising kernel reads a row a block, not a row a warp (2,112 rows of
-  // 768 columns, three times, on an H100).
+  // 768 columns, for two or three sums, on an H100).
   auto block_sum = [&](float* out_row) {  // every warp's row is in `rows4`
     const float4* rows4 = branch_sums;
     __syncthreads();

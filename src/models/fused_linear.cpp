@@ -68,8 +68,8 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
 }
 
 // x W^T (+ b), bf16: cuda::linear where it takes the operands, else
-// at::linear. The result is not a view for autograd (as at::linear's is
-// not): the loss may overwrite the logits in place.
+// at::linear. The result is not a view for autograd (as at::linear's is not
+// without a bias): the loss may overwrite the logits in place.
 torch::Tensor linear16(const torch::Tensor& x, const torch::Tensor& w16, const torch::Tensor& b16) {
   if (x.is_contiguous() && x.dim() >= 2 && w16.is_contiguous() && (!b16.defined() || b16.is_contiguous())) {
     auto y = cuda::linear(x.view({-1, x.size(-1)}), w16, b16);
@@ -97,7 +97,8 @@ torch::Tensor as_rows(const torch::Tensor& grad, int64_t cols) {
 
 // y = x W^T (+ b) (then gelu(y) with `gelu`), x in bf16 (cast by the
 // caller, as autocast would), W and b the fp32 parameters, read in bf16.
-// Backward: dx = g W, the matmul autograd runs for at::linear; dW = g^T x
+// The matmuls are cuBLASLt's (linear16, mm16, weight_grad: algorithms chosen
+// by timing). Backward: dx = g W in bf16, as autograd's for at::linear; dW = g^T x
 // and db = the column sums of g, both in fp32 (weight_grad, column_sum);
 // with `gelu`, g is first the GELU's backward, in the same pass as db.
 // Without a bias (the GPT's output head), `b` is W again and unused. With
@@ -187,7 +188,7 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
 // z = gelu_tanh(x W1^T + b1) W2^T + b2, x in bf16 (cast by the caller), the
 // weights and biases the fp32 parameters, read in bf16. Forward: the first
 // matmul with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps
-// pre = x W1^T + b1), the second as at::linear. Backward: db2 = column sums
+// pre = x W1^T + b1), the second as linear16. Backward: db2 = column sums
 // of g; dW2 = g^T y; dh = (g W2) * gelu_tanh'(pre) in the matmul's DGELU
 // epilogue, then db1, its column sums; dW1 = dh^T x; dx = dh W1. The weight
 // and bias gradients in fp32, into their slots where they have them. With

@@ -153,14 +153,17 @@ TEST(GemmGelu, TunedChoiceIsKeptForLaterCalls_CUDA) {
 #else
   TuningAs tuning(true);
   torch::manual_seed(5);
-  // Shapes no other test uses, so that this test sees their first call.
-  auto x = bf16(torch::randn({1000, 264})), w = bf16(torch::randn({520, 264}) * 0.05), b = bf16(torch::randn({520}));
+  // Shapes no other test uses, so that this test sees their first call; new
+  // rows on each pass (--gtest_repeat), as the choices live for the process.
+  static int64_t pass = 0;
+  const int64_t m = 1000 + 8 * pass++;
+  auto x = bf16(torch::randn({m, 264})), w = bf16(torch::randn({520, 264}) * 0.05), b = bf16(torch::randn({520}));
   const size_t before = ddp::cuda::gemm_tuned_kinds();
   auto first = ddp::cuda::linear(x, w, b);
   EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 1) << "one new kind, tuned and kept";
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(ddp::cuda::linear(x, w, b), first)) << "call " << i;
   EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 1) << "no second tuning of a known kind";
-  auto g = bf16(torch::randn({1000, 520}));
+  auto g = bf16(torch::randn({m, 520}));
   torch::Tensor captured;
   {
     const c10::cuda::CUDAStreamGuard side(at::cuda::getStreamFromPool());

@@ -194,7 +194,7 @@ TEST(FusedLayerNorm, BranchBiasGetsTheLinearsBiasGradient) {
       // rest: the same arithmetic (another kernel variant may contract
       // another multiply-add).
       const double scale = grads[0][i].abs().max().item<double>();
-      if (c.use_out || i < 4) EXPECT_GT(scale, 0);  // an unused LayerNorm output gives its weight and bias zeros
+      if (c.use_out || i < 4) EXPECT_GT(scale, 0);  // an unused LayerNorm output gives its weight and bias no gradient or zeros
       EXPECT_LE((grads[1][i] - grads[0][i]).abs().max().item<double>(), (i == 3 ? 1e-5 : 1e-6) * scale);
     }
   }

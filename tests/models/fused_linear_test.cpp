@@ -546,14 +546,15 @@ TEST(FusedLinear, TanhGptTrainsAsWithLibTorchsOps_CUDA) {
 
 using ddp::testing::max_rel_diff;
 
-// The same first loss (the forward is the same ops), then trajectories that
-// follow each other while the loss falls; graphed equals eager.
+// The same first loss to bf16 rounding (the same products; a tuned matmul
+// may round a last bit otherwise), then trajectories that follow each other
+// while the loss falls; graphed equals eager.
 TEST(FusedLinear, GptTrainsAsWithLibTorchsOps_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   auto fused = linear_gpt_losses(true, false, 12);
   auto native = linear_gpt_losses(false, false, 12);
   EXPECT_LT(fused.back(), fused.front()) << ::testing::PrintToString(fused);
-  EXPECT_EQ(fused[0], native[0]);
+  EXPECT_NEAR(fused[0], native[0], 1e-3 * native[0]);
   EXPECT_LE(max_rel_diff(fused, native), 2e-2) << ::testing::PrintToString(fused) << " vs "
                                                << ::testing::PrintToString(native);
   auto graphed = linear_gpt_losses(true, true, 8);

@@ -35,13 +35,15 @@ bool gemm_gelu_available();
 /// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
 /// operands and keeps the fastest for the process, as cuDNN's autotuning
 /// does for convolutions; off, they take cuBLASLt's first choice, as
-/// LibTorch does. Either way the result is the product accumulated in fp32
-/// and rounded once; algorithms may order or split the sum over K
-/// differently, so the last bit may differ from another choice's. Once
-/// chosen, a kind keeps its algorithm: the same operands give the same bits.
+/// LibTorch does. Either way the products accumulate in fp32; algorithms
+/// may order or split the sum over K differently (a split one may add its
+/// parts in the output's type, as under LibTorch's choice too), so the last
+/// bit may differ from another choice's. Once chosen, a kind keeps its
+/// algorithm: the same operands give the same bits.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
-/// How many kinds of matmul have their algorithm chosen by timing so far.
+/// How many kinds of matmul have their algorithm chosen while tuning so far
+/// (the fastest of cuBLASLt's candidates, or its only one).
 size_t gemm_tuned_kinds();
 
 /// y = x W^T (+ b) in bf16 (epilogue BIAS with a bias), for x: [M, K],

@@ -10,7 +10,7 @@
 // them (param_slots.h), else casts; its matmuls, and the backward's, are
 // cuBLASLt's with the algorithm chosen by timing (cuda/gemm_gelu.h), so a
 // last bit may differ from LibTorch's. The backward computes the input
-// gradient as autograd's bf16 matmul; the weight gradient with a bf16 x
+// gradient as a bf16 matmul, as autograd does; the weight gradient with a bf16 x
 // bf16 -> fp32 matmul and the bias gradient as a column sum in fp32
 // (autocast rounds both to bf16 and casts them back), each written straight
 // into the parameter's
