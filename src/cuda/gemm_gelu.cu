@@ -150,17 +150,13 @@ std::atomic<bool> g_tuning{true};
 constexpr int kCandidates = 16;
 constexpr int kTimedRuns = 5;
 
-struct Chosen {
-  cublasLtMatmulAlgo_t algo;
-  bool tuned;  // while tuning: the fastest candidate, or the only one (else cuBLASLt's first choice, tuning off)
-};
-
 std::mutex& cache_mutex() {
   static std::mutex m;
   return m;
 }
-std::map<std::vector<int64_t>, Chosen>& cache() {
-  static auto& c = *new std::map<std::vector<int64_t>, Chosen>;  // kept for the process
+// The algorithm chosen while tuning for each kind of matmul (Plan::key).
+std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t>& cache() {
+  static auto& c = *new std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t>;  // kept for the process
   return c;
 }
 
@@ -220,24 +216,24 @@ uint32_t alignment(const at::Tensor& t) { return alignment(t.data_ptr()); }
 // Runs the matmul `p` describes on a, b into d, for the operands' actual
 // alignment (a view at an offset must not get an algorithm that assumes
 // 256 bytes): the algorithm chosen for this kind of matmul before, else
-// the fastest of cuBLASLt's candidates (tuning on, not capturing), else
-// its first choice. False if it offers none, or none runs.
+// the fastest of cuBLASLt's candidates (tuning on, not capturing: kept),
+// else its first choice (not kept). False if it offers none, or none runs.
 bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
   const uint32_t align_a = alignment(a), align_b = alignment(b), align_d = alignment(d);
   const bool tune = g_tuning.load();
   auto key = p.key;
-  key.insert(key.end(), {d.get_device(), align_a, align_b, align_d, tune});
+  key.insert(key.end(), {d.get_device(), align_a, align_b, align_d});
   const auto h = handle_for(d.get_device());
   auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
   const float one = 1.f, zero = 0.f;
   cublasLtMatmulAlgo_t algo{};
   bool known = false;
-  {
+  if (tune) {
     std::lock_guard<std::mutex> lock(cache_mutex());
     auto it = cache().find(key);
-    if (it != cache().end()) algo = it->second.algo, known = true;
+    if (it != cache().end()) algo = it->second, known = true;
   }
   if (!known) {
     cublasLtMatmulPreference_t pref = nullptr;
@@ -259,10 +255,10 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
                                         : 0;
     if (pick < 0) return false;  // no candidate ran: nothing is kept, the caller falls back
     algo = found[pick].algo;
-    if (timed || !tune) {  // while capturing, the first choice stands in until an eager call can time
+    if (timed) {  // while capturing, the first choice stands in until an eager call can time
       std::lock_guard<std::mutex> lock(cache_mutex());
       // A kind keeps one algorithm: where another thread chose first, its choice stands.
-      algo = cache().emplace(key, Chosen{algo, timed}).first->second.algo;
+      algo = cache().emplace(key, algo).first->second;
     }
   }
   return l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
@@ -284,9 +280,7 @@ bool gemm_tuning() { return g_tuning.load(); }
 
 size_t gemm_tuned_kinds() {
   std::lock_guard<std::mutex> lock(cache_mutex());
-  size_t n = 0;
-  for (const auto& kind : cache()) n += kind.second.tuned;
-  return n;
+  return cache().size();
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
