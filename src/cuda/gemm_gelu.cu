@@ -15,13 +15,21 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -41,6 +49,13 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  // For the wide search (see below).
+  decltype(&cublasLtMatmulAlgoGetIds) algo_ids = nullptr;
+  decltype(&cublasLtMatmulAlgoInit) algo_init = nullptr;
+  decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
+  decltype(&cublasLtMatmulAlgoCapGetAttribute) cap_get = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
 };
 
 template <typename F>
@@ -60,7 +75,12 @@ const Lt* lt() {
                      find(l->pref_create, "cublasLtMatmulPreferenceCreate") &&
                      find(l->pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
                      find(l->pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
-                     find(l->heuristic, "cublasLtMatmulAlgoGetHeuristic") && find(l->matmul, "cublasLtMatmul");
+                     find(l->heuristic, "cublasLtMatmulAlgoGetHeuristic") && find(l->matmul, "cublasLtMatmul") &&
+                     find(l->algo_ids, "cublasLtMatmulAlgoGetIds") && find(l->algo_init, "cublasLtMatmulAlgoInit") &&
+                     find(l->algo_check, "cublasLtMatmulAlgoCheck") &&
+                     find(l->cap_get, "cublasLtMatmulAlgoCapGetAttribute") &&
+                     find(l->config_set, "cublasLtMatmulAlgoConfigSetAttribute") &&
+                     find(l->config_get, "cublasLtMatmulAlgoConfigGetAttribute");
     return all ? l : nullptr;
   }();
   return loaded;
@@ -101,7 +121,9 @@ struct Plan {
   const Lt& l;
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cudaDataType_t d_type = CUDA_R_16BF;
   std::vector<int64_t> key;
+  std::string shape;  // for the tuning log
   explicit Plan(const Lt& lt) : l(lt) {}
   ~Plan() {
     if (d) l.layout_destroy(d);
@@ -129,6 +151,11 @@ struct Plan {
     check(l.layout_create(&a, CUDA_R_16BF, a_dims[0], a_dims[1], a_dims[0]), "layout");
     check(l.layout_create(&b, CUDA_R_16BF, b_dims[0], b_dims[1], b_dims[0]), "layout");
     check(l.layout_create(&d, d_type, d_dims[0], d_dims[1], d_dims[0]), "layout");
+    this->d_type = d_type;
+    std::ostringstream text;
+    text << "A " << a_dims[0] << "x" << a_dims[1] << (op_a == CUBLAS_OP_T ? "^T" : "") << " B " << b_dims[0] << "x"
+         << b_dims[1] << (op_b == CUBLAS_OP_T ? "^T" : "") << (d_type == CUDA_R_32F ? " fp32" : " bf16");
+    shape = text.str();
     key.insert(key.end(), {a_dims[0], a_dims[1], b_dims[0], b_dims[1], d_dims[0], d_dims[1], d_type});
   }
 };
@@ -148,7 +175,21 @@ struct Plan {
 std::atomic<bool> g_tuning{true};
 
 constexpr int kCandidates = 16;
-constexpr int kTimedRuns = 5;
+
+// Experiment switches (session 26, read once): DDP_GEMM_SEARCH=wide widens
+// the candidates (below); DDP_GEMM_TUNE_LOG=1 prints each kind's choice.
+bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v && std::strcmp(v, value) == 0;
+}
+bool wide_search() {
+  static const bool on = env_is("DDP_GEMM_SEARCH", "wide");
+  return on;
+}
+bool tune_log() {
+  static const bool on = env_is("DDP_GEMM_TUNE_LOG", "1");
+  return on;
+}
 
 std::mutex& cache_mutex() {
   static std::mutex m;
@@ -179,35 +220,188 @@ struct EventPair {
   }
 };
 
-// The fastest of `count` candidates over kTimedRuns runs each, after one
-// untimed run; a candidate that fails to run is skipped (-1: none ran).
-// Each run writes d in full, so the caller's last run decides what d holds.
-int fastest(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulHeuristicResult_t* found, int count,
-            const at::Tensor& a, const at::Tensor& b, at::Tensor& d, void* workspace, size_t workspace_bytes,
-            cudaStream_t stream) {
-  const float one = 1.f, zero = 0.f;
+// One matmul of a kind on its operands, with a given algorithm.
+struct Trial {
+  const Plan& p;
+  cublasLtHandle_t h;
+  const at::Tensor& a;
+  const at::Tensor& b;
+  at::Tensor& d;
+  void* workspace;
+  cudaStream_t stream;
   EventPair events;
-  const cudaEvent_t start = events.start, stop = events.stop;
-  int best = -1;
-  float best_ms = std::numeric_limits<float>::infinity();
-  for (int i = 0; i < count; ++i) {
-    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes) continue;
-    auto go = [&] {
-      return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
-                        p.d, &found[i].algo, workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
-    };
-    if (!go()) continue;
-    C10_CUDA_CHECK(cudaEventRecord(start, stream));
-    bool ran = true;
-    for (int r = 0; r < kTimedRuns && ran; ++r) ran = go();
-    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.f;
-    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    ms /= kTimedRuns;
-    if (ran && ms < best_ms) best_ms = ms, best = i;
+
+  bool go(const cublasLtMatmulAlgo_t& algo) const {
+    const float one = 1.f, zero = 0.f;
+    return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
+                      p.d, &algo, workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
   }
-  return best;
+  // Mean ms of `runs` runs after one untimed run; infinity if it fails.
+  float ms(const cublasLtMatmulAlgo_t& algo, int runs) {
+    if (!go(algo)) return std::numeric_limits<float>::infinity();
+    C10_CUDA_CHECK(cudaEventRecord(events.start, stream));
+    bool ran = true;
+    for (int r = 0; r < runs && ran; ++r) ran = go(algo);
+    C10_CUDA_CHECK(cudaEventRecord(events.stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(events.stop));
+    float t = 0.f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&t, events.start, events.stop));
+    return ran ? t / runs : std::numeric_limits<float>::infinity();
+  }
+};
+
+bool same(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+  return std::memcmp(&x, &y, sizeof(x)) == 0;
+}
+
+// A candidate and where it came from (0: the heuristic's best fits, 1: its
+// best configurations per algorithm id, 2: a neighbour of a fast one).
+struct Candidate {
+  cublasLtMatmulAlgo_t algo;
+  int origin;
+  float ms = std::numeric_limits<float>::infinity();
+};
+
+void add(std::vector<Candidate>& to, const cublasLtMatmulAlgo_t& algo, int origin) {
+  for (const auto& c : to)
+    if (same(c.algo, algo)) return;
+  to.push_back({algo, origin});
+}
+
+cublasLtMatmulPreference_t preference(const Lt& l, uint32_t align_a, uint32_t align_b, uint32_t align_d,
+                                      uint32_t mode) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(l.pref_create(&pref), "preference");
+  const uint64_t bytes = kWorkspaceBytes;
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_SEARCH_MODE, &mode, sizeof(mode)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
+  return pref;
+}
+
+// The wide search's extra candidates. Why by hand: cuBLASLt's best-fit
+// heuristic offers at most 8 configurations; the others are reached only by
+// asking it per algorithm id and by changing one configuration attribute
+// of a fast candidate (its tile, pipeline stages, thread-block cluster or
+// CTA swizzle), each checked by cublasLtMatmulAlgoCheck before it runs.
+// Split-K configurations are left as the heuristic gives them: a new split
+// could add its parts atomically, in no fixed order.
+void per_id(const Plan& p, cublasLtHandle_t h, cublasLtMatmulPreference_t pref, std::vector<Candidate>& out) {
+  const Lt& l = p.l;
+  int ids[256];
+  int n_ids = 0;
+  if (l.algo_ids(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, p.d_type, p.d_type, 256, ids, &n_ids) !=
+      CUBLAS_STATUS_SUCCESS)
+    return;
+  constexpr int kPerId = 4;
+  for (int i = 0; i < n_ids; ++i) {
+    cublasLtMatmulHeuristicResult_t found[kPerId] = {};
+    bool init = true;
+    for (auto& f : found)
+      init = init && l.algo_init(h, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF, p.d_type, p.d_type,
+                                 ids[i], &f.algo) == CUBLAS_STATUS_SUCCESS;
+    if (!init) continue;
+    int count = 0;
+    if (l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, kPerId, found, &count) != CUBLAS_STATUS_SUCCESS) continue;
+    for (int j = 0; j < count; ++j)
+      if (found[j].state == CUBLAS_STATUS_SUCCESS && found[j].workspaceSize <= kWorkspaceBytes)
+        add(out, found[j].algo, 1);
+  }
+}
+
+// The values an algorithm accepts for a configuration attribute.
+std::vector<uint32_t> accepted(const Lt& l, const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  auto list = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
+    size_t bytes = 0;
+    if (l.cap_get(&algo, cap, nullptr, 0, &bytes) != CUBLAS_STATUS_SUCCESS || bytes == 0) return std::vector<uint32_t>{};
+    std::vector<uint32_t> v(bytes / sizeof(uint32_t));
+    if (l.cap_get(&algo, cap, v.data(), bytes, &bytes) != CUBLAS_STATUS_SUCCESS) return std::vector<uint32_t>{};
+    return v;
+  };
+  switch (attr) {
+    case CUBLASLT_ALGO_CONFIG_TILE_ID: return list(CUBLASLT_ALGO_CAP_TILE_IDS);
+    case CUBLASLT_ALGO_CONFIG_STAGES_ID: return list(CUBLASLT_ALGO_CAP_STAGES_IDS);
+    case CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING: {
+      uint32_t s = 0;
+      size_t bytes = 0;
+      l.cap_get(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &s, sizeof(s), &bytes);
+      return s ? std::vector<uint32_t>{0, 1} : std::vector<uint32_t>{};
+    }
+    case CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID: {  // no capability lists them: the enum's, checked one by one
+      std::vector<uint32_t> v;
+      for (uint32_t c = 0; c < CUBLASLT_CLUSTER_SHAPE_END; ++c) v.push_back(c);
+      return v;
+    }
+    default: return {};
+  }
+}
+
+void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& of, std::vector<Candidate>& out) {
+  const Lt& l = p.l;
+  for (auto attr : {CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_STAGES_ID, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID,
+                    CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING}) {
+    for (uint32_t value : accepted(l, of, attr)) {
+      cublasLtMatmulAlgo_t algo = of;
+      if (l.config_set(&algo, attr, &value, sizeof(value)) != CUBLAS_STATUS_SUCCESS) continue;
+      cublasLtMatmulHeuristicResult_t result{};
+      if (l.algo_check(h, p.op, p.a, p.b, p.d, p.d, &algo, &result) != CUBLAS_STATUS_SUCCESS ||
+          result.workspaceSize > kWorkspaceBytes)
+        continue;
+      add(out, algo, 2);
+    }
+  }
+}
+
+// The fastest candidate, timed on the real operands; -1 if none ran. Each
+// run writes d in full, so the caller's last run decides what d holds.
+// Narrow: the heuristic's candidates, 5 runs each. Wide: those, its best
+// per algorithm id, and the neighbours of the 3 fastest, screened by 3 runs
+// each; the 4 fastest then timed again by 10 runs.
+cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, cublasLtMatmulPreference_t pref_wide,
+                            std::vector<Candidate>& c, bool& ok) {
+  const bool wide = pref_wide != nullptr;
+  const auto t0 = std::chrono::steady_clock::now();
+  const float first_ms = tune_log() ? trial.ms(c[0].algo, 5) : 0.f;
+  const size_t n_fit = c.size();
+  if (wide) per_id(p, trial.h, pref_wide, c);
+  for (auto& x : c) x.ms = trial.ms(x.algo, wide ? 3 : 5);
+  auto by_time = [](const Candidate& x, const Candidate& y) { return x.ms < y.ms; };
+  if (wide) {
+    std::vector<Candidate> sorted = c;
+    std::stable_sort(sorted.begin(), sorted.end(), by_time);
+    const size_t before = c.size();
+    for (size_t i = 0; i < std::min<size_t>(3, sorted.size()); ++i)
+      if (std::isfinite(sorted[i].ms)) neighbours(p, trial.h, sorted[i].algo, c);
+    for (size_t i = before; i < c.size(); ++i) c[i].ms = trial.ms(c[i].algo, 3);
+    std::stable_sort(c.begin(), c.end(), by_time);
+    for (size_t i = 0; i < std::min<size_t>(4, c.size()); ++i)
+      if (std::isfinite(c[i].ms)) c[i].ms = trial.ms(c[i].algo, 10);
+  }
+  const auto best = std::min_element(c.begin(), c.end(), by_time);
+  ok = best != c.end() && std::isfinite(best->ms);
+  if (tune_log()) {
+    float fit_ms = std::numeric_limits<float>::infinity();
+    for (const auto& x : c)
+      if (x.origin == 0) fit_ms = std::min(fit_ms, x.ms);
+    int32_t id = -1, tile = -1, stages = -1, cluster = -1;
+    size_t bytes = 0;
+    if (ok) {
+      p.l.config_get(&best->algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &bytes);
+      p.l.config_get(&best->algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &bytes);
+      p.l.config_get(&best->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &bytes);
+      p.l.config_get(&best->algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster, sizeof(cluster), &bytes);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr,
+                 "gemm-tune [%s] first %.4f ms, best fit %.4f ms (of %zu), chosen %.4f ms (origin %d, id %d tile %d "
+                 "stages %d cluster %d) of %zu candidates in %.2f s\n",
+                 (p.shape + (p.key.size() > 11 ? " +epilogue" : "")).c_str(), first_ms, fit_ms, n_fit, ok ? best->ms : -1.f, ok ? best->origin : -1, id, tile,
+                 stages, cluster, c.size(), s);
+  }
+  return ok ? best->algo : cublasLtMatmulAlgo_t{};
 }
 
 // The largest power of two, up to 256, that divides the tensor's address.
@@ -236,25 +430,28 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
     if (it != cache().end()) algo = it->second, known = true;
   }
   if (!known) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    check(l.pref_create(&pref), "preference");
-    const uint64_t bytes = kWorkspaceBytes;
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
     const bool timed = tune && !capturing(stream.stream());
+    cublasLtMatmulPreference_t pref = preference(l, align_a, align_b, align_d, CUBLASLT_SEARCH_BEST_FIT);
     cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
     int count = 0;
     const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
     l.pref_destroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
-    const int pick = timed && count > 1 ? fastest(p, h, found, count, a, b, d, workspace.data_ptr(), kWorkspaceBytes,
-                                                  stream.stream())
-                                        : 0;
-    if (pick < 0) return false;  // no candidate ran: nothing is kept, the caller falls back
-    algo = found[pick].algo;
+    std::vector<Candidate> candidates;
+    for (int i = 0; i < count; ++i)
+      if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= kWorkspaceBytes)
+        add(candidates, found[i].algo, 0);
+    if (candidates.empty()) return false;
+    algo = candidates[0].algo;
+    if (timed && (candidates.size() > 1 || wide_search() || tune_log())) {
+      Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
+      cublasLtMatmulPreference_t wide =
+          wide_search() ? preference(l, align_a, align_b, align_d, CUBLASLT_SEARCH_LIMITED_BY_ALGO_ID) : nullptr;
+      bool ok = false;
+      algo = choose(p, trial, wide, candidates, ok);
+      if (wide) l.pref_destroy(wide);
+      if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
+    }
     if (timed) {  // while capturing, the first choice stands in until an eager call can time
       std::lock_guard<std::mutex> lock(cache_mutex());
       // A kind keeps one algorithm: where another thread chose first, its choice stands.
