@@ -49,7 +49,7 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
-  // For the wide search and the alignment check (see below).
+  // For the neighbours and the alignment check (see below).
   decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
   decltype(&cublasLtMatmulAlgoCapGetAttribute) cap_get = nullptr;
   decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
@@ -162,10 +162,13 @@ struct Plan {
 // GPU, and its first choice is not always the fastest for a given shape;
 // LibTorch takes the first. Like cuDNN's autotuning (which ddptrain turns
 // on), the first eager call of each kind of matmul times the heuristic's
-// candidates on the real operands and keeps the fastest for the process.
-// For GPT-2 124M on an H100 (bench/RESULTS.md, session 25) the output
-// head's forward went from 1.78 to 1.61 ms, its weight gradient from 1.60
-// to 1.52, the MLP's DGELU matmul from 0.159 to 0.148 a layer. Inside a
+// candidates and their neighbours (below) on the real operands and keeps
+// the fastest for the process. For GPT-2 124M on an H100 (bench/RESULTS.md,
+// sessions 25 and 26) the output head's forward went from 1.76 to 1.58 ms,
+// its input gradient from 1.77 to 1.50, its weight gradient from 1.57 to
+// 1.50, the MLP's DGELU matmul from 0.155 to 0.145 a layer and c_fc's weight
+// gradient from 0.122 to 0.106. Tuning GPT-2's 15 kinds takes about 20 s,
+// most of it on the output head's three (session 26). Inside a
 // CUDA graph's capture nothing can be timed: a kind not yet seen runs the
 // first choice there (ddptrain's step captures after eager steps).
 
@@ -173,18 +176,13 @@ std::atomic<bool> g_tuning{true};
 
 constexpr int kCandidates = 16;
 
-// Experiment switches (session 26, read once): DDP_GEMM_SEARCH=wide widens
-// the candidates (below); DDP_GEMM_TUNE_LOG=1 prints each kind's choice.
-bool env_is(const char* name, const char* value) {
-  const char* v = std::getenv(name);
-  return v && std::strcmp(v, value) == 0;
-}
-bool wide_search() {
-  static const bool on = env_is("DDP_GEMM_SEARCH", "wide");
-  return on;
-}
+// DDP_GEMM_TUNE_LOG=1 prints each kind's choice and its tuning time to
+// stderr (read once).
 bool tune_log() {
-  static const bool on = env_is("DDP_GEMM_TUNE_LOG", "1");
+  static const bool on = [] {
+    const char* v = std::getenv("DDP_GEMM_TUNE_LOG");
+    return v && std::strcmp(v, "1") == 0;
+  }();
   return on;
 }
 
@@ -271,10 +269,20 @@ void add(std::vector<Candidate>& to, const cublasLtMatmulAlgo_t& algo, int origi
   to.push_back({algo, origin});
 }
 
-cublasLtMatmulPreference_t preference(const Lt& l, uint32_t align_a, uint32_t align_b, uint32_t align_d) {
+// The heuristic's preferences. A split over K whose parts are added in a
+// bf16 output's type (in place or out of place) rounds each part: session
+// 26 saw a DGELU algorithm so chosen miss float64 by 1.3% (bf16 keeps
+// 0.4%). Where the output is bf16 only the fp32 sum of parts is allowed, as
+// under PyTorch's allow_bf16_reduced_precision_reduction = False.
+cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32_t align_a, uint32_t align_b,
+                                      uint32_t align_d) {
   cublasLtMatmulPreference_t pref = nullptr;
   check(l.pref_create(&pref), "preference");
   const uint64_t bytes = kWorkspaceBytes;
+  if (d_type != CUDA_R_32F) {
+    const uint32_t fp32_sums = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &fp32_sums, sizeof(fp32_sums)), "preference");
+  }
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
@@ -283,7 +291,7 @@ cublasLtMatmulPreference_t preference(const Lt& l, uint32_t align_a, uint32_t al
   return pref;
 }
 
-// The wide search's extra candidates. Why by hand: cuBLASLt's best-fit
+// The neighbours: candidates beyond the heuristic's. Why by hand: cuBLASLt's best-fit
 // heuristic offers at most 8 configurations, and on an H100 a faster one
 // was often one attribute away from them (session 26: the output head's
 // input gradient 1.61 -> 1.52 ms, c_fc's weight gradient 0.122 -> 0.113 ms
@@ -330,10 +338,10 @@ void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& o
 
 // The fastest candidate, timed on the real operands; `ok` false if none
 // ran. Each run writes d in full, so the caller's last run decides what d
-// holds. Narrow: the heuristic's candidates, 5 runs each. Wide: those and
-// the neighbours of the 3 fastest, 3 runs each (1 where the first run is
-// over 1.25x the fastest so far); the 4 fastest then 10 runs each.
-cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, bool wide, std::vector<Candidate>& c, bool& ok) {
+// holds. The heuristic's candidates and the neighbours of the 3 fastest,
+// 3 runs each (1 where the first run is over 1.25x the fastest so far);
+// the 4 fastest then 10 runs each.
+cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, std::vector<Candidate>& c, bool& ok) {
   const auto t0 = std::chrono::steady_clock::now();
   const float first_ms = tune_log() ? trial.ms(c[0].algo, 5) : 0.f;
   const size_t n_fit = c.size();
@@ -341,21 +349,19 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, bool wide, std::vector<
   float best = std::numeric_limits<float>::infinity();
   auto screen = [&](size_t from) {
     for (size_t i = from; i < c.size(); ++i) {
-      c[i].ms = wide ? trial.ms(c[i].algo, 3, 1.25f * best) : trial.ms(c[i].algo, 5);
+      c[i].ms = trial.ms(c[i].algo, 3, 1.25f * best);
       best = std::min(best, c[i].ms);
     }
   };
   screen(0);
-  if (wide) {
-    std::vector<Candidate> fit = c;
-    std::stable_sort(fit.begin(), fit.end(), by_time);
-    for (size_t i = 0; i < std::min<size_t>(3, fit.size()); ++i)
-      if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, c);
-    screen(n_fit);
-    std::stable_sort(c.begin(), c.end(), by_time);
-    for (size_t i = 0; i < std::min<size_t>(4, c.size()); ++i)
-      if (std::isfinite(c[i].ms)) c[i].ms = trial.ms(c[i].algo, 10);
-  }
+  std::vector<Candidate> fit = c;
+  std::stable_sort(fit.begin(), fit.end(), by_time);
+  for (size_t i = 0; i < std::min<size_t>(3, fit.size()); ++i)
+    if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, c);
+  screen(n_fit);
+  std::stable_sort(c.begin(), c.end(), by_time);
+  for (size_t i = 0; i < std::min<size_t>(4, c.size()); ++i)
+    if (std::isfinite(c[i].ms)) c[i].ms = trial.ms(c[i].algo, 10);
   const auto chosen = std::min_element(c.begin(), c.end(), by_time);
   ok = chosen != c.end() && std::isfinite(chosen->ms);
   if (tune_log()) {
@@ -434,7 +440,7 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   }
   if (!known) {
     const bool timed = tune && !capturing(stream.stream());
-    cublasLtMatmulPreference_t pref = preference(l, align_a, align_b, align_d);
+    cublasLtMatmulPreference_t pref = preference(l, p.d_type, align_a, align_b, align_d);
     cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
     int count = 0;
     const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
@@ -446,10 +452,10 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
         add(candidates, found[i].algo, 0);
     if (candidates.empty()) return false;
     algo = candidates[0].algo;
-    if (timed && (candidates.size() > 1 || wide_search() || tune_log())) {
+    if (timed) {
       Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
       bool ok = false;
-      algo = choose(p, trial, wide_search(), candidates, ok);
+      algo = choose(p, trial, candidates, ok);
       if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
     }
     if (timed) {  // while capturing, the first choice stands in until an eager call can time

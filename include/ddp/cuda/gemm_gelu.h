@@ -32,14 +32,17 @@ bool gemm_gelu_available();
 
 /// Whether the matmuls below choose their algorithm by timing: on by
 /// default. The first eager call of each kind (shapes, layouts, epilogue,
-/// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
-/// operands and keeps the fastest for the process, as cuDNN's autotuning
-/// does for convolutions; off, they take cuBLASLt's first choice, as
-/// LibTorch does. Either way the products accumulate in fp32; algorithms
-/// may order or split the sum over K differently (a split one may add its
-/// parts in the output's type, as under LibTorch's choice too), so the last
-/// bit may differ from another choice's. Once chosen, a kind keeps its
-/// algorithm: the same operands give the same bits.
+/// operand alignment, device) times cuBLASLt's candidates (up to 16) and
+/// their neighbours (another tile, pipeline depth or CTA swizzle, checked
+/// by cuBLASLt) on its operands and keeps the fastest for the process, as
+/// cuDNN's autotuning does for convolutions; the same kind at other operand
+/// alignments keeps that choice where it runs there. Off, they take
+/// cuBLASLt's first choice, as LibTorch does. Either way the products
+/// accumulate in fp32, and a bf16 output's split sums add their parts in
+/// fp32; algorithms may order or split the sum over K differently, so the
+/// last bit may differ from another choice's. Once chosen, a kind keeps its
+/// algorithm: the same operands give the same bits. DDP_GEMM_TUNE_LOG=1
+/// prints each choice and its tuning time.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 /// How many kinds of matmul have their algorithm chosen while tuning so far
