@@ -6,7 +6,9 @@
 // Why: cuBLASLt's first heuristic choice, which LibTorch takes, is not
 // always its fastest; on an H100 the tuned choices took config (e)'s step
 // (GPT-2 124M, bf16) from 32.08 to 31.45-31.77 ms (bench/RESULTS.md,
-// session 25). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
+// session 25), and the neighbours' search a few calls further (session 26:
+// the output head's input gradient 1.58 -> 1.50 ms, c_fc's weight gradient
+// 0.122 -> 0.106 ms a layer; in the whole step within run-to-run noise). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
 // GELU epilogue removes the GELU's pass over the MLP's widest activation
 // (the exact GELU's forward took 0.83 ms a step, session 13), and in the
 // backward the matmul before the GELU applies its derivative in its
