@@ -15,13 +15,21 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -41,6 +49,11 @@ struct Lt {
   decltype(&cublasLtMatmulPreferenceSetAttribute) pref_set = nullptr;
   decltype(&cublasLtMatmulAlgoGetHeuristic) heuristic = nullptr;
   decltype(&cublasLtMatmul) matmul = nullptr;
+  // For the neighbours and the alignment check (see below).
+  decltype(&cublasLtMatmulAlgoCheck) algo_check = nullptr;
+  decltype(&cublasLtMatmulAlgoCapGetAttribute) cap_get = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigSetAttribute) config_set = nullptr;
+  decltype(&cublasLtMatmulAlgoConfigGetAttribute) config_get = nullptr;
 };
 
 template <typename F>
@@ -60,7 +73,11 @@ const Lt* lt() {
                      find(l->pref_create, "cublasLtMatmulPreferenceCreate") &&
                      find(l->pref_destroy, "cublasLtMatmulPreferenceDestroy") &&
                      find(l->pref_set, "cublasLtMatmulPreferenceSetAttribute") &&
-                     find(l->heuristic, "cublasLtMatmulAlgoGetHeuristic") && find(l->matmul, "cublasLtMatmul");
+                     find(l->heuristic, "cublasLtMatmulAlgoGetHeuristic") && find(l->matmul, "cublasLtMatmul") &&
+                     find(l->algo_check, "cublasLtMatmulAlgoCheck") &&
+                     find(l->cap_get, "cublasLtMatmulAlgoCapGetAttribute") &&
+                     find(l->config_set, "cublasLtMatmulAlgoConfigSetAttribute") &&
+                     find(l->config_get, "cublasLtMatmulAlgoConfigGetAttribute");
     return all ? l : nullptr;
   }();
   return loaded;
@@ -101,7 +118,9 @@ struct Plan {
   const Lt& l;
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cudaDataType_t d_type = CUDA_R_16BF;
   std::vector<int64_t> key;
+  std::string shape;  // for the tuning log
   explicit Plan(const Lt& lt) : l(lt) {}
   ~Plan() {
     if (d) l.layout_destroy(d);
@@ -129,6 +148,11 @@ struct Plan {
     check(l.layout_create(&a, CUDA_R_16BF, a_dims[0], a_dims[1], a_dims[0]), "layout");
     check(l.layout_create(&b, CUDA_R_16BF, b_dims[0], b_dims[1], b_dims[0]), "layout");
     check(l.layout_create(&d, d_type, d_dims[0], d_dims[1], d_dims[0]), "layout");
+    this->d_type = d_type;
+    std::ostringstream text;
+    text << "A " << a_dims[0] << "x" << a_dims[1] << (op_a == CUBLAS_OP_T ? "^T" : "") << " B " << b_dims[0] << "x"
+         << b_dims[1] << (op_b == CUBLAS_OP_T ? "^T" : "") << (d_type == CUDA_R_32F ? " fp32" : " bf16");
+    shape = text.str();
     key.insert(key.end(), {a_dims[0], a_dims[1], b_dims[0], b_dims[1], d_dims[0], d_dims[1], d_type});
   }
 };
@@ -138,17 +162,29 @@ struct Plan {
 // GPU, and its first choice is not always the fastest for a given shape;
 // LibTorch takes the first. Like cuDNN's autotuning (which ddptrain turns
 // on), the first eager call of each kind of matmul times the heuristic's
-// candidates on the real operands and keeps the fastest for the process.
-// For GPT-2 124M on an H100 (bench/RESULTS.md, session 25) the output
-// head's forward went from 1.78 to 1.61 ms, its weight gradient from 1.60
-// to 1.52, the MLP's DGELU matmul from 0.159 to 0.148 a layer. Inside a
+// candidates and their neighbours (below) on the real operands and keeps
+// the fastest for the process. For GPT-2 124M on an H100 (bench/RESULTS.md,
+// sessions 25 and 26) the output head's forward went from 1.76 to 1.58 ms,
+// its input gradient from 1.77 to 1.50, its weight gradient from 1.57 to
+// 1.50, the MLP's DGELU matmul from 0.155 to 0.145 a layer and c_fc's weight
+// gradient from 0.122 to 0.106. Tuning GPT-2's 15 kinds takes about 20 s,
+// most of it on the output head's three (session 26). Inside a
 // CUDA graph's capture nothing can be timed: a kind not yet seen runs the
 // first choice there (ddptrain's step captures after eager steps).
 
 std::atomic<bool> g_tuning{true};
 
 constexpr int kCandidates = 16;
-constexpr int kTimedRuns = 5;
+
+// DDP_GEMM_TUNE_LOG=1 prints each kind's choice and its tuning time to
+// stderr (read once).
+bool tune_log() {
+  static const bool on = [] {
+    const char* v = std::getenv("DDP_GEMM_TUNE_LOG");
+    return v && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
 
 std::mutex& cache_mutex() {
   static std::mutex m;
@@ -179,35 +215,188 @@ struct EventPair {
   }
 };
 
-// The fastest of `count` candidates over kTimedRuns runs each, after one
-// untimed run; a candidate that fails to run is skipped (-1: none ran).
-// Each run writes d in full, so the caller's last run decides what d holds.
-int fastest(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulHeuristicResult_t* found, int count,
-            const at::Tensor& a, const at::Tensor& b, at::Tensor& d, void* workspace, size_t workspace_bytes,
-            cudaStream_t stream) {
-  const float one = 1.f, zero = 0.f;
+// One matmul of a kind on its operands, with a given algorithm.
+struct Trial {
+  const Plan& p;
+  cublasLtHandle_t h;
+  const at::Tensor& a;
+  const at::Tensor& b;
+  at::Tensor& d;
+  void* workspace;
+  cudaStream_t stream;
   EventPair events;
-  const cudaEvent_t start = events.start, stop = events.stop;
-  int best = -1;
-  float best_ms = std::numeric_limits<float>::infinity();
-  for (int i = 0; i < count; ++i) {
-    if (found[i].state != CUBLAS_STATUS_SUCCESS || found[i].workspaceSize > workspace_bytes) continue;
-    auto go = [&] {
-      return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
-                        p.d, &found[i].algo, workspace, workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
-    };
-    if (!go()) continue;
-    C10_CUDA_CHECK(cudaEventRecord(start, stream));
-    bool ran = true;
-    for (int r = 0; r < kTimedRuns && ran; ++r) ran = go();
-    C10_CUDA_CHECK(cudaEventRecord(stop, stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0.f;
-    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    ms /= kTimedRuns;
-    if (ran && ms < best_ms) best_ms = ms, best = i;
+
+  bool go(const cublasLtMatmulAlgo_t& algo) const {
+    const float one = 1.f, zero = 0.f;
+    return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
+                      p.d, &algo, workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
   }
-  return best;
+  float mean_of(const cublasLtMatmulAlgo_t& algo, int runs) {
+    C10_CUDA_CHECK(cudaEventRecord(events.start, stream));
+    bool ran = true;
+    for (int r = 0; r < runs && ran; ++r) ran = go(algo);
+    C10_CUDA_CHECK(cudaEventRecord(events.stop, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(events.stop));
+    float t = 0.f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&t, events.start, events.stop));
+    return ran ? t / runs : std::numeric_limits<float>::infinity();
+  }
+  // Mean ms of `runs` runs after one untimed run; infinity if it fails.
+  // Where the first timed run is slower than `give_up` ms, that run's time.
+  float ms(const cublasLtMatmulAlgo_t& algo, int runs, float give_up = std::numeric_limits<float>::infinity()) {
+    if (!go(algo)) return std::numeric_limits<float>::infinity();
+    const float first = mean_of(algo, 1);
+    if (runs == 1 || !(first <= give_up)) return first;
+    return (first + mean_of(algo, runs - 1) * (runs - 1)) / runs;
+  }
+};
+
+bool same(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+  return std::memcmp(&x, &y, sizeof(x)) == 0;
+}
+
+// A candidate and where it came from (0: the heuristic's best fits, 1: a
+// neighbour of a fast one).
+struct Candidate {
+  cublasLtMatmulAlgo_t algo;
+  int origin;
+  float ms = std::numeric_limits<float>::infinity();
+};
+
+void add(std::vector<Candidate>& to, const cublasLtMatmulAlgo_t& algo, int origin) {
+  for (const auto& c : to)
+    if (same(c.algo, algo)) return;
+  to.push_back({algo, origin});
+}
+
+// The heuristic's preferences. A split over K whose parts are added in a
+// bf16 output's type (in place or out of place) rounds each part: session
+// 26 saw a DGELU algorithm so chosen miss float64 by 1.3% (bf16 keeps
+// 0.4%). Where the output is bf16 only the fp32 sum of parts is allowed, as
+// under PyTorch's allow_bf16_reduced_precision_reduction = False.
+cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32_t align_a, uint32_t align_b,
+                                      uint32_t align_d) {
+  cublasLtMatmulPreference_t pref = nullptr;
+  check(l.pref_create(&pref), "preference");
+  const uint64_t bytes = kWorkspaceBytes;
+  if (d_type != CUDA_R_32F) {
+    const uint32_t fp32_sums = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &fp32_sums, sizeof(fp32_sums)), "preference");
+  }
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
+  return pref;
+}
+
+// The neighbours: candidates beyond the heuristic's. Why by hand: cuBLASLt's best-fit
+// heuristic offers at most 8 configurations, and on an H100 a faster one
+// was often one attribute away from them (session 26: the output head's
+// input gradient 1.61 -> 1.52 ms, c_fc's weight gradient 0.122 -> 0.113 ms
+// a layer, by another tile). The neighbours of a fast candidate change its
+// tile, its pipeline stages or its CTA swizzle, each checked by
+// cublasLtMatmulAlgoCheck before it runs. Split-K is left as the heuristic
+// gives it: a new split could add its parts atomically, in no fixed order.
+// The values an algorithm accepts for a configuration attribute.
+std::vector<uint32_t> accepted(const Lt& l, const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
+  auto list = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
+    size_t bytes = 0;
+    if (l.cap_get(&algo, cap, nullptr, 0, &bytes) != CUBLAS_STATUS_SUCCESS || bytes == 0) return std::vector<uint32_t>{};
+    std::vector<uint32_t> v(bytes / sizeof(uint32_t));
+    if (l.cap_get(&algo, cap, v.data(), bytes, &bytes) != CUBLAS_STATUS_SUCCESS) return std::vector<uint32_t>{};
+    return v;
+  };
+  switch (attr) {
+    case CUBLASLT_ALGO_CONFIG_TILE_ID: return list(CUBLASLT_ALGO_CAP_TILE_IDS);
+    case CUBLASLT_ALGO_CONFIG_STAGES_ID: return list(CUBLASLT_ALGO_CAP_STAGES_IDS);
+    case CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING: {
+      uint32_t s = 0;
+      size_t bytes = 0;
+      l.cap_get(&algo, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &s, sizeof(s), &bytes);
+      return s ? std::vector<uint32_t>{0, 1} : std::vector<uint32_t>{};
+    }
+    default: return {};
+  }
+}
+
+void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& of, std::vector<Candidate>& out) {
+  const Lt& l = p.l;
+  for (auto attr : {CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_STAGES_ID, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING}) {
+    for (uint32_t value : accepted(l, of, attr)) {
+      cublasLtMatmulAlgo_t algo = of;
+      if (l.config_set(&algo, attr, &value, sizeof(value)) != CUBLAS_STATUS_SUCCESS) continue;
+      cublasLtMatmulHeuristicResult_t result{};
+      if (l.algo_check(h, p.op, p.a, p.b, p.d, p.d, &algo, &result) != CUBLAS_STATUS_SUCCESS ||
+          result.workspaceSize > kWorkspaceBytes)
+        continue;
+      add(out, algo, 1);
+    }
+  }
+}
+
+// The fastest candidate, timed on the real operands; `ok` false if none
+// ran. Each run writes d in full, so the caller's last run decides what d
+// holds. The heuristic's candidates and the neighbours of the 3 fastest,
+// 3 runs each (1 where the first run is over 1.25x the fastest so far);
+// the 4 fastest then 10 runs each.
+cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, std::vector<Candidate>& c, bool& ok) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const float first_ms = tune_log() ? trial.ms(c[0].algo, 5) : 0.f;
+  const size_t n_fit = c.size();
+  auto by_time = [](const Candidate& x, const Candidate& y) { return x.ms < y.ms; };
+  float best = std::numeric_limits<float>::infinity();
+  auto screen = [&](size_t from) {
+    for (size_t i = from; i < c.size(); ++i) {
+      c[i].ms = trial.ms(c[i].algo, 3, 1.25f * best);
+      best = std::min(best, c[i].ms);
+    }
+  };
+  screen(0);
+  std::vector<Candidate> fit = c;
+  std::stable_sort(fit.begin(), fit.end(), by_time);
+  for (size_t i = 0; i < std::min<size_t>(3, fit.size()); ++i)
+    if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, c);
+  screen(n_fit);
+  std::stable_sort(c.begin(), c.end(), by_time);
+  for (size_t i = 0; i < std::min<size_t>(4, c.size()); ++i)
+    if (std::isfinite(c[i].ms)) c[i].ms = trial.ms(c[i].algo, 10);
+  const auto chosen = std::min_element(c.begin(), c.end(), by_time);
+  ok = chosen != c.end() && std::isfinite(chosen->ms);
+  if (tune_log()) {
+    float fit_ms = std::numeric_limits<float>::infinity();
+    for (const auto& x : c)
+      if (x.origin == 0) fit_ms = std::min(fit_ms, x.ms);
+    int32_t id = -1, tile = -1, stages = -1, swizzle = -1;
+    size_t bytes = 0;
+    if (ok) {
+      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &bytes);
+      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &bytes);
+      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &bytes);
+      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &bytes);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr,
+                 "gemm-tune [%s] first %.4f ms, best fit %.4f ms (of %zu), chosen %.4f ms (%s; id %d tile %d stages %d "
+                 "swizzle %d) of %zu candidates in %.2f s\n",
+                 (p.shape + (p.key.size() > 11 ? " +epilogue" : "")).c_str(), first_ms, fit_ms, n_fit,
+                 ok ? chosen->ms : -1.f, ok && chosen->origin == 1 ? "neighbour" : "fit", id, tile, stages, swizzle,
+                 c.size(), secs);
+  }
+  return ok ? chosen->algo : cublasLtMatmulAlgo_t{};
+}
+
+// Whether an algorithm chosen for other operand alignments runs on these.
+bool fits_alignment(const Lt& l, const cublasLtMatmulAlgo_t& algo, uint32_t align_a, uint32_t align_b,
+                    uint32_t align_d) {
+  auto need = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
+    uint32_t v = 256;
+    size_t bytes = 0;
+    return l.cap_get(&algo, cap, &v, sizeof(v), &bytes) == CUBLAS_STATUS_SUCCESS ? v : 256u;
+  };
+  return need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES) <= align_a && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES) <= align_b &&
+         need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES) <= align_d && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES) <= align_d;
 }
 
 // The largest power of two, up to 256, that divides the tensor's address.
@@ -233,28 +422,42 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   if (tune) {
     std::lock_guard<std::mutex> lock(cache_mutex());
     auto it = cache().find(key);
-    if (it != cache().end()) algo = it->second, known = true;
+    if (it != cache().end()) {
+      algo = it->second, known = true;
+    } else {
+      // The same matmul at other operand alignments (a view at an offset, a
+      // slice of a flat buffer) keeps the choice made for it where that
+      // runs here: one algorithm, so the same bits, for both.
+      const size_t kind = key.size() - 3;  // the key without the three alignments
+      for (const auto& [k, v] : cache())
+        if (k.size() == key.size() && std::equal(k.begin(), k.begin() + kind, key.begin()) &&
+            fits_alignment(l, v, align_a, align_b, align_d)) {
+          algo = v, known = true;
+          cache().emplace(key, v);
+          break;
+        }
+    }
   }
   if (!known) {
-    cublasLtMatmulPreference_t pref = nullptr;
-    check(l.pref_create(&pref), "preference");
-    const uint64_t bytes = kWorkspaceBytes;
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
-    check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
     const bool timed = tune && !capturing(stream.stream());
+    cublasLtMatmulPreference_t pref = preference(l, p.d_type, align_a, align_b, align_d);
     cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
     int count = 0;
     const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
     l.pref_destroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
-    const int pick = timed && count > 1 ? fastest(p, h, found, count, a, b, d, workspace.data_ptr(), kWorkspaceBytes,
-                                                  stream.stream())
-                                        : 0;
-    if (pick < 0) return false;  // no candidate ran: nothing is kept, the caller falls back
-    algo = found[pick].algo;
+    std::vector<Candidate> candidates;
+    for (int i = 0; i < count; ++i)
+      if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= kWorkspaceBytes)
+        add(candidates, found[i].algo, 0);
+    if (candidates.empty()) return false;
+    algo = candidates[0].algo;
+    if (timed) {
+      Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
+      bool ok = false;
+      algo = choose(p, trial, candidates, ok);
+      if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
+    }
     if (timed) {  // while capturing, the first choice stands in until an eager call can time
       std::lock_guard<std::mutex> lock(cache_mutex());
       // A kind keeps one algorithm: where another thread chose first, its choice stands.

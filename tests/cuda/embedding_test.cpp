@@ -23,9 +23,10 @@ TEST(EmbeddingBackward, AddsEachRowsSumToTheTable_CUDA) {
   };
   // GPT-2's width with a skewed vocabulary (runs of ~80, across the 32-row
   // chunks); an odd width (the scalar path), short runs and long ones; one
-  // index for everything; a single lookup.
+  // index for everything; a single lookup; widths past one warp's slice of
+  // columns (128 on the 4-column path, 32 on the other) that end inside one.
   for (auto s : {Shape{4096, 50304, 768, 50}, Shape{1000, 300, 37, 300}, Shape{2000, 3, 37, 2}, Shape{513, 10, 8, 1},
-                 Shape{1, 5, 4, 5}}) {
+                 Shape{1, 5, 4, 5}, Shape{700, 40, 1000, 40}, Shape{300, 7, 70, 7}}) {
     SCOPED_TRACE(::testing::PrintToString(std::vector<int64_t>{s.n, s.v, s.c, s.distinct}));
     auto grad = torch::randn({s.n, s.c}, opts);
     auto idx = torch::randint(0, s.distinct, {s.n}, opts.dtype(torch::kLong));

@@ -6,7 +6,9 @@
 // Why: cuBLASLt's first heuristic choice, which LibTorch takes, is not
 // always its fastest; on an H100 the tuned choices took config (e)'s step
 // (GPT-2 124M, bf16) from 32.08 to 31.45-31.77 ms (bench/RESULTS.md,
-// session 25). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
+// session 25), and the neighbours' search a few calls further (session 26:
+// the output head's input gradient 1.58 -> 1.50 ms, c_fc's weight gradient
+// 0.122 -> 0.106 ms a layer; in the whole step within run-to-run noise). With the tanh GELU (GPT-2's own, and llm.c's), cuBLASLt's
 // GELU epilogue removes the GELU's pass over the MLP's widest activation
 // (the exact GELU's forward took 0.83 ms a step, session 13), and in the
 // backward the matmul before the GELU applies its derivative in its
@@ -32,14 +34,17 @@ bool gemm_gelu_available();
 
 /// Whether the matmuls below choose their algorithm by timing: on by
 /// default. The first eager call of each kind (shapes, layouts, epilogue,
-/// operand alignment, device) times up to 16 of cuBLASLt's candidates on its
-/// operands and keeps the fastest for the process, as cuDNN's autotuning
-/// does for convolutions; off, they take cuBLASLt's first choice, as
-/// LibTorch does. Either way the products accumulate in fp32; algorithms
-/// may order or split the sum over K differently (a split one may add its
-/// parts in the output's type, as under LibTorch's choice too), so the last
-/// bit may differ from another choice's. Once chosen, a kind keeps its
-/// algorithm: the same operands give the same bits.
+/// operand alignment, device) times cuBLASLt's candidates (up to 16) and
+/// their neighbours (another tile, pipeline depth or CTA swizzle, checked
+/// by cuBLASLt) on its operands and keeps the fastest for the process, as
+/// cuDNN's autotuning does for convolutions; the same kind at other operand
+/// alignments keeps that choice where it runs there. Off, they take
+/// cuBLASLt's first choice, as LibTorch does. Either way the products
+/// accumulate in fp32, and a bf16 output's split sums add their parts in
+/// fp32; algorithms may order or split the sum over K differently, so the
+/// last bit may differ from another choice's. Once chosen, a kind keeps its
+/// algorithm: the same operands give the same bits. DDP_GEMM_TUNE_LOG=1
+/// prints each choice and its tuning time.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 /// How many kinds of matmul have their algorithm chosen while tuning so far
