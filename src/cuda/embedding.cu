@@ -142,8 +142,11 @@ void embedding_backward_add(const at::Tensor& grad, const at::Tensor& idx, const
   const bool vec4 = c % 4 == 0 && aligned(grad) && aligned(dw);
   auto launch = [&](auto kvec) {
     constexpr int kVec = decltype(kvec)::value;
-    const auto slices = static_cast<unsigned>((c + 32 * kVec - 1) / (32 * kVec));
-    pieces_kernel<kVec><<<dim3(static_cast<unsigned>((chunks + kWarps - 1) / kWarps), slices), kWarps * 32, 0, stream>>>(
+    const int64_t slices = (c + 32 * kVec - 1) / (32 * kVec);
+    TORCH_CHECK(slices <= 65535, "embedding_backward_add: ", c, " columns are more than a grid's 65,535 slices of ",
+                32 * kVec, "; split the table's columns");
+    pieces_kernel<kVec><<<dim3(static_cast<unsigned>((chunks + kWarps - 1) / kWarps), static_cast<unsigned>(slices)),
+                          kWarps * 32, 0, stream>>>(
         as<float>(grad), as<int64_t>(sorted), as<int64_t>(order), n, c, as_mut<float>(dw), as_mut<float>(first_part),
         as_mut<float>(next_part));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

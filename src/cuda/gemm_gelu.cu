@@ -28,6 +28,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -190,11 +191,21 @@ std::mutex& cache_mutex() {
   static std::mutex m;
   return m;
 }
-// The algorithm chosen while tuning for each kind of matmul (Plan::key).
-std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t>& cache() {
-  static auto& c = *new std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t>;  // kept for the process
+using Choices = std::map<std::vector<int64_t>, cublasLtMatmulAlgo_t>;
+// The algorithm run for each kind of matmul at its operands' alignments
+// (the key: Plan::key, the device, the three alignments), and the one first
+// chosen by timing for each kind whatever its alignments (the key without
+// them), which the kind's other alignments keep where it runs. Guarded by
+// cache_mutex(); kept for the process.
+Choices& cache() {
+  static auto& c = *new Choices;
   return c;
 }
+Choices& first_choices() {
+  static auto& c = *new Choices;
+  return c;
+}
+size_t g_timed_choices = 0;  // how many kinds were tuned by timing (cache_mutex)
 
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -205,6 +216,8 @@ bool capturing(cudaStream_t stream) {
 // Two CUDA events, destroyed with it.
 struct EventPair {
   cudaEvent_t start = nullptr, stop = nullptr;
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
   EventPair() {
     C10_CUDA_CHECK(cudaEventCreate(&start));
     C10_CUDA_CHECK(cudaEventCreate(&stop));
@@ -297,8 +310,25 @@ cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32
 // input gradient 1.61 -> 1.52 ms, c_fc's weight gradient 0.122 -> 0.113 ms
 // a layer, by another tile). The neighbours of a fast candidate change its
 // tile, its pipeline stages or its CTA swizzle, each checked by
-// cublasLtMatmulAlgoCheck before it runs. Split-K is left as the heuristic
+// cublasLtMatmulAlgoCheck (which sees no pointers) and against the
+// operands' alignments before it runs. Split-K is left as the heuristic
 // gives it: a new split could add its parts atomically, in no fixed order.
+// The operands' alignments, in bytes (C is D).
+struct Alignments {
+  uint32_t a, b, d;
+};
+
+// Whether an algorithm's alignment needs are met by these operands.
+bool fits_alignment(const Lt& l, const cublasLtMatmulAlgo_t& algo, Alignments align) {
+  auto need = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
+    uint32_t v = 256;
+    size_t bytes = 0;
+    return l.cap_get(&algo, cap, &v, sizeof(v), &bytes) == CUBLAS_STATUS_SUCCESS ? v : 256u;
+  };
+  return need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES) <= align.a && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES) <= align.b &&
+         need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES) <= align.d && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES) <= align.d;
+}
+
 // The values an algorithm accepts for a configuration attribute.
 std::vector<uint32_t> accepted(const Lt& l, const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr) {
   auto list = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
@@ -321,7 +351,8 @@ std::vector<uint32_t> accepted(const Lt& l, const cublasLtMatmulAlgo_t& algo, cu
   }
 }
 
-void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& of, std::vector<Candidate>& out) {
+void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& of, Alignments align,
+                std::vector<Candidate>& out) {
   const Lt& l = p.l;
   for (auto attr : {CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_STAGES_ID, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING}) {
     for (uint32_t value : accepted(l, of, attr)) {
@@ -329,7 +360,7 @@ void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& o
       if (l.config_set(&algo, attr, &value, sizeof(value)) != CUBLAS_STATUS_SUCCESS) continue;
       cublasLtMatmulHeuristicResult_t result{};
       if (l.algo_check(h, p.op, p.a, p.b, p.d, p.d, &algo, &result) != CUBLAS_STATUS_SUCCESS ||
-          result.workspaceSize > kWorkspaceBytes)
+          result.workspaceSize > kWorkspaceBytes || !fits_alignment(l, algo, align))
         continue;
       add(out, algo, 1);
     }
@@ -341,9 +372,9 @@ void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& o
 // holds. The heuristic's candidates and the neighbours of the 3 fastest,
 // 3 runs each (1 where the first run is over 1.25x the fastest so far);
 // the 4 fastest then 10 runs each.
-cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, std::vector<Candidate>& c, bool& ok) {
+cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::vector<Candidate>& c, bool& ok) {
   const auto t0 = std::chrono::steady_clock::now();
-  const float first_ms = tune_log() ? trial.ms(c[0].algo, 5) : 0.f;
+  const cublasLtMatmulAlgo_t first = c[0].algo;
   const size_t n_fit = c.size();
   auto by_time = [](const Candidate& x, const Candidate& y) { return x.ms < y.ms; };
   float best = std::numeric_limits<float>::infinity();
@@ -357,14 +388,17 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, std::vector<Candidate>&
   std::vector<Candidate> fit = c;
   std::stable_sort(fit.begin(), fit.end(), by_time);
   for (size_t i = 0; i < std::min<size_t>(3, fit.size()); ++i)
-    if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, c);
+    if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, align, c);
   screen(n_fit);
   std::stable_sort(c.begin(), c.end(), by_time);
-  for (size_t i = 0; i < std::min<size_t>(4, c.size()); ++i)
-    if (std::isfinite(c[i].ms)) c[i].ms = trial.ms(c[i].algo, 10);
-  const auto chosen = std::min_element(c.begin(), c.end(), by_time);
-  ok = chosen != c.end() && std::isfinite(chosen->ms);
+  // The choice is among the re-timed: their 10-run means, not a screening's.
+  const auto top = c.begin() + std::min<size_t>(4, c.size());
+  for (auto it = c.begin(); it != top; ++it)
+    if (std::isfinite(it->ms)) it->ms = trial.ms(it->algo, 10);
+  const auto chosen = std::min_element(c.begin(), top, by_time);
+  ok = chosen != top && std::isfinite(chosen->ms);
   if (tune_log()) {
+    const float first_ms = trial.ms(first, 5);  // after the choice, so as not to warm the GPU before it
     float fit_ms = std::numeric_limits<float>::infinity();
     for (const auto& x : c)
       if (x.origin == 0) fit_ms = std::min(fit_ms, x.ms);
@@ -387,85 +421,80 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, std::vector<Candidate>&
   return ok ? chosen->algo : cublasLtMatmulAlgo_t{};
 }
 
-// Whether an algorithm chosen for other operand alignments runs on these.
-bool fits_alignment(const Lt& l, const cublasLtMatmulAlgo_t& algo, uint32_t align_a, uint32_t align_b,
-                    uint32_t align_d) {
-  auto need = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
-    uint32_t v = 256;
-    size_t bytes = 0;
-    return l.cap_get(&algo, cap, &v, sizeof(v), &bytes) == CUBLAS_STATUS_SUCCESS ? v : 256u;
-  };
-  return need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_A_BYTES) <= align_a && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_B_BYTES) <= align_b &&
-         need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_C_BYTES) <= align_d && need(CUBLASLT_ALGO_CAP_MIN_ALIGNMENT_D_BYTES) <= align_d;
-}
-
 // The largest power of two, up to 256, that divides the tensor's address.
 uint32_t alignment(const at::Tensor& t) { return alignment(t.data_ptr()); }
 
 // Runs the matmul `p` describes on a, b into d, for the operands' actual
 // alignment (a view at an offset must not get an algorithm that assumes
-// 256 bytes): the algorithm chosen for this kind of matmul before, else
-// the fastest of cuBLASLt's candidates (tuning on, not capturing: kept),
-// else its first choice (not kept). False if it offers none, or none runs.
+// 256 bytes). Tuning on, the algorithm is, in this order: the one run
+// before for this kind at these alignments; the kind's first choice, made
+// at other alignments, where it meets these (a view at an offset, a slice
+// of a flat buffer: one algorithm, so the same bits, for both), kept once
+// it has run here; the fastest of cuBLASLt's candidates and their
+// neighbours, timed and kept (not while a CUDA graph captures: there, and
+// with tuning off, cuBLASLt's first choice, not kept). False if it offers
+// none, or none runs.
 bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   const Lt& l = p.l;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const uint32_t align_a = alignment(a), align_b = alignment(b), align_d = alignment(d);
+  const Alignments align{alignment(a), alignment(b), alignment(d)};
   const bool tune = g_tuning.load();
-  auto key = p.key;
-  key.insert(key.end(), {d.get_device(), align_a, align_b, align_d});
+  const std::vector<int64_t> kind = [&] {
+    auto k = p.key;
+    k.push_back(d.get_device());
+    return k;
+  }();
+  auto key = kind;
+  key.insert(key.end(), {align.a, align.b, align.d});
   const auto h = handle_for(d.get_device());
   auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
-  const float one = 1.f, zero = 0.f;
-  cublasLtMatmulAlgo_t algo{};
-  bool known = false;
+  auto launch = [&](const cublasLtMatmulAlgo_t& algo) {
+    const float one = 1.f, zero = 0.f;
+    return l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
+                    &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()) == CUBLAS_STATUS_SUCCESS;
+  };
   if (tune) {
-    std::lock_guard<std::mutex> lock(cache_mutex());
-    auto it = cache().find(key);
-    if (it != cache().end()) {
-      algo = it->second, known = true;
-    } else {
-      // The same matmul at other operand alignments (a view at an offset, a
-      // slice of a flat buffer) keeps the choice made for it where that
-      // runs here: one algorithm, so the same bits, for both.
-      const size_t kind = key.size() - 3;  // the key without the three alignments
-      for (const auto& [k, v] : cache())
-        if (k.size() == key.size() && std::equal(k.begin(), k.begin() + kind, key.begin()) &&
-            fits_alignment(l, v, align_a, align_b, align_d)) {
-          algo = v, known = true;
-          cache().emplace(key, v);
-          break;
-        }
-    }
-  }
-  if (!known) {
-    const bool timed = tune && !capturing(stream.stream());
-    cublasLtMatmulPreference_t pref = preference(l, p.d_type, align_a, align_b, align_d);
-    cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
-    int count = 0;
-    const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
-    l.pref_destroy(pref);
-    if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
-    std::vector<Candidate> candidates;
-    for (int i = 0; i < count; ++i)
-      if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= kWorkspaceBytes)
-        add(candidates, found[i].algo, 0);
-    if (candidates.empty()) return false;
-    algo = candidates[0].algo;
-    if (timed) {
-      Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
-      bool ok = false;
-      algo = choose(p, trial, candidates, ok);
-      if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
-    }
-    if (timed) {  // while capturing, the first choice stands in until an eager call can time
+    std::optional<cublasLtMatmulAlgo_t> known, first;
+    {
       std::lock_guard<std::mutex> lock(cache_mutex());
-      // A kind keeps one algorithm: where another thread chose first, its choice stands.
-      algo = cache().emplace(key, algo).first->second;
+      if (auto it = cache().find(key); it != cache().end()) known = it->second;
+      else if (auto f = first_choices().find(kind); f != first_choices().end()) first = f->second;
+    }
+    if (known) return launch(*known);
+    if (first && fits_alignment(l, *first, align) && launch(*first)) {
+      std::lock_guard<std::mutex> lock(cache_mutex());
+      cache().emplace(key, *first);
+      return true;
     }
   }
-  return l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
-                  &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()) == CUBLAS_STATUS_SUCCESS;
+  const bool timed = tune && !capturing(stream.stream());
+  cublasLtMatmulPreference_t pref = preference(l, p.d_type, align.a, align.b, align.d);
+  cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
+  int count = 0;
+  const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
+  l.pref_destroy(pref);
+  if (s != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+  std::vector<Candidate> candidates;
+  for (int i = 0; i < count; ++i)
+    if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= kWorkspaceBytes)
+      add(candidates, found[i].algo, 0);
+  if (candidates.empty()) return false;
+  if (!timed) return launch(candidates[0].algo);  // capturing, or tuning off: nothing is kept
+  Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
+  bool ok = false;
+  cublasLtMatmulAlgo_t algo = choose(p, trial, align, candidates, ok);
+  if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex());
+    // A kind keeps one algorithm: where another thread chose first, its choice stands.
+    const auto [it, inserted] = cache().emplace(key, algo);
+    algo = it->second;
+    if (inserted) {
+      ++g_timed_choices;
+      first_choices().emplace(kind, algo);
+    }
+  }
+  return launch(algo);
 }
 
 void check_operand(const at::Tensor& t, const char* name, int64_t dims) {
@@ -483,7 +512,7 @@ bool gemm_tuning() { return g_tuning.load(); }
 
 size_t gemm_tuned_kinds() {
   std::lock_guard<std::mutex> lock(cache_mutex());
-  return cache().size();
+  return g_timed_choices;
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {

@@ -164,12 +164,14 @@ TEST(GemmGelu, TunedChoiceIsKeptForLaterCalls_CUDA) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(ddp::cuda::linear(x, w, b), first)) << "call " << i;
   EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 1) << "no second tuning of a known kind";
   // The same kind with x 16 bytes past a 256-byte boundary (a slice of a
-  // flat buffer) keeps the choice: kept under its own key, the same bits.
+  // flat buffer) keeps the choice where its kernel needs no more than 16
+  // bytes (expected: Hopper's TMA loads need 16; this checks it): not
+  // tuned again, the same bits.
   auto storage = bf16(torch::zeros({m * 264 + 8}));
   auto x_off = storage.narrow(0, 8, m * 264).view({m, 264});
   x_off.copy_(x);
   EXPECT_TRUE(torch::equal(ddp::cuda::linear(x_off, w, b), first)) << "the choice made at 256-byte alignment";
-  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 2) << "kept for the new alignment, not tuned again";
+  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 1) << "the first choice kept, not tuned again";
   auto g = bf16(torch::randn({m, 520}));
   torch::Tensor captured;
   {
@@ -181,10 +183,10 @@ TEST(GemmGelu, TunedChoiceIsKeptForLaterCalls_CUDA) {
     graph.replay();
     at::cuda::getCurrentCUDAStream().synchronize();
   }
-  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 2) << "nothing timed or kept while capturing";
+  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 1) << "nothing timed or kept while capturing";
   EXPECT_LT(relative_error(captured, g.to(torch::kDouble).mm(w.to(torch::kDouble))), 1.0 / 128);
   auto eager = ddp::cuda::matmul(g, w);
-  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 3) << "the captured kind tuned by its first eager call";
+  EXPECT_EQ(ddp::cuda::gemm_tuned_kinds(), before + 2) << "the captured kind tuned by its first eager call";
   EXPECT_TRUE(torch::equal(ddp::cuda::matmul(g, w), eager));
 #endif
 }

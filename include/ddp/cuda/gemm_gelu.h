@@ -41,14 +41,16 @@ bool gemm_gelu_available();
 /// alignments keeps that choice where it runs there. Off, they take
 /// cuBLASLt's first choice, as LibTorch does. Either way the products
 /// accumulate in fp32, and a bf16 output's split sums add their parts in
-/// fp32; algorithms may order or split the sum over K differently, so the
-/// last bit may differ from another choice's. Once chosen, a kind keeps its
-/// algorithm: the same operands give the same bits. DDP_GEMM_TUNE_LOG=1
-/// prints each choice and its tuning time.
+/// fp32 (LibTorch allows bf16 there unless told otherwise); algorithms may
+/// order or split the sum over K differently, so the last bit may differ
+/// from another choice's. Once chosen, a kind keeps its algorithm: the same
+/// operands give the same bits. DDP_GEMM_TUNE_LOG=1 prints each choice and
+/// its tuning time.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
-/// How many kinds of matmul have their algorithm chosen while tuning so far
-/// (the fastest of cuBLASLt's candidates, or its only one).
+/// How many kinds of matmul have had their algorithm chosen by timing so
+/// far (a kind at other alignments that keeps an earlier choice, or a call
+/// while a CUDA graph captures, adds none).
 size_t gemm_tuned_kinds();
 
 /// y = x W^T (+ b) in bf16 (epilogue BIAS with a bias), for x: [M, K],
