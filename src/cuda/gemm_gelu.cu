@@ -121,7 +121,7 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cudaDataType_t d_type = CUDA_R_16BF;
   std::vector<int64_t> key;
-  std::string shape;  // for the tuning log
+  std::string shape;  // for the tuning log (describe(), then set()'s epilogue)
   explicit Plan(const Lt& lt) : l(lt) {}
   ~Plan() {
     if (d) l.layout_destroy(d);
@@ -132,6 +132,7 @@ struct Plan {
   template <typename T>
   void set(cublasLtMatmulDescAttributes_t attr, const T& value) {
     check(l.desc_set(op, attr, &value, sizeof(value)), "set attribute");
+    if (attr == CUBLASLT_MATMUL_DESC_EPILOGUE) shape += " +epilogue";
     key.push_back(static_cast<int64_t>(attr));
     if constexpr (std::is_pointer_v<T>) {
       key.push_back(static_cast<int64_t>(alignment(value)));
@@ -228,8 +229,8 @@ struct EventPair {
   }
 };
 
-// One matmul of a kind on its operands, with a given algorithm.
-struct Trial {
+// One matmul of a kind on its operands: go(algo) runs it with an algorithm.
+struct Launch {
   const Plan& p;
   cublasLtHandle_t h;
   const at::Tensor& a;
@@ -237,18 +238,25 @@ struct Trial {
   at::Tensor& d;
   void* workspace;
   cudaStream_t stream;
-  EventPair events;
 
   bool go(const cublasLtMatmulAlgo_t& algo) const {
     const float one = 1.f, zero = 0.f;
     return p.l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(),
                       p.d, &algo, workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
   }
+};
+
+// That matmul timed (its events made only where a kind is tuned).
+struct Trial {
+  const Launch& launch;
+  EventPair events;
+
+  bool go(const cublasLtMatmulAlgo_t& algo) const { return launch.go(algo); }
   float mean_of(const cublasLtMatmulAlgo_t& algo, int runs) {
-    C10_CUDA_CHECK(cudaEventRecord(events.start, stream));
+    C10_CUDA_CHECK(cudaEventRecord(events.start, launch.stream));
     bool ran = true;
     for (int r = 0; r < runs && ran; ++r) ran = go(algo);
-    C10_CUDA_CHECK(cudaEventRecord(events.stop, stream));
+    C10_CUDA_CHECK(cudaEventRecord(events.stop, launch.stream));
     C10_CUDA_CHECK(cudaEventSynchronize(events.stop));
     float t = 0.f;
     C10_CUDA_CHECK(cudaEventElapsedTime(&t, events.start, events.stop));
@@ -268,27 +276,30 @@ bool same(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
   return std::memcmp(&x, &y, sizeof(x)) == 0;
 }
 
-// A candidate and where it came from (0: the heuristic's best fits, 1: a
-// neighbour of a fast one).
+// A candidate: one of the heuristic's best fits, or a neighbour of a fast one.
 struct Candidate {
   cublasLtMatmulAlgo_t algo;
-  int origin;
+  bool neighbour;
   float ms = std::numeric_limits<float>::infinity();
 };
 
-void add(std::vector<Candidate>& to, const cublasLtMatmulAlgo_t& algo, int origin) {
+void add(std::vector<Candidate>& to, const cublasLtMatmulAlgo_t& algo, bool neighbour) {
   for (const auto& c : to)
     if (same(c.algo, algo)) return;
-  to.push_back({algo, origin});
+  to.push_back({algo, neighbour});
 }
+
+// The operands' alignments, in bytes (C is D).
+struct Alignments {
+  uint32_t a, b, d;
+};
 
 // The heuristic's preferences. A split over K whose parts are added in a
 // bf16 output's type (in place or out of place) rounds each part: session
 // 26 saw a DGELU algorithm so chosen miss float64 by 1.3% (bf16 keeps
 // 0.4%). Where the output is bf16 only the fp32 sum of parts is allowed, as
 // under PyTorch's allow_bf16_reduced_precision_reduction = False.
-cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32_t align_a, uint32_t align_b,
-                                      uint32_t align_d) {
+cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, Alignments align) {
   cublasLtMatmulPreference_t pref = nullptr;
   check(l.pref_create(&pref), "preference");
   const uint64_t bytes = kWorkspaceBytes;
@@ -297,10 +308,10 @@ cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32
     check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &fp32_sums, sizeof(fp32_sums)), "preference");
   }
   check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &bytes, sizeof(bytes)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d)), "preference");
-  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align.a, sizeof(align.a)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align.b, sizeof(align.b)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align.d, sizeof(align.d)), "preference");
+  check(l.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align.d, sizeof(align.d)), "preference");
   return pref;
 }
 
@@ -313,11 +324,6 @@ cublasLtMatmulPreference_t preference(const Lt& l, cudaDataType_t d_type, uint32
 // cublasLtMatmulAlgoCheck (which sees no pointers) and against the
 // operands' alignments before it runs. Split-K is left as the heuristic
 // gives it: a new split could add its parts atomically, in no fixed order.
-// The operands' alignments, in bytes (C is D).
-struct Alignments {
-  uint32_t a, b, d;
-};
-
 // Whether an algorithm's alignment needs are met by these operands.
 bool fits_alignment(const Lt& l, const cublasLtMatmulAlgo_t& algo, Alignments align) {
   auto need = [&](cublasLtMatmulAlgoCapAttributes_t cap) {
@@ -362,7 +368,7 @@ void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& o
       if (l.algo_check(h, p.op, p.a, p.b, p.d, p.d, &algo, &result) != CUBLAS_STATUS_SUCCESS ||
           result.workspaceSize > kWorkspaceBytes || !fits_alignment(l, algo, align))
         continue;
-      add(out, algo, 1);
+      add(out, algo, /*neighbour=*/true);
     }
   }
 }
@@ -388,7 +394,7 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::
   std::vector<Candidate> fit = c;
   std::stable_sort(fit.begin(), fit.end(), by_time);
   for (size_t i = 0; i < std::min<size_t>(3, fit.size()); ++i)
-    if (std::isfinite(fit[i].ms)) neighbours(p, trial.h, fit[i].algo, align, c);
+    if (std::isfinite(fit[i].ms)) neighbours(p, trial.launch.h, fit[i].algo, align, c);
   screen(n_fit);
   std::stable_sort(c.begin(), c.end(), by_time);
   // The choice is among the re-timed: their 10-run means, not a screening's.
@@ -401,7 +407,7 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::
     const float first_ms = trial.ms(first, 5);  // after the choice, so as not to warm the GPU before it
     float fit_ms = std::numeric_limits<float>::infinity();
     for (const auto& x : c)
-      if (x.origin == 0) fit_ms = std::min(fit_ms, x.ms);
+      if (!x.neighbour) fit_ms = std::min(fit_ms, x.ms);
     int32_t id = -1, tile = -1, stages = -1, swizzle = -1;
     size_t bytes = 0;
     if (ok) {
@@ -414,8 +420,8 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::
     std::fprintf(stderr,
                  "gemm-tune [%s] first %.4f ms, best fit %.4f ms (of %zu), chosen %.4f ms (%s; id %d tile %d stages %d "
                  "swizzle %d) of %zu candidates in %.2f s\n",
-                 (p.shape + (p.key.size() > 11 ? " +epilogue" : "")).c_str(), first_ms, fit_ms, n_fit,
-                 ok ? chosen->ms : -1.f, ok && chosen->origin == 1 ? "neighbour" : "fit", id, tile, stages, swizzle,
+                 p.shape.c_str(), first_ms, fit_ms, n_fit,
+                 ok ? chosen->ms : -1.f, ok && chosen->neighbour ? "neighbour" : "fit", id, tile, stages, swizzle,
                  c.size(), secs);
   }
   return ok ? chosen->algo : cublasLtMatmulAlgo_t{};
@@ -448,11 +454,7 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   key.insert(key.end(), {align.a, align.b, align.d});
   const auto h = handle_for(d.get_device());
   auto workspace = at::empty({static_cast<int64_t>(kWorkspaceBytes)}, d.options().dtype(at::kByte));
-  auto launch = [&](const cublasLtMatmulAlgo_t& algo) {
-    const float one = 1.f, zero = 0.f;
-    return l.matmul(h, p.op, &one, a.data_ptr(), p.a, b.data_ptr(), p.b, &zero, d.data_ptr(), p.d, d.data_ptr(), p.d,
-                    &algo, workspace.data_ptr(), kWorkspaceBytes, stream.stream()) == CUBLAS_STATUS_SUCCESS;
-  };
+  const Launch launch{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
   if (tune) {
     std::optional<cublasLtMatmulAlgo_t> known, first;
     {
@@ -460,15 +462,15 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
       if (auto it = cache().find(key); it != cache().end()) known = it->second;
       else if (auto f = first_choices().find(kind); f != first_choices().end()) first = f->second;
     }
-    if (known) return launch(*known);
-    if (first && fits_alignment(l, *first, align) && launch(*first)) {
+    if (known) return launch.go(*known);
+    if (first && fits_alignment(l, *first, align) && launch.go(*first)) {
       std::lock_guard<std::mutex> lock(cache_mutex());
       cache().emplace(key, *first);
       return true;
     }
   }
   const bool timed = tune && !capturing(stream.stream());
-  cublasLtMatmulPreference_t pref = preference(l, p.d_type, align.a, align.b, align.d);
+  cublasLtMatmulPreference_t pref = preference(l, p.d_type, align);
   cublasLtMatmulHeuristicResult_t found[kCandidates] = {};
   int count = 0;
   const cublasStatus_t s = l.heuristic(h, p.op, p.a, p.b, p.d, p.d, pref, timed ? kCandidates : 1, found, &count);
@@ -477,10 +479,10 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
   std::vector<Candidate> candidates;
   for (int i = 0; i < count; ++i)
     if (found[i].state == CUBLAS_STATUS_SUCCESS && found[i].workspaceSize <= kWorkspaceBytes)
-      add(candidates, found[i].algo, 0);
+      add(candidates, found[i].algo, /*neighbour=*/false);
   if (candidates.empty()) return false;
-  if (!timed) return launch(candidates[0].algo);  // capturing, or tuning off: nothing is kept
-  Trial trial{p, h, a, b, d, workspace.data_ptr(), stream.stream()};
+  if (!timed) return launch.go(candidates[0].algo);  // capturing, or tuning off: nothing is kept
+  Trial trial{launch};
   bool ok = false;
   cublasLtMatmulAlgo_t algo = choose(p, trial, align, candidates, ok);
   if (!ok) return false;  // no candidate ran: nothing is kept, the caller falls back
@@ -494,7 +496,7 @@ bool run(Plan& p, const at::Tensor& a, const at::Tensor& b, at::Tensor& d) {
       first_choices().emplace(kind, algo);
     }
   }
-  return launch(algo);
+  return launch.go(algo);
 }
 
 void check_operand(const at::Tensor& t, const char* name, int64_t dims) {
