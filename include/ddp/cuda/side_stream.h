@@ -1,0 +1,66 @@
+// Backward work off the critical path, on a second CUDA stream.
+//
+// Why: a layer's backward has a chain that the next layer waits for (the
+// input gradient's matmul, the LayerNorm's backward, the attention's) and
+// work that nothing in the backward reads (the weight gradients' matmuls,
+// the MLP's first bias sum). On one stream each kernel waits for the one
+// before it, so the bandwidth-bound kernels of the chain (LayerNorm,
+// the heads' pass, cuDNN's pre- and post-passes) run with the tensor cores
+// idle, and each matmul's last wave leaves SMs idle. On a second stream the
+// weight gradients fill those gaps (bench/RESULTS.md, session 27).
+//
+// The contract: a training step opens a SideWork around its backward. While
+// one is open, a backward function may hand work to aside(): it runs on the
+// side stream after everything queued so far on the current stream, and
+// the tensors it reads are kept alive until it is joined. Its outputs must
+// be read by nothing before join_side_work(): the weight gradients it
+// writes go into their slots of the flat gradient buffer (param_slots.h),
+// which the all-reduce (GradSync joins first), the tied embedding's
+// backward (joins first) and the optimizer (after the SideWork closed) read.
+// With no SideWork open, aside() runs the work at once on the current
+// stream, so code outside a training step (tests, a user's own loop) sees
+// the usual one-stream order. Under CUDA graph capture the side stream
+// joins the capture through the fork's event, and closing joins it back,
+// so the graph holds both branches.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <initializer_list>
+
+namespace ddp::cuda {
+
+/// Whether SideWork opens the side stream (default: yes; the environment's
+/// DDP_SIDE_STREAM=0 turns it off, for an A/B in one binary).
+void set_side_stream(bool on);
+bool side_stream_enabled();
+
+/// Opens side work on the current CUDA device for its lifetime, where
+/// side_stream_enabled(); closing joins it (join_side_work). Not nested.
+class SideWork {
+ public:
+  explicit SideWork(bool cuda);
+  ~SideWork();
+  SideWork(const SideWork&) = delete;
+  SideWork& operator=(const SideWork&) = delete;
+
+ private:
+  bool open_ = false;
+};
+
+/// Runs `work` on the side stream where a SideWork is open, after the work
+/// queued so far on the current stream, keeping `reads` alive until joined;
+/// else runs it here. The tensors `work` allocates come from the side
+/// stream's pool. A backlog of more than a few pieces makes the current
+/// stream wait for the oldest, which bounds the memory kept alive.
+void aside(const std::function<void()>& work, std::initializer_list<at::Tensor> reads);
+
+/// How many pieces of work have run on the side stream in this process.
+size_t side_pieces();
+
+/// Makes the current stream wait for all side work queued so far and
+/// releases what it kept. Cheap when there is none; safe from any thread.
+void join_side_work();
+
+}  // namespace ddp::cuda
