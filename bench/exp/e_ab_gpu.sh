@@ -29,7 +29,8 @@ if [[ $SHORT == 0 ]]; then
   mkdir -p /tmp/main && tar -xf .data/main.tar -C /tmp/main
   (cd /tmp/main && JOBS=6 ./setup.sh > "$OUT/build_main.log" 2>&1; echo "main build rc $?" >> "$OUT/build_main.log") &
 fi
-JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { grep -B2 -A12 -m3 'error' "$OUT/build.log" | head -80; exit 1; }
+JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || {
+  grep -B2 -A12 -m4 -E 'error|FAILED:' build/setup.log | head -120; exit 1; }
 wait; [[ $SHORT == 0 ]] && tail -1 "$OUT/build_main.log"
 tests() {  # ctest regex, log name
   timeout 150 ctest --test-dir build -j 4 --timeout 120 --output-on-failure -R "$1" > "$OUT/$2.log" 2>&1
