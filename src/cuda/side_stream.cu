@@ -27,21 +27,29 @@ std::atomic<bool> g_on{[] {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }()};
 
-// A piece of side work: the event recorded after it on the side stream, and
-// the tensors it reads, kept until the current stream has waited for it.
-struct Piece {
-  at::cuda::CUDAEvent done;
-  std::vector<at::Tensor> reads;
+// The work handed over is launched in batches: each batch is one fork from
+// the current stream (an event it records and the side stream waits for)
+// and one join later. In a CUDA graph every such edge between the streams
+// costs the graph's scheduler time; a piece per weight gradient left the
+// GPU idle 0.7 ms a step of GPT-2 (bench/RESULTS.md, session 27).
+struct Batch {
+  at::cuda::CUDAEvent done;                 // recorded on the side stream after the batch
+  std::vector<std::function<void()>> work;  // kept: their captures are what the batch reads
 };
 
-// At most this many pieces in flight: a GPT layer hands over five (the
-// MLP's two weight gradients and its first bias sum, and the weight
-// gradients of the attention's two projections), so the side stream may
-// lag two layers behind. (DDP_SIDE_BACKLOG: an experiment's knob.)
-const size_t kBacklog = [] {
-  const char* v = std::getenv("DDP_SIDE_BACKLOG");
-  return v != nullptr ? static_cast<size_t>(std::max(1, std::atoi(v))) : size_t{10};
-}();
+size_t from_env(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return static_cast<size_t>(std::max(1, v != nullptr ? std::atoi(v) : fallback));
+}
+
+// Pieces a batch: a GPT layer hands over five (the MLP's two weight
+// gradients and its first bias sum, and the weight gradients of the
+// attention's two projections). Launched batches not yet waited for: at
+// most kBacklog, so the side stream lags a bounded number of layers (and
+// what they read stays alive no longer). DDP_SIDE_BATCH and
+// DDP_SIDE_BACKLOG: an experiment's knobs.
+const size_t kBatch = from_env("DDP_SIDE_BATCH", 5);
+const size_t kBacklog = from_env("DDP_SIDE_BACKLOG", 2);
 
 struct State {
   std::mutex mu;
@@ -49,7 +57,8 @@ struct State {
   bool open = false;
   c10::DeviceIndex device = 0;
   std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;  // one side stream per device, for the process
-  std::deque<std::unique_ptr<Piece>> backlog;
+  std::vector<std::function<void()>> pending;                 // handed over, not yet launched
+  std::deque<std::unique_ptr<Batch>> launched;                // launched, not yet waited for
 };
 
 State& state() {
@@ -57,11 +66,42 @@ State& state() {
   return s;
 }
 
+// Under s.mu: the pending pieces, launched on the side stream after what
+// `here` has queued; then `here` waits for the oldest batches beyond the
+// backlog.
+void launch_pending(State& s, const c10::cuda::CUDAStream& here) {
+  if (s.pending.empty()) return;
+  auto batch = std::make_unique<Batch>();
+  batch->work.swap(s.pending);
+  const auto side = s.streams.at(s.device);
+  at::cuda::CUDAEvent fork;
+  fork.record(here);
+  fork.block(side);
+  try {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    for (const auto& w : batch->work) w();
+  } catch (...) {
+    // What ran reads tensors freed with the batch: `here` waits for it first.
+    at::cuda::CUDAEvent ran;
+    ran.record(side);
+    ran.block(here);
+    throw;
+  }
+  batch->done.record(side);
+  s.launched.push_back(std::move(batch));
+  while (s.launched.size() > kBacklog) {
+    s.launched.front()->done.block(here);
+    s.launched.pop_front();
+  }
+}
+
 // Under s.mu.
 void join_locked(State& s) {
-  if (s.backlog.empty()) return;
-  s.backlog.back()->done.block(at::cuda::getCurrentCUDAStream(s.device));  // one stream: the last done, all done
-  s.backlog.clear();
+  if (s.pending.empty() && s.launched.empty()) return;
+  const auto here = at::cuda::getCurrentCUDAStream(s.device);
+  launch_pending(s, here);
+  s.launched.back()->done.block(here);  // one stream: the last done, all done
+  s.launched.clear();
 }
 
 }  // namespace
@@ -89,42 +129,26 @@ SideWork::~SideWork() {
   } catch (const std::exception& e) {
     // Unwinding from a failed backward: the error that matters is that one.
     std::fprintf(stderr, "ddptrain: joining the side stream failed: %s\n", e.what());
-    s.backlog.clear();
+    s.pending.clear();
+    s.launched.clear();
   }
   s.open = false;
 }
 
-void aside(const std::function<void()>& work, std::initializer_list<at::Tensor> reads) {
+void aside(std::function<void()> work) {
   auto& s = state();
   std::unique_lock<std::mutex> lock(s.mu);
-  if (!s.open || c10::cuda::current_device() != s.device) {
+  const bool here_and_now = !s.open || c10::cuda::current_device() != s.device;
+  if (here_and_now || s.streams.at(s.device) == at::cuda::getCurrentCUDAStream(s.device)) {
+    // No side work open (or the pool handed the side stream out again as
+    // this one: nothing to order).
     lock.unlock();
     work();
     return;
   }
-  const auto here = at::cuda::getCurrentCUDAStream(s.device);
-  const auto side = s.streams.at(s.device);
-  if (side == here) {  // the pool handed the same stream out again: one stream, nothing to order
-    lock.unlock();
-    work();
-    return;
-  }
-  at::cuda::CUDAEvent fork;
-  fork.record(here);
-  fork.block(side);
-  {
-    const c10::cuda::CUDAStreamGuard on_side(side);
-    work();
-  }
-  auto piece = std::make_unique<Piece>();
-  piece->done.record(side);
-  piece->reads.assign(reads.begin(), reads.end());
-  s.backlog.push_back(std::move(piece));
+  s.pending.push_back(std::move(work));
   ++s.pieces;
-  while (s.backlog.size() > kBacklog) {
-    s.backlog.front()->done.block(here);
-    s.backlog.pop_front();
-  }
+  if (s.pending.size() >= kBatch) launch_pending(s, at::cuda::getCurrentCUDAStream(s.device));
 }
 
 size_t side_pieces() {

@@ -58,7 +58,7 @@ torch::Tensor gradient_home(const torch::Tensor& param) {
 torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, const torch::Tensor& x2) {
   auto slot = param_slots::take_gradient_slot(param);
   if (slot.defined()) {
-    cuda::aside([&] { cuda::weight_grad(g2, x2, slot); }, {g2, x2});
+    cuda::aside([g2, x2, slot] { cuda::weight_grad(g2, x2, slot); });
     return slot;
   }
   auto dw = torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
@@ -74,7 +74,7 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
                                      std::optional<cuda::Gelu> gelu) {
   auto slot = param.defined() ? param_slots::take_gradient_slot(param) : torch::Tensor();
   if (slot.defined() && !gelu) {
-    cuda::aside([&] { cuda::column_sum(g, slot); }, {g});
+    cuda::aside([g, slot] { cuda::column_sum(g, slot); });
     return {g, slot};
   }
   auto db = slot.defined() || !param.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));

@@ -13,7 +13,8 @@
 // one is open, a backward function may hand work to aside(): it runs on the
 // side stream after everything queued so far on the current stream, and
 // the tensors it reads are kept alive until it is joined. Its outputs must
-// be read by nothing before join_side_work(): the weight gradients it
+// be read by nothing before join_side_work() (which launches any work still
+// waiting for its batch): the weight gradients it
 // writes go into their slots of the flat gradient buffer (param_slots.h),
 // which the all-reduce (GradSync joins first), the tied embedding's
 // backward (joins first) and the optimizer (after the SideWork closed) read.
@@ -27,7 +28,6 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
-#include <initializer_list>
 
 namespace ddp::cuda {
 
@@ -49,18 +49,21 @@ class SideWork {
   bool open_ = false;
 };
 
-/// Runs `work` on the side stream where a SideWork is open, after the work
-/// queued so far on the current stream, keeping `reads` alive until joined;
-/// else runs it here. The tensors `work` allocates come from the side
-/// stream's pool. A backlog of more than a few pieces makes the current
-/// stream wait for the oldest, which bounds the memory kept alive.
-void aside(const std::function<void()>& work, std::initializer_list<at::Tensor> reads);
+/// Hands `work` to the side stream where a SideWork is open, else runs it
+/// here. Handed over, it runs later, in a batch with the next few pieces
+/// (one fork from the current stream a batch, after what that stream has
+/// queued by then), so it must own what it reads: capture the tensors by
+/// value, which also keeps them alive until it has been joined. The
+/// tensors it allocates come from the side stream's pool. A backlog of
+/// more than a few batches makes the current stream wait for the oldest,
+/// which bounds the memory kept alive.
+void aside(std::function<void()> work);
 
 /// How many pieces of work have run on the side stream in this process.
 size_t side_pieces();
 
-/// Makes the current stream wait for all side work queued so far and
-/// releases what it kept. Cheap when there is none; safe from any thread.
+/// Launches the work still waiting for its batch, makes the current stream
+/// wait for all side work, and releases what it kept. Cheap when there is none; safe from any thread.
 void join_side_work();
 
 }  // namespace ddp::cuda
