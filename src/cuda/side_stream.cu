@@ -24,7 +24,7 @@ namespace {
 
 std::atomic<bool> g_on{[] {
   const char* v = std::getenv("DDP_SIDE_STREAM");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  return v != nullptr && std::strcmp(v, "1") == 0;
 }()};
 
 // The work handed over is launched in batches: each batch is one fork from

@@ -27,10 +27,11 @@ using ddp::models::GptOptions;
 using ddp::testing::FusedLayerNormOn;
 using ddp::testing::FusedLinearOn;
 
-// Turns the side stream on or off for a scope, and back on (the default).
+// Turns the side stream on or off for a scope, then back as it was.
 struct SideStream {
-  explicit SideStream(bool on) { ddp::cuda::set_side_stream(on); }
-  ~SideStream() { ddp::cuda::set_side_stream(true); }
+  explicit SideStream(bool on) : was(ddp::cuda::side_stream_enabled()) { ddp::cuda::set_side_stream(on); }
+  ~SideStream() { ddp::cuda::set_side_stream(was); }
+  bool was;
 };
 
 // One backward of a GPT-2-shaped model with its gradients in the flat
@@ -38,6 +39,7 @@ struct SideStream {
 // every gradient equal to the bit, and the side stream used only when open.
 TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
+  SideStream side_on(true);  // SideWork(true) opens it; SideWork(false) does not
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
@@ -107,7 +109,10 @@ TEST(SideStream, TrainingStepsAreTheOneStreamsToTheBit_CUDA) {
       one = ddp::testing::small_gpt_bf16_losses(options, graph, 8);
     }
     const size_t before = ddp::cuda::side_pieces();
-    two = ddp::testing::small_gpt_bf16_losses(options, graph, 8);
+    {
+      SideStream on_(true);
+      two = ddp::testing::small_gpt_bf16_losses(options, graph, 8);
+    }
     EXPECT_GT(ddp::cuda::side_pieces(), before);  // recorded once into the graph, else every step
     EXPECT_EQ(two, one);
     EXPECT_LT(two.back(), two.front()) << ::testing::PrintToString(two);

@@ -7,7 +7,12 @@
 // before it, so the bandwidth-bound kernels of the chain (LayerNorm,
 // the heads' pass, cuDNN's pre- and post-passes) run with the tensor cores
 // idle, and each matmul's last wave leaves SMs idle. On a second stream the
-// weight gradients fill those gaps (bench/RESULTS.md, session 27).
+// weight gradients fill those gaps.
+//
+// Off by default: in GPT-2's graphed step on an H100 the kernels overlapped
+// by 5 ms, yet the step gained 0.1-0.3 ms in one call and nothing in
+// another (bench/RESULTS.md, session 27): the graph with two branches left
+// the GPU idle 0.6-0.7 ms a step between kernels (0.06 ms as one chain).
 //
 // The contract: a training step opens a SideWork around its backward. While
 // one is open, a backward function may hand work to aside(): it runs on the
@@ -31,8 +36,8 @@
 
 namespace ddp::cuda {
 
-/// Whether SideWork opens the side stream (default: yes; the environment's
-/// DDP_SIDE_STREAM=0 turns it off, for an A/B in one binary).
+/// Whether SideWork opens the side stream (default: no; the environment's
+/// DDP_SIDE_STREAM=1 turns it on, for an A/B in one binary).
 void set_side_stream(bool on);
 bool side_stream_enabled();
 
