@@ -9,7 +9,7 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
+#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
 #     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
 #     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
 #   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
@@ -21,7 +21,28 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp}/ab; mkdir -p "$OUT"
 log() { echo "== $* ($(date -u +%H:%M:%S))"; }
-finish() { (cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err); log done; exit 0; }  # fewer files back
+# Each run's ms/step by label (main, this tree, under each variable), the
+# median of the repeated ones and its ratio to torch.compile's median: runs
+# of one binary spread by up to 0.6 ms within a call (session 27).
+summary() {
+  python3 - "$OUT/ab.jsonl" <<'PY' || true
+import json, statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    i = line.find("{")
+    if i < 0: continue
+    d = json.loads(line[i:])
+    label = line[:i].strip() or d.get("contender", "?")
+    runs.setdefault(label, []).append(d["ms_per_step"])
+compile_ms = [v for k, v in runs.items() if "compile" in k]
+ref = statistics.median(compile_ms[0]) if compile_ms else None
+for label, ms in runs.items():
+    med = statistics.median(ms)
+    ratio = f"  {ref / med:.3f}x of torch.compile" if ref else ""
+    print(f"{label:60s} median {med:6.2f} ms of {len(ms)}: {' '.join(f'{m:.2f}' for m in ms)}{ratio}")
+PY
+}
+finish() { summary; (cd "$OUT" && tar czf logs.tgz build*.log ./*.err 2>/dev/null && rm -f build*.log ./*.err); log done; exit 0; }  # fewer files back
 SHORT=${SHORT:-0}  # 1: little device time left: no main build, no A/B (compare with RESULTS.md)
 # QUICK=1: stop after the first tests and (e).
 log build
@@ -29,7 +50,8 @@ if [[ $SHORT == 0 ]]; then
   mkdir -p /tmp/main && tar -xf .data/main.tar -C /tmp/main
   (cd /tmp/main && JOBS=6 ./setup.sh > "$OUT/build_main.log" 2>&1; echo "main build rc $?" >> "$OUT/build_main.log") &
 fi
-JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || { grep -B2 -A12 -m3 'error' "$OUT/build.log" | head -80; exit 1; }
+JOBS=$((SHORT == 1 ? 16 : 10)) ./setup.sh --tests > "$OUT/build.log" 2>&1 || {
+  grep -B2 -A12 -m4 -E 'error|FAILED:' build/setup.log | head -120; exit 1; }
 wait; [[ $SHORT == 0 ]] && tail -1 "$OUT/build_main.log"
 tests() {  # ctest regex, log name
   timeout 150 ctest --test-dir build -j 4 --timeout 120 --output-on-failure -R "$1" > "$OUT/$2.log" 2>&1
@@ -37,13 +59,13 @@ tests() {  # ctest regex, log name
 }
 base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu tanh)
 gpt=("${base[@]}" --bench-steps 30 --cuda-graph)
-ab() {  # AB_ENV=VAR=value: this tree is also run with it, between main and the default
+ab() {  # AB_ENV=VAR=value: this tree is also run with it, between main and the default; REPS rounds, interleaved
   local runs=(/tmp/main .); [[ $SHORT == 1 ]] && runs=(.)
   [[ -n ${AB_ENV:-} ]] && runs=("${runs[@]:0:${#runs[@]}-1}" "$AB_ENV ." .)
-  for run in "${runs[@]}"; do
+  for ((rep = 0; rep < ${REPS:-1}; rep++)); do for run in "${runs[@]}"; do
     local tree=${run##* } vars=(); [[ $run == *" "* ]] && vars=("${run% *}")
     echo -n "$run "; env "${vars[@]}" timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
-  done | tee -a "$OUT/ab.jsonl"
+  done; done | tee -a "$OUT/ab.jsonl"
   grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 }
 log "CUDA tests of the changed kernels"; tests "${TESTS1:-ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm}" tests1

@@ -15,6 +15,10 @@
 #include "ddp/dist/param_slots.h"
 #include "ddp/error.h"
 
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/side_stream.h"
+#endif
+
 namespace ddp {
 namespace {
 
@@ -341,6 +345,10 @@ void GradSync::launch_ready_in_order(bool from_backward) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     auto& b = buckets_[next_bucket_];
     if (used_flags_.defined() && next_bucket_ + 1 == buckets_.size()) write_used_flags();
+#ifdef DDP_WITH_CUDA_KERNELS
+    // Weight gradients may still be in the making on the side stream.
+    cuda::join_side_work();
+#endif
     b.work = world_.all_reduce_async(b.view);
     if (from_backward) ++launched_in_backward_;
     ++next_bucket_;

@@ -15,6 +15,7 @@
 #include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
+#include "ddp/cuda/side_stream.h"
 #endif
 
 namespace ddp::models {
@@ -50,19 +51,33 @@ torch::Tensor gradient_home(const torch::Tensor& param) {
   return slot.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
 }
 
-// dW = g^T x in fp32, into W's gradient slot where it has one.
+// dW = g^T x in fp32, into W's gradient slot where it has one. Nothing in
+// the backward reads a slot, so there the matmul runs off the critical
+// path, on the side stream while a training step's backward has one open
+// (side_stream.h).
 torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, const torch::Tensor& x2) {
-  auto dw = gradient_home(param);
+  auto slot = param_slots::take_gradient_slot(param);
+  if (slot.defined()) {
+    cuda::aside([g2, x2, slot] { cuda::weight_grad(g2, x2, slot); });
+    return slot;
+  }
+  auto dw = torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
   cuda::weight_grad(g2, x2, dw);
   return dw;
 }
 
 // A bias's gradient: the column sums of g (with the GELU's backward first
 // when `gelu` is given), into the bias's slot where it has one (no bias:
-// undefined, and the sums are thrown away). {g', db}.
+// undefined, and the sums are thrown away). {g', db}. A plain sum into a
+// slot goes aside, as weight_grad's matmul.
 std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Tensor& g, const torch::Tensor& pre,
                                      std::optional<cuda::Gelu> gelu) {
-  auto db = param.defined() ? gradient_home(param) : torch::Tensor();
+  auto slot = param.defined() ? param_slots::take_gradient_slot(param) : torch::Tensor();
+  if (slot.defined() && !gelu) {
+    cuda::aside([g, slot] { cuda::column_sum(g, slot); });
+    return {g, slot};
+  }
+  auto db = slot.defined() || !param.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
   if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
   return {g, cuda::column_sum(g, db)};
 }
@@ -274,6 +289,8 @@ struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
       dw = std::move(tie->dw);
       tie->dw = torch::Tensor();
     }
+    // The head's weight gradient may still be in the making on the side stream.
+    cuda::join_side_work();
     if (!dw.defined()) dw = gradient_home(tie->weight).zero_();  // the head took LibTorch's path, or is not in this graph
     const int64_t c = tie->weight.size(1);
     cuda::embedding_backward_add(grads[0].to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
@@ -302,7 +319,10 @@ struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
       std::lock_guard<std::mutex> lock(tie->mu);
       // A second backward through this graph (retain_graph) before the
       // embedding's took the first: both count.
-      if (tie->dw.defined()) tie->dw.add_(dw);
+      if (tie->dw.defined()) {
+        cuda::join_side_work();
+        tie->dw.add_(dw);
+      }
       else tie->dw = dw;
     }
     return {mm16(g, w16).view(x.sizes()), torch::Tensor()};

@@ -11,6 +11,9 @@
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/sync_batchnorm.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/side_stream.h"
+#endif
 
 namespace ddp {
 
@@ -170,7 +173,14 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     loss = loss.reshape({}).to(torch::kFloat);
     auto scaled = loss_scale != 1.0 ? loss * loss_scale : loss;
     if (fp16_) scaled = scaled * scale_;
-    scaled.backward();
+    {
+#ifdef DDP_WITH_CUDA_KERNELS
+      // Weight gradients off the backward's critical path, on a second
+      // stream, joined back here (side_stream.h).
+      cuda::SideWork side(world_.device().is_cuda());
+#endif
+      scaled.backward();
+    }
   }  // the bf16 copies close before the optimizer changes the parameters
   if (last_micro) {
     torch::NoGradGuard no_grad;

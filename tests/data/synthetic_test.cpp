@@ -7,6 +7,7 @@
 #include "ddp/data/synthetic.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
+#include "support/testing.h"
 
 namespace {
 

@@ -1,0 +1,74 @@
+// Backward work off the critical path, on a second CUDA stream.
+//
+// Why: a layer's backward has a chain that the next layer waits for (the
+// input gradient's matmul, the LayerNorm's backward, the attention's) and
+// work that nothing in the backward reads (the weight gradients' matmuls,
+// the MLP's first bias sum). On one stream each kernel waits for the one
+// before it, so the bandwidth-bound kernels of the chain (LayerNorm,
+// the heads' pass, cuDNN's pre- and post-passes) run with the tensor cores
+// idle, and each matmul's last wave leaves SMs idle. On a second stream the
+// weight gradients fill those gaps.
+//
+// Off by default: in GPT-2's graphed step on an H100 the kernels overlapped
+// by 5 ms, yet the step gained 0.1-0.3 ms in one call and nothing in
+// another (bench/RESULTS.md, session 27): the graph with two branches left
+// the GPU idle 0.6-0.7 ms a step between kernels (0.06 ms as one chain).
+//
+// The contract: a training step opens a SideWork around its backward. While
+// one is open, a backward function may hand work to aside(): it runs on the
+// side stream after everything queued so far on the current stream, and
+// the tensors it reads are kept alive until it is joined. Its outputs must
+// be read by nothing before join_side_work() (which launches any work still
+// waiting for its batch): the weight gradients it
+// writes go into their slots of the flat gradient buffer (param_slots.h),
+// which the all-reduce (GradSync joins first), the tied embedding's
+// backward (joins first) and the optimizer (after the SideWork closed) read.
+// With no SideWork open, aside() runs the work at once on the current
+// stream, so code outside a training step (tests, a user's own loop) sees
+// the usual one-stream order. Under CUDA graph capture the side stream
+// joins the capture through the fork's event, and closing joins it back,
+// so the graph holds both branches.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+
+namespace ddp::cuda {
+
+/// Whether SideWork opens the side stream (default: no; the environment's
+/// DDP_SIDE_STREAM=1 turns it on, for an A/B in one binary).
+void set_side_stream(bool on);
+bool side_stream_enabled();
+
+/// Opens side work on the current CUDA device for its lifetime, where
+/// side_stream_enabled(); closing joins it (join_side_work). Not nested.
+class SideWork {
+ public:
+  explicit SideWork(bool cuda);
+  ~SideWork();
+  SideWork(const SideWork&) = delete;
+  SideWork& operator=(const SideWork&) = delete;
+
+ private:
+  bool open_ = false;
+};
+
+/// Hands `work` to the side stream where a SideWork is open, else runs it
+/// here. Handed over, it runs later, in a batch with the next few pieces
+/// (one fork from the current stream a batch, after what that stream has
+/// queued by then), so it must own what it reads: capture the tensors by
+/// value, which also keeps them alive until it has been joined. The
+/// tensors it allocates come from the side stream's pool. A backlog of
+/// more than a few batches makes the current stream wait for the oldest,
+/// which bounds the memory kept alive.
+void aside(std::function<void()> work);
+
+/// How many pieces of work have run on the side stream in this process.
+size_t side_pieces();
+
+/// Launches the work still waiting for its batch, makes the current stream
+/// wait for all side work, and releases what it kept. Cheap when there is none; safe from any thread.
+void join_side_work();
+
+}  // namespace ddp::cuda

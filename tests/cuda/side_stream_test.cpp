@@ -1,0 +1,123 @@
+// Weight gradients on the side stream (cuda/side_stream.h) are the one
+// stream's, to the bit: the same kernels on the same operands, only run
+// beside the backward's chain. (Sequences of 32 tokens: one attention tile,
+// whose backward sums in a fixed order.) Both paths run in one process, so each kind
+// of matmul keeps the algorithm timed for it on its first call (gemm_gelu.h)
+// whichever stream runs it. A gradient read before the side stream was
+// joined would be part-written: these models' matmuls are large enough
+// that such a read would not be the finished sums.
+#include <gtest/gtest.h>
+
+#include "ddp/compat.h"
+#include "ddp/dist/grad_sync.h"
+#include "ddp/models/gpt.h"
+#include "support/small_gpt.h"
+#include "support/testing.h"
+
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/side_stream.h"
+#endif
+
+namespace {
+
+#ifdef DDP_WITH_CUDA_KERNELS
+using ddp::models::Gpt;
+using ddp::models::GptGelu;
+using ddp::models::GptOptions;
+using ddp::testing::FusedLayerNormOn;
+using ddp::testing::FusedLinearOn;
+
+// Turns the side stream on or off for a scope, then back as it was.
+struct SideStream {
+  explicit SideStream(bool on) : was(ddp::cuda::side_stream_enabled()) { ddp::cuda::set_side_stream(on); }
+  ~SideStream() { ddp::cuda::set_side_stream(was); }
+  bool was;
+};
+
+// One backward of a GPT-2-shaped model with its gradients in the flat
+// buffer, with the side stream open (as a training step opens it) or not:
+// every gradient equal to the bit, and the side stream used only when open.
+TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  SideStream side_on(true);  // SideWork(true) opens it; SideWork(false) does not
+  FusedLinearOn on;
+  FusedLayerNormOn ln_on;
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto options =
+      GptOptions().n_layer(2).n_head(8).n_embd(512).block_size(32).vocab_size(1024).gelu(GptGelu::kTanh);
+  torch::manual_seed(27);
+  Gpt aside(options), inline_(options);
+  {
+    torch::NoGradGuard no_grad;
+    auto from = aside->named_parameters();
+    for (auto& p : inline_->named_parameters()) p.value().copy_(from[p.key()]);
+  }
+  aside->to(gpu);
+  inline_->to(gpu);
+  auto idx = torch::randint(0, 1024, {32, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+  auto target = torch::randint(0, 1024, {32 * 32}, idx.options());
+  auto world = ddp::testing::one_rank_world(true);
+  ddp::GradSync sync_aside(*aside, *world), sync_inline(*inline_, *world);
+  auto backward = [&](Gpt& m, ddp::GradSync& sync, bool side) {
+    sync.zero_grad(/*set_to_none=*/true);
+    sync.bf16_copies(true);
+    torch::Tensor loss;
+    {
+      ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      loss = torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 1024}).to(torch::kFloat), target);
+    }
+    {
+      ddp::cuda::SideWork work(side);
+      loss.backward();
+    }
+    sync.bf16_copies(false);
+    sync.finish();
+  };
+  for (int step = 0; step < 2; ++step) {  // the first step asks for the bf16 copies, the second has them
+    SCOPED_TRACE("step " + std::to_string(step));
+    const size_t before = ddp::cuda::side_pieces();
+    backward(inline_, sync_inline, false);  // first: its matmuls choose their algorithms on one stream
+    EXPECT_EQ(ddp::cuda::side_pieces(), before);
+    backward(aside, sync_aside, true);
+    // Per block: c_attn's, the attention projection's and the MLP's two
+    // weights, the MLP's first bias (the others are the LayerNorms'); the head.
+    EXPECT_EQ(ddp::cuda::side_pieces() - before, 2u * 5 + 1);
+    auto got = aside->named_parameters();
+    for (const auto& p : inline_->named_parameters()) {
+      if (p.key() == "lm_head.weight") continue;  // the same tensor as wte
+      ASSERT_TRUE(got[p.key()].grad().defined()) << p.key();
+      EXPECT_TRUE(torch::equal(got[p.key()].grad(), p.value().grad()))
+          << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
+    }
+  }
+}
+
+// Through the training step, eager and captured in a CUDA graph (the side
+// stream then forks from and joins back into the capture): the same losses
+// to the bit with the side stream as without.
+TEST(SideStream, TrainingStepsAreTheOneStreamsToTheBit_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  FusedLinearOn on;
+  FusedLayerNormOn ln_on;
+  const auto options =
+      GptOptions().n_layer(2).n_head(4).n_embd(128).block_size(32).vocab_size(1001).gelu(GptGelu::kTanh);
+  for (bool graph : {false, true}) {
+    SCOPED_TRACE(graph ? "graphed" : "eager");
+    std::vector<double> one, two;
+    {
+      SideStream off(false);
+      one = ddp::testing::small_gpt_bf16_losses(options, graph, 8);
+    }
+    const size_t before = ddp::cuda::side_pieces();
+    {
+      SideStream on_(true);
+      two = ddp::testing::small_gpt_bf16_losses(options, graph, 8);
+    }
+    EXPECT_GT(ddp::cuda::side_pieces(), before);  // recorded once into the graph, else every step
+    EXPECT_EQ(two, one);
+    EXPECT_LT(two.back(), two.front()) << ::testing::PrintToString(two);
+  }
+}
+#endif
+
+}  // namespace
