@@ -13,6 +13,9 @@
 #     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
 #     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
 #   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
+#   REPS=n: the A/B and each EXTRA_RUNS run n times, interleaved (BESIDE=1:
+#   each extra run with a run of the default after it); the end prints
+#   medians.
 #   PROBE_*: one more (e) run under PROBE_ENV, its stderr lines matching
 #   PROBE_GREP shown. TESTS3: CUDA tests under TESTS3_ENV, last.
 # Session 21 wrote it as slots_gpu.sh for branch param-slots.
@@ -78,9 +81,10 @@ log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|G
 [[ ${AB_TWICE:-1} == 1 ]] && { log "(e) A/B again"; ab; }
 if [[ -n ${EXTRA_RUNS:-} ]]; then  # "VAR=a VAR=b ...": this tree's (e) under each
   log "(e) under $EXTRA_RUNS"
-  for v in $EXTRA_RUNS; do
+  for ((rep = 0; rep < ${REPS:-1}; rep++)); do for v in $EXTRA_RUNS; do
     echo -n "$v "; env ${v//,/ } timeout 60 ./build/ddptrain bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
-  done | tee -a "$OUT/ab.jsonl"
+    if [[ ${BESIDE:-0} == 1 ]]; then echo -n ". "; timeout 60 ./build/ddptrain bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'; fi
+  done; done | tee -a "$OUT/ab.jsonl"
 fi
 if [[ -n ${PROBE_ENV:-} ]]; then
   log "(e) under $PROBE_ENV, stderr matching ${PROBE_GREP:-.}"

@@ -578,7 +578,10 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
   return {y, pre};
 }
 
-void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
+namespace {
+// out = g^T x in fp32 (and with bias_out, the column sums of g from the
+// BGRADB epilogue); whether cuBLASLt ran it.
+bool run_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out) {
   TORCH_CHECK(gemm_gelu_available(), "weight_grad: cuBLASLt is not loaded in this process");
   check_operand(g, "g", 2);
   check_operand(x, "x", 2);
@@ -587,13 +590,34 @@ void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out
                   out.size(0) == n && out.size(1) == k && out.stride(1) == 1 && out.stride(0) == k,
               "weight_grad: g ", g.sizes(), ", x ", x.sizes(), " and out ", out.sizes(), " ", out.scalar_type(),
               " do not fit (out: a contiguous fp32 [g's columns, x's columns])");
+  TORCH_CHECK(!bias_out.defined() || (bias_out.is_cuda() && bias_out.get_device() == g.get_device() &&
+                                      bias_out.scalar_type() == at::kFloat && bias_out.is_contiguous() &&
+                                      bias_out.numel() == n),
+              "weight_grad_with_bias: bias_out must be a contiguous fp32 tensor of ", n, " elements on g's GPU");
   const c10::cuda::CUDAGuard guard(g.device());
   Plan p(*lt());
   // x^T (K x M) times g^T (N x M, transposed) is out^T (K x N), in fp32.
+  // The bias gradient sums B = g^T's rows over the product's K (the tokens).
   p.describe(CUBLAS_OP_N, CUBLAS_OP_T, {k, m}, {n, m}, {k, n}, CUDA_R_32F);
+  if (bias_out.defined()) {
+    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
+    p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_out.data_ptr());
+    p.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_32F);
+  }
   at::Tensor d = out;
-  TORCH_CHECK(run(p, x, g, d), "weight_grad: cuBLASLt offered or ran no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
+  return run(p, x, g, d);
+}
+}  // namespace
+
+void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
+  TORCH_CHECK(run_weight_grad(g, x, out, at::Tensor()),
+              "weight_grad: cuBLASLt offered or ran no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
               x.sizes());
+}
+
+bool weight_grad_with_bias(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out) {
+  TORCH_CHECK(bias_out.defined(), "weight_grad_with_bias: no bias_out");
+  return run_weight_grad(g, x, out, bias_out);
 }
 
 at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre) {

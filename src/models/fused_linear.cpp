@@ -5,6 +5,8 @@
 #include "ddp/models/fused_linear.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "ddp/compat.h"
 #include "ddp/dist/param_slots.h"
@@ -22,6 +24,10 @@ namespace ddp::models {
 namespace {
 
 std::atomic<bool> g_fused_linear{false};
+std::atomic<bool> g_embed_pos{[] {
+  const char* v = std::getenv("DDP_EMBED_POS");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}()};
 
 // [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
 // views, as the model's split, view and transpose give.
@@ -80,6 +86,26 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   auto db = slot.defined() || !param.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
   if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
   return {g, cuda::column_sum(g, db)};
+}
+
+// {dW, db} = {g^T x, the column sums of g} from one matmul (cuBLASLt's
+// BGRADB epilogue, cuda::weight_grad_with_bias) where DDP_BGRADB=1 asks for
+// it, into their slots where they have them; else undefined. An experiment
+// for the MLP's first layer (bench/RESULTS.md, session 27): its bias sum
+// is a pass over the MLP's widest gradient.
+std::vector<torch::Tensor> weight_and_bias_grad(const torch::Tensor& w, const torch::Tensor& b, const torch::Tensor& g,
+                                                const torch::Tensor& x2) {
+  static const bool wanted = [] {
+    const char* v = std::getenv("DDP_BGRADB");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  if (!wanted) return {};
+  auto dw = gradient_home(w), db = gradient_home(b);
+  if (!cuda::weight_grad_with_bias(g, x2, dw, db)) {  // no such algorithm: the two passes
+    cuda::weight_grad(g, x2, dw);
+    cuda::column_sum(g, db);
+  }
+  return {dw, db};
 }
 
 // x W^T (+ b), bf16: cuda::linear where it takes the operands, else
@@ -239,13 +265,20 @@ struct MlpGeluTanhFn : torch::autograd::Function<MlpGeluTanhFn> {
     auto dh = cuda::matmul_gelu_tanh_backward(g, w2_16, pre);
     torch::Tensor db1;
     if (dh.defined()) {
-      if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
+      if (b1_wanted.defined() && ctx->needs_input_grad(1)) {
+        auto both = weight_and_bias_grad(w1, b1_wanted, dh, x2);
+        if (!both.empty()) {
+          dw1 = both[0];
+          db1 = both[1];
+        }
+      }
+      if (b1_wanted.defined() && !db1.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
     } else {
       auto r = bias_grad(b1_wanted, mm16(g, w2_16), pre, cuda::Gelu::kTanh);
       dh = r[0];
       db1 = r[1];
     }
-    if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
+    if (ctx->needs_input_grad(1) && !dw1.defined()) dw1 = weight_grad(w1, dh, x2);
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
@@ -270,15 +303,17 @@ c10::intrusive_ptr<TiedGradient> tied_gradient(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tie"].toCapsule());
 }
 
-// weight[idx] (fp32). Backward: the head's gradient where its backward left
-// one, else the weight's slot (zeroed) or zeros, with this lookup's rows
-// added; returned as the weight's one gradient.
+// weight[idx] (fp32), plus pos[t] at position t where pos is given (one
+// kernel for both: cuda::embedding_with_positions). Backward: the head's
+// gradient where its backward left one, else the weight's slot (zeroed) or
+// zeros, with this lookup's rows added; returned as the weight's one
+// gradient; pos's, the sum over the batch.
 struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx,
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx, torch::Tensor pos,
                                c10::intrusive_ptr<torch::CustomClassHolder> tie) {
     ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
     ctx->save_for_backward({idx});
-    return at::embedding(weight, idx);
+    return pos.defined() ? cuda::embedding_with_positions(weight, idx, pos) : at::embedding(weight, idx);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto idx = ctx->get_saved_variables()[0];
@@ -294,7 +329,9 @@ struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
     if (!dw.defined()) dw = gradient_home(tie->weight).zero_();  // the head took LibTorch's path, or is not in this graph
     const int64_t c = tie->weight.size(1);
     cuda::embedding_backward_add(grads[0].to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
-    return {dw, torch::Tensor(), torch::Tensor()};
+    // As the broadcast add's backward: the sum over the batch.
+    auto dpos = ctx->needs_input_grad(2) ? grads[0].sum(0) : torch::Tensor();
+    return {dw, torch::Tensor(), dpos, torch::Tensor()};
   }
 };
 
@@ -334,16 +371,22 @@ struct TiedHeadFn : torch::autograd::Function<TiedHeadFn> {
 
 TiedEmbedding::TiedEmbedding(torch::Tensor weight) : weight_(std::move(weight)) {}
 
-torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx) {
+torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx, const torch::Tensor& pos) {
 #ifdef DDP_WITH_CUDA_KERNELS
   if (g_fused_linear.load() && torch::GradMode::is_enabled() && weight_.requires_grad() && weight_.is_cuda() &&
       weight_.dim() == 2 && weight_.scalar_type() == torch::kFloat && idx.is_cuda() &&
       idx.scalar_type() == torch::kLong) {
     meeting_ = c10::make_intrusive<TiedGradient>(weight_);
-    return TiedEmbedFn::apply(weight_, idx, meeting_);
+    if (g_embed_pos.load() && pos.defined() && idx.dim() == 2 && pos.is_cuda() && pos.scalar_type() == torch::kFloat &&
+        pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == idx.size(1) && pos.size(1) == weight_.size(1) &&
+        weight_.is_contiguous())
+      return TiedEmbedFn::apply(weight_, idx, pos, meeting_);
+    auto x = TiedEmbedFn::apply(weight_, idx, torch::Tensor(), meeting_);
+    return pos.defined() ? x + pos : x;
   }
 #endif
-  return torch::embedding(weight_, idx);
+  auto x = torch::embedding(weight_, idx);
+  return pos.defined() ? x + pos : x;
 }
 
 torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
@@ -360,6 +403,8 @@ torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
 }
 
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
+void use_embedding_with_positions(bool on) { g_embed_pos.store(on); }
+bool embedding_with_positions_enabled() { return g_embed_pos.load(); }
 bool fused_linear_enabled() { return g_fused_linear.load(); }
 
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

@@ -195,7 +195,7 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // The token embedding and the output head share wte's weight: with the
   // kernels, one gradient for it (fused_linear.h).
   models::TiedEmbedding tied(transformer->wte->weight);
-  auto x = tied.embed(idx) + transformer->wpe->weight.narrow(0, 0, t);
+  auto x = tied.embed(idx, transformer->wpe->weight.narrow(0, 0, t));
   if (options.dropout() > 0) x = transformer->drop(x);
   if (!models::fused_layer_norm_applies(x, torch::Tensor(), transformer->ln_f->weight, transformer->ln_f->bias)) {
     for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <set>
+#include <string>
 
 #include <torch/csrc/autograd/variable.h>
 
@@ -99,6 +101,15 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
 // Elsewhere the gradients are multiplied here (and an undefined tensor is
 // returned).
 torch::Tensor FlatOptimizer::clip(double max_norm) {
+#ifdef DDP_WITH_CUDA_KERNELS
+  // An experiment (cuda/adamw.h): the coefficient in two launches instead
+  // of ATen's six, where ddptrain's Adam takes it.
+  static const bool one_pass = [] {
+    const char* v = std::getenv("DDP_CLIP_KERNEL");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  if (own_adam_ && one_pass) return cuda::clip_coefficient(grads_, max_norm);
+#endif
   std::vector<torch::Tensor> norms;
   for (const auto& g : grads_) norms.push_back(g.norm(2).to(torch::kFloat));
   auto total = torch::stack(norms).norm(2);

@@ -5,6 +5,10 @@
 // vector path and the scalar one (an odd size, an unaligned start).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
 #include "support/testing.h"
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -76,6 +80,31 @@ TEST(AdamStep, FollowsTorchOptimWithClippingAndWritesTheBf16Copy_CUDA) {
 }
 // store_clipped_grad = false: the same update, bit for bit, and the
 // gradient left as it was (vector and scalar paths).
+// The clipping coefficient over several buffers (an aligned one, one that
+// starts off 16 bytes, one shorter than a block, one empty) is
+// clip_grad_norm_'s rule on their float64 norm, to fp32 rounding; above
+// the norm it is 1; the same bits on a second call.
+TEST(AdamStep, ClipCoefficientIsClipGradNormsRule_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(31);
+  auto big = torch::randn({3'000'001}, opts);
+  std::vector<torch::Tensor> grads{torch::randn({1 << 20}, opts) * 0.01, big.narrow(0, 1, 3'000'000),
+                                   torch::randn({77}, opts) * 5, torch::empty({0}, opts)};
+  double squares = 0;
+  for (const auto& g : grads) squares += g.to(torch::kDouble).pow(2).sum().item<double>();
+  const double norm = std::sqrt(squares);
+  for (double max_norm : {1.0, 0.25 * norm, 2.0 * norm}) {
+    SCOPED_TRACE("max_norm " + std::to_string(max_norm) + ", norm " + std::to_string(norm));
+    auto coef = ddp::cuda::clip_coefficient(grads, max_norm);
+    ASSERT_EQ(coef.numel(), 1);
+    EXPECT_EQ(coef.scalar_type(), torch::kFloat);
+    const double want = std::min(1.0, max_norm / (norm + 1e-6));
+    EXPECT_NEAR(coef.item<double>(), want, 1e-5 * want);  // fp32 partial sums
+    EXPECT_TRUE(torch::equal(coef, ddp::cuda::clip_coefficient(grads, max_norm)));
+  }
+}
+
 TEST(AdamStep, ClipsWithoutStoringTheGradientWhenAsked_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);

@@ -77,6 +77,15 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
 /// gradients are: autocast's matmul would round them to bf16, then cast.
 void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out);
 
+/// weight_grad with the layer's bias gradient out of the same matmul
+/// (epilogue BGRADB): bias_out = the column sums of g, fp32 [N], contiguous
+/// on g's GPU. False where cuBLASLt offers or runs no such algorithm (the
+/// caller then runs weight_grad and column_sum). An experiment
+/// (bench/RESULTS.md, session 27): in session 23 cuBLASLt's first choice
+/// ran the sums as a separate generic kernel, slower than column_sum; here
+/// the algorithm is chosen by timing, as for every kind.
+bool weight_grad_with_bias(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out);
+
 /// The tanh GELU's backward through the matmul before it, in one matmul
 /// (epilogue DGELU): dh = (g W) * gelu_tanh'(pre), for g: [M, N], w: [N, K]
 /// and pre: [M, K] (linear_gelu_tanh's pre-activation), contiguous bf16;

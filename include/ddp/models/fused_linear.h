@@ -31,6 +31,14 @@ namespace ddp::models {
 void use_fused_linear(bool on);
 bool fused_linear_enabled();
 
+/// Whether TiedEmbedding::embed adds the positions in the lookup's kernel
+/// (cuda::embedding_with_positions) where the kernels apply: the same
+/// values as the lookup and a broadcast add, in one pass. Default: the
+/// environment's DDP_EMBED_POS=1 (an experiment not yet measured on a GPU,
+/// bench/RESULTS.md, session 27), else off.
+void use_embedding_with_positions(bool on);
+bool embedding_with_positions_enabled();
+
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now
 /// (linear_heads also needs at most 3 parts and a head size that is a
 /// multiple of 8).
@@ -72,8 +80,10 @@ torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, con
                             const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad = BiasGrad::kHere);
 
 /// The GPT's token embedding and its output head, which share one weight
-/// (GPT-2 ties them): embed(idx) is weight[idx] and head(x) is x weight^T,
-/// the values of torch::embedding and linear_bias(x, weight, {}).
+/// (GPT-2 ties them): embed(idx, pos) is weight[idx] + pos (pos: the
+/// positions' embeddings, [T, C] for idx [B, T], added by broadcasting; or
+/// undefined) and head(x) is x weight^T, the values of torch::embedding
+/// (plus pos) and linear_bias(x, weight, {}).
 ///
 /// Autograd would give the weight two gradients, a dense [V, C] one from
 /// the embedding and one from the head, and add them. Where the kernels
@@ -87,7 +97,7 @@ torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, con
 class TiedEmbedding {
  public:
   explicit TiedEmbedding(torch::Tensor weight);
-  torch::Tensor embed(const torch::Tensor& idx);
+  torch::Tensor embed(const torch::Tensor& idx, const torch::Tensor& pos = {});
   torch::Tensor head(const torch::Tensor& x);
 
  private:
