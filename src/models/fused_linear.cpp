@@ -303,35 +303,53 @@ c10::intrusive_ptr<TiedGradient> tied_gradient(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<TiedGradient>(ctx->saved_data["tie"].toCapsule());
 }
 
-// weight[idx] (fp32), plus pos[t] at position t where pos is given (one
-// kernel for both: cuda::embedding_with_positions). Backward: the head's
-// gradient where its backward left one, else the weight's slot (zeroed) or
-// zeros, with this lookup's rows added; returned as the weight's one
-// gradient; pos's, the sum over the batch.
+// The embedding's weight gradient: the head's where its backward left one,
+// else the weight's slot (zeroed) or zeros, with the lookup's rows (grad,
+// [.., C]) added; the weight's one gradient.
+torch::Tensor tied_embedding_gradient(AutogradContext* ctx, const torch::Tensor& grad) {
+  auto idx = ctx->get_saved_variables()[0];
+  auto tie = tied_gradient(ctx);
+  torch::Tensor dw;
+  {
+    std::lock_guard<std::mutex> lock(tie->mu);
+    dw = std::move(tie->dw);
+    tie->dw = torch::Tensor();
+  }
+  // The head's weight gradient may still be in the making on the side stream.
+  cuda::join_side_work();
+  if (!dw.defined()) dw = gradient_home(tie->weight).zero_();  // the head took LibTorch's path, or is not in this graph
+  const int64_t c = tie->weight.size(1);
+  cuda::embedding_backward_add(grad.to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
+  return dw;
+}
+
+// weight[idx] (fp32). Backward: tied_embedding_gradient.
 struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx,
+                               c10::intrusive_ptr<torch::CustomClassHolder> tie) {
+    ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
+    ctx->save_for_backward({idx});
+    return at::embedding(weight, idx);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {tied_embedding_gradient(ctx, grads[0]), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// weight[idx] + pos (pos: [T, C] for idx [B, T]) in one kernel
+// (cuda::embedding_with_positions). Backward: tied_embedding_gradient, and
+// pos's as the broadcast add's, the sum over the batch. (A Function of its
+// own: LibTorch 2.x takes no undefined tensor as a Function's input.)
+struct TiedEmbedPosFn : torch::autograd::Function<TiedEmbedPosFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx, torch::Tensor pos,
                                c10::intrusive_ptr<torch::CustomClassHolder> tie) {
     ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
     ctx->save_for_backward({idx});
-    return pos.defined() ? cuda::embedding_with_positions(weight, idx, pos) : at::embedding(weight, idx);
+    return cuda::embedding_with_positions(weight, idx, pos);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto idx = ctx->get_saved_variables()[0];
-    auto tie = tied_gradient(ctx);
-    torch::Tensor dw;
-    {
-      std::lock_guard<std::mutex> lock(tie->mu);
-      dw = std::move(tie->dw);
-      tie->dw = torch::Tensor();
-    }
-    // The head's weight gradient may still be in the making on the side stream.
-    cuda::join_side_work();
-    if (!dw.defined()) dw = gradient_home(tie->weight).zero_();  // the head took LibTorch's path, or is not in this graph
-    const int64_t c = tie->weight.size(1);
-    cuda::embedding_backward_add(grads[0].to(torch::kFloat).reshape({-1, c}).contiguous(), idx.reshape({-1}), dw);
-    // As the broadcast add's backward: the sum over the batch.
     auto dpos = ctx->needs_input_grad(2) ? grads[0].sum(0) : torch::Tensor();
-    return {dw, torch::Tensor(), dpos, torch::Tensor()};
+    return {tied_embedding_gradient(ctx, grads[0]), torch::Tensor(), dpos, torch::Tensor()};
   }
 };
 
@@ -380,8 +398,8 @@ torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx, const torch::Tensor
     if (g_embed_pos.load() && pos.defined() && idx.dim() == 2 && pos.is_cuda() && pos.scalar_type() == torch::kFloat &&
         pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == idx.size(1) && pos.size(1) == weight_.size(1) &&
         weight_.is_contiguous())
-      return TiedEmbedFn::apply(weight_, idx, pos, meeting_);
-    auto x = TiedEmbedFn::apply(weight_, idx, torch::Tensor(), meeting_);
+      return TiedEmbedPosFn::apply(weight_, idx, pos, meeting_);
+    auto x = TiedEmbedFn::apply(weight_, idx, meeting_);
     return pos.defined() ? x + pos : x;
   }
 #endif
