@@ -125,7 +125,8 @@ __global__ void sum_squares_kernel(const float* __restrict__ g, int64_t n, bool 
 }
 
 // One block: the partial sums in float64, each thread a fixed stride, then
-// a fixed tree; coef = min(1, max_norm / (sqrt(total) + 1e-6)).
+// a fixed tree; coef = min(1, max_norm / (sqrt(total) + 1e-6)), NaN for a
+// NaN norm.
 __global__ void clip_coefficient_kernel(const float* __restrict__ partial, int count, double max_norm,
                                         float* __restrict__ coef) {
   double acc = 0;
@@ -139,7 +140,8 @@ __global__ void clip_coefficient_kernel(const float* __restrict__ partial, int c
   double total = 0;
   for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
   const float norm = static_cast<float>(sqrt(total));
-  *coef = fminf(1.f, static_cast<float>(max_norm) / (norm + 1e-6f));
+  const float c = static_cast<float>(max_norm) / (norm + 1e-6f);
+  *coef = c < 1.f || c != c ? c : 1.f;  // a NaN stays NaN, as clamp_max keeps it
 }
 
 bool one_float(const at::Tensor& t, const at::Tensor& like) {

@@ -4,7 +4,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace ddp::cuda {
@@ -57,6 +60,7 @@ struct State {
   bool open = false;
   c10::DeviceIndex device = 0;
   std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;  // one side stream per device, for the process
+  std::set<c10::DeviceIndex> warmed_up;                         // devices whose first SideWork has come
   std::vector<std::function<void()>> pending;                 // handed over, not yet launched
   std::deque<std::unique_ptr<Batch>> launched;                // launched, not yet waited for
 };
@@ -115,24 +119,58 @@ SideWork::SideWork(bool cuda) {
   std::lock_guard<std::mutex> lock(s.mu);
   TORCH_CHECK(!s.open, "SideWork: side work is already open (one training step's backward at a time)");
   s.device = c10::cuda::current_device();
-  if (s.streams.find(s.device) == s.streams.end())
-    s.streams.emplace(s.device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, s.device));
+  // The first backward runs on one stream: its matmuls choose their
+  // algorithms by timing (gemm_gelu.h) without the other stream's work
+  // beside them.
+  if (s.warmed_up.insert(s.device).second) return;
+  if (s.streams.find(s.device) == s.streams.end()) {
+    // No stream may be made inside a CUDA graph's capture: this backward
+    // then runs on one stream (a training step's eager steps come first).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(s.device), &capture));
+    if (capture != cudaStreamCaptureStatusNone) return;
+    // A stream of its own, for the process: the pool's are handed out round
+    // robin, so one of them may be another component's current stream.
+    const c10::cuda::CUDAGuard on(s.device);
+    cudaStream_t raw = nullptr;
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&raw, cudaStreamNonBlocking));
+    s.streams.emplace(s.device, c10::cuda::getStreamFromExternal(raw, s.device));
+  }
   s.open = open_ = true;
+}
+
+void SideWork::close() {
+  if (!open_) return;
+  open_ = false;
+  auto& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.open = false;
+  try {
+    join_locked(s);
+  } catch (...) {
+    s.pending.clear();
+    s.launched.clear();
+    throw;
+  }
 }
 
 SideWork::~SideWork() {
   if (!open_) return;
-  auto& s = state();
-  std::lock_guard<std::mutex> lock(s.mu);
+  if (std::uncaught_exceptions() == 0) {
+    try {
+      close();
+    } catch (const std::exception& e) {
+      // A destructor must not throw; callers that can take the error call close().
+      std::fprintf(stderr, "ddptrain: joining the side stream failed: %s\n", e.what());
+    }
+    return;
+  }
   try {
-    join_locked(s);
+    close();
   } catch (const std::exception& e) {
     // Unwinding from a failed backward: the error that matters is that one.
-    std::fprintf(stderr, "ddptrain: joining the side stream failed: %s\n", e.what());
-    s.pending.clear();
-    s.launched.clear();
+    std::fprintf(stderr, "ddptrain: joining the side stream failed too: %s\n", e.what());
   }
-  s.open = false;
 }
 
 void aside(std::function<void()> work) {

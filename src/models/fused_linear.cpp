@@ -64,9 +64,15 @@ torch::Tensor gradient_home(const torch::Tensor& param) {
 torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, const torch::Tensor& x2) {
   auto slot = param_slots::take_gradient_slot(param);
   if (slot.defined()) {
-    cuda::aside([g2, x2, slot] { cuda::weight_grad(g2, x2, slot); });
+    // The work holds an alias, not the slot: autograd adopts the slot as
+    // .grad without a copy only while nothing else holds it.
+    cuda::aside([g2, x2, out = slot.detach()] { cuda::weight_grad(g2, x2, out); });
     return slot;
   }
+  // No slot: the parameter has none, or this is its second use in this
+  // backward, whose gradient autograd will add to the first, which may
+  // still be in the making on the side stream: wait for it first.
+  cuda::join_side_work();
   auto dw = torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
   cuda::weight_grad(g2, x2, dw);
   return dw;
@@ -80,9 +86,10 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
                                      std::optional<cuda::Gelu> gelu) {
   auto slot = param.defined() ? param_slots::take_gradient_slot(param) : torch::Tensor();
   if (slot.defined() && !gelu) {
-    cuda::aside([g, slot] { cuda::column_sum(g, slot); });
+    cuda::aside([g, out = slot.detach()] { cuda::column_sum(g, out); });  // an alias: see weight_grad
     return {g, slot};
   }
+  if (!slot.defined()) cuda::join_side_work();  // as in weight_grad
   auto db = slot.defined() || !param.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
   if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
   return {g, cuda::column_sum(g, db)};
@@ -395,7 +402,9 @@ torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx, const torch::Tensor
       weight_.dim() == 2 && weight_.scalar_type() == torch::kFloat && idx.is_cuda() &&
       idx.scalar_type() == torch::kLong) {
     meeting_ = c10::make_intrusive<TiedGradient>(weight_);
-    if (g_embed_pos.load() && pos.defined() && idx.dim() == 2 && pos.is_cuda() && pos.scalar_type() == torch::kFloat &&
+    if (g_embed_pos.load() && pos.defined() && idx.dim() == 2 && pos.is_cuda() &&
+        pos.get_device() == weight_.get_device() && idx.get_device() == weight_.get_device() &&
+        pos.scalar_type() == torch::kFloat &&
         pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == idx.size(1) && pos.size(1) == weight_.size(1) &&
         weight_.is_contiguous())
       return TiedEmbedPosFn::apply(weight_, idx, pos, meeting_);

@@ -178,8 +178,11 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
       // Weight gradients off the backward's critical path, on a second
       // stream, joined back here (side_stream.h).
       cuda::SideWork side(world_.device().is_cuda());
-#endif
       scaled.backward();
+      side.close();  // an error of the side work's fails the step here
+#else
+      scaled.backward();
+#endif
     }
   }  // the bf16 copies close before the optimizer changes the parameters
   if (last_micro) {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "support/testing.h"
@@ -78,8 +79,6 @@ TEST(AdamStep, FollowsTorchOptimWithClippingAndWritesTheBf16Copy_CUDA) {
     EXPECT_TRUE(torch::equal(p16, p.to(torch::kBFloat16)));
   }
 }
-// store_clipped_grad = false: the same update, bit for bit, and the
-// gradient left as it was (vector and scalar paths).
 // The clipping coefficient over several buffers (an aligned one, one that
 // starts off 16 bytes, one shorter than a block, one empty) is
 // clip_grad_norm_'s rule on their float64 norm, to fp32 rounding; above
@@ -103,8 +102,14 @@ TEST(AdamStep, ClipCoefficientIsClipGradNormsRule_CUDA) {
     EXPECT_NEAR(coef.item<double>(), want, 1e-5 * want);  // fp32 partial sums
     EXPECT_TRUE(torch::equal(coef, ddp::cuda::clip_coefficient(grads, max_norm)));
   }
+  // A NaN gradient makes the coefficient NaN, as ATen's clamp_max keeps it
+  // (fminf would have made it 1).
+  grads[2][5] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(ddp::cuda::clip_coefficient(grads, 1.0).item<float>()));
 }
 
+// store_clipped_grad = false: the same update, bit for bit, and the
+// gradient left as it was (vector and scalar paths).
 TEST(AdamStep, ClipsWithoutStoringTheGradientWhenAsked_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);

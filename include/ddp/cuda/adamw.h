@@ -39,7 +39,8 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
 
 /// clip_grad_norm_'s coefficient over the flat gradient buffers grads
 /// (contiguous CUDA fp32, on one device): min(1, max_norm / (norm + 1e-6))
-/// for the 2-norm of all their elements, one float on the device, for
+/// for the 2-norm of all their elements (NaN where the norm is NaN, as
+/// clip_grad_norm_'s clamp keeps it), one float on the device, for
 /// adam_step's coef. Two kernels: up to 1024 blocks a buffer write their
 /// partial sums of squares, one block adds them in float64 in a fixed
 /// order (the same bits on every run). Where ATen computes one norm per

@@ -23,6 +23,12 @@
 // writes go into their slots of the flat gradient buffer (param_slots.h),
 // which the all-reduce (GradSync joins first), the tied embedding's
 // backward (joins first) and the optimizer (after the SideWork closed) read.
+// A parameter used twice in one backward gets its slot once: ddptrain's
+// functions wait for the side stream before computing a gradient that has
+// no slot, which autograd then adds to the first. A parameter that also
+// gets a gradient from LibTorch's own ops in the same backward is not
+// covered: autograd would add that one into the slot before the side stream
+// wrote it (keep the side stream off for such a model).
 // With no SideWork open, aside() runs the work at once on the current
 // stream, so code outside a training step (tests, a user's own loop) sees
 // the usual one-stream order. Under CUDA graph capture the side stream
@@ -41,12 +47,19 @@ namespace ddp::cuda {
 void set_side_stream(bool on);
 bool side_stream_enabled();
 
-/// Opens side work on the current CUDA device for its lifetime, where
-/// side_stream_enabled(); closing joins it (join_side_work). Not nested.
+/// Opens side work on the current CUDA device, where
+/// side_stream_enabled() and this is not the process's first SideWork on
+/// the device (that backward stays on one stream, so that its matmuls
+/// choose their algorithms by timing without the side stream's work beside
+/// them), until close() (or the destructor) joins it
+/// (join_side_work). Not nested. close() throws what the side work's last
+/// launch threw (an out-of-memory error, say); the destructor, run while
+/// another exception unwinds the stack, only reports its own on stderr.
 class SideWork {
  public:
   explicit SideWork(bool cuda);
   ~SideWork();
+  void close();
   SideWork(const SideWork&) = delete;
   SideWork& operator=(const SideWork&) = delete;
 
