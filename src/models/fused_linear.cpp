@@ -50,11 +50,16 @@ torch::Tensor in_bf16(const torch::Tensor& p) {
   return copy.defined() ? copy : p.to(torch::kBFloat16);
 }
 
+// A parameter's gradient of its own: a fresh fp32 tensor of its shape.
+torch::Tensor fresh_gradient(const torch::Tensor& param) {
+  return torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
+}
+
 // Where a parameter's gradient goes: its slot in the flat gradient buffer
 // when it has one (param_slots.h), else a fresh fp32 tensor of its shape.
 torch::Tensor gradient_home(const torch::Tensor& param) {
   auto slot = param_slots::take_gradient_slot(param);
-  return slot.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
+  return slot.defined() ? slot : fresh_gradient(param);
 }
 
 // dW = g^T x in fp32, into W's gradient slot where it has one. Nothing in
@@ -73,7 +78,7 @@ torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, c
   // backward, whose gradient autograd will add to the first, which may
   // still be in the making on the side stream: wait for it first.
   cuda::join_side_work();
-  auto dw = torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
+  auto dw = fresh_gradient(param);
   cuda::weight_grad(g2, x2, dw);
   return dw;
 }
@@ -90,7 +95,7 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
     return {g, slot};
   }
   if (!slot.defined()) cuda::join_side_work();  // as in weight_grad
-  auto db = slot.defined() || !param.defined() ? slot : torch::empty(param.sizes(), param.options().dtype(torch::kFloat));
+  auto db = slot.defined() || !param.defined() ? slot : fresh_gradient(param);
   if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
   return {g, cuda::column_sum(g, db)};
 }

@@ -8,6 +8,7 @@
 // that such a read would not be the finished sums.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <limits>
 
 #include "ddp/compat.h"
@@ -44,6 +45,26 @@ void poison(ddp::GradSync& sync) {
   for (const auto& g : sync.flat_grads()) g.fill_(std::numeric_limits<float>::quiet_NaN());
 }
 
+// A training step's backward as TrainStep runs it, by hand: the gradients
+// set to none, the flat buffers poisoned, the bf16 copies open, the loss
+// (loss_of, under bf16 autocast) and its backward with the side work open
+// (`side`) or not, then GradSync's finish.
+void step_backward(ddp::GradSync& sync, bool side, const std::function<torch::Tensor()>& loss_of) {
+  sync.zero_grad(/*set_to_none=*/true);
+  poison(sync);
+  sync.bf16_copies(true);
+  torch::Tensor loss;
+  {
+    ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    loss = loss_of();
+  }
+  ddp::cuda::SideWork work(side);
+  loss.backward();
+  work.close();
+  sync.bf16_copies(false);
+  sync.finish();
+}
+
 // One backward of a GPT-2-shaped model with its gradients in the flat
 // buffer, with the side stream open (as a training step opens it) or not:
 // every gradient equal to the bit, and the side stream used only when open.
@@ -71,19 +92,9 @@ TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
     auto idx = torch::randint(0, 1024, {32, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
     auto target = torch::randint(0, 1024, {32 * 32}, idx.options());
     auto backward = [&](Gpt& m, ddp::GradSync& sync, bool side) {
-      sync.zero_grad(/*set_to_none=*/true);
-      poison(sync);
-      sync.bf16_copies(true);
-      torch::Tensor loss;
-      {
-        ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-        loss = torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 1024}).to(torch::kFloat), target);
-      }
-      ddp::cuda::SideWork work(side);
-      loss.backward();
-      work.close();
-      sync.bf16_copies(false);
-      sync.finish();
+      step_backward(sync, side, [&] {
+        return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 1024}).to(torch::kFloat), target);
+      });
     };
     const size_t before = ddp::cuda::side_pieces();
     backward(inline_, sync_inline, false);  // first: its matmuls choose their algorithms on one stream
@@ -130,20 +141,10 @@ TEST(SideStream, AWeightUsedTwiceGetsBothGradients_CUDA) {
     SCOPED_TRACE("step " + std::to_string(step));
     auto x = torch::randn({4096, 512}, torch::TensorOptions().device(gpu));
     auto backward = [&](torch::nn::Linear& m, ddp::GradSync& sync, bool side) {
-      sync.zero_grad(/*set_to_none=*/true);
-      poison(sync);
-      sync.bf16_copies(true);
-      torch::Tensor loss;
-      {
-        ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      step_backward(sync, side, [&] {
         auto h = ddp::models::linear_bias(x, m->weight, m->bias);
-        loss = ddp::models::linear_bias(h, m->weight, m->bias).to(torch::kFloat).pow(2).mean();
-      }
-      ddp::cuda::SideWork work(side);
-      loss.backward();
-      work.close();
-      sync.bf16_copies(false);
-      sync.finish();
+        return ddp::models::linear_bias(h, m->weight, m->bias).to(torch::kFloat).pow(2).mean();
+      });
     };
     const size_t before = ddp::cuda::side_pieces();
     backward(inline_, sync_inline, false);
