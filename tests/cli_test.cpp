@@ -94,6 +94,16 @@ TEST(Cli, LinearKernelIsAutoOrNative) {
   EXPECT_NE(e.find("fused"), std::string::npos) << e;
 }
 
+// The side stream is auto unless asked: on for ddptrain's GPT on one GPU
+// (SideStream.AutoIsOnForDdptrainsGptAlone_CUDA tests what each value does).
+TEST(Cli, SideStreamIsAutoOnOrOff) {
+  EXPECT_EQ(ddp::testing::parse_args({}).side_stream, "auto");
+  EXPECT_EQ(ddp::testing::parse_args({"--side-stream", "off"}).side_stream, "off");
+  EXPECT_EQ(ddp::testing::parse_args({"--side-stream", "on"}).side_stream, "on");
+  auto e = error_of({"--side-stream", "yes"});
+  EXPECT_NE(e.find("yes"), std::string::npos) << e;
+}
+
 // --cpu-decode-share is a share: outside [0, 1] it is an error naming the value.
 TEST(Cli, CpuDecodeShareIsAShare) {
   EXPECT_EQ(ddp::testing::parse_args({}).cpu_decode_share, 1.0);  // the loader's threads decode every crop

@@ -9,7 +9,7 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... [AB_ENV=VAR=value] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
+#   TESTS1=... TESTS2=... [AB_ENV=VAR=value | AB_ARGS="--flag value"] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
 #     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
 #     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
 #   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
@@ -62,12 +62,15 @@ tests() {  # ctest regex, log name
 }
 base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu tanh)
 gpt=("${base[@]}" --bench-steps 30 --cuda-graph)
-ab() {  # AB_ENV=VAR=value: this tree is also run with it, between main and the default; REPS rounds, interleaved
+ab() {  # AB_ENV=VAR=value / AB_ARGS="--flag value": this tree is also run with it, between main and the default; REPS rounds, interleaved
   local runs=(/tmp/main .); [[ $SHORT == 1 ]] && runs=(.)
   [[ -n ${AB_ENV:-} ]] && runs=("${runs[@]:0:${#runs[@]}-1}" "$AB_ENV ." .)
+  [[ -n ${AB_ARGS:-} ]] && runs=("${runs[@]:0:${#runs[@]}-1}" "+$AB_ARGS" .)
   for ((rep = 0; rep < ${REPS:-1}; rep++)); do for run in "${runs[@]}"; do
-    local tree=${run##* } vars=(); [[ $run == *" "* ]] && vars=("${run% *}")
-    echo -n "$run "; env "${vars[@]}" timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" 2>>"$OUT/e.err" | grep '^{'
+    local tree=${run##* } vars=() args=()
+    if [[ $run == +* ]]; then tree=.; read -ra args <<< "${run#+}"
+    elif [[ $run == *" "* ]]; then vars=("${run% *}"); fi
+    echo -n "$run "; env "${vars[@]}" timeout 60 "$tree/build/ddptrain" bench "${gpt[@]}" "${args[@]}" 2>>"$OUT/e.err" | grep '^{'
   done; done | tee -a "$OUT/ab.jsonl"
   grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 }

@@ -90,6 +90,7 @@ struct Config {
   std::string bn_kernel = "auto";      // auto: ddptrain's NHWC bf16 kernels where they apply
   std::string ln_kernel = "auto";      // auto: ddptrain's fused residual add + LayerNorm (--task lm, CUDA, bf16)
   std::string linear_kernel = "auto";   // auto: bias gradients from ddptrain's column-sum kernels (--task lm, CUDA, bf16)
+  std::string side_stream = "auto";    // auto: weight gradients on a second CUDA stream for ddptrain's GPT on one GPU
   std::string ce_kernel = "auto";      // auto: ddptrain's fused cross-entropy kernels (--task lm, CUDA)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)

@@ -102,6 +102,7 @@ int run_gpt_bench(const Config& c, World& world) {
     if (c.ce_kernel == "two-pass") contender += ", two-pass CE";
     if (c.ln_kernel == "auto") contender += ", fused LN";
     if (c.linear_kernel == "auto") contender += ", fused bias grads";
+    if (step.side_stream()) contender += ", side stream";
     const bool tanh = o.gelu() == models::GptGelu::kTanh;
     if (tanh) contender += ", tanh GELU";
     nlohmann::json j = {{"contender", contender},
@@ -117,6 +118,7 @@ int run_gpt_bench(const Config& c, World& world) {
                         {"ce_kernel", c.ce_kernel},
                         {"ln_kernel", c.ln_kernel},
                         {"linear_kernel", c.linear_kernel},
+                        {"side_stream", step.side_stream()},
                         {"device", dev.str()},
                         {"ms_per_step", ms},
                         {"tokens_per_s", tokens_per_rank_s * world.size()},

@@ -25,10 +25,7 @@
 namespace ddp::cuda {
 namespace {
 
-std::atomic<bool> g_on{[] {
-  const char* v = std::getenv("DDP_SIDE_STREAM");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}()};
+std::atomic<SideStreamMode> g_mode{SideStreamMode::kAuto};
 
 // The work handed over is launched in batches: each batch is one fork from
 // the current stream (an event it records and the side stream waits for)
@@ -110,11 +107,15 @@ void join_locked(State& s) {
 
 }  // namespace
 
-void set_side_stream(bool on) { g_on.store(on); }
-bool side_stream_enabled() { return g_on.load(); }
+void set_side_stream(SideStreamMode mode) { g_mode.store(mode); }
+SideStreamMode side_stream_mode() { return g_mode.load(); }
+bool side_stream_wanted(bool vouched) {
+  const auto mode = g_mode.load();
+  return mode == SideStreamMode::kOn || (mode == SideStreamMode::kAuto && vouched);
+}
 
-SideWork::SideWork(bool cuda) {
-  if (!cuda || !g_on.load()) return;
+SideWork::SideWork(bool cuda, bool vouched) {
+  if (!cuda || !side_stream_wanted(vouched)) return;
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   TORCH_CHECK(!s.open, "SideWork: side work is already open (one training step's backward at a time)");

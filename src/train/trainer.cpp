@@ -20,6 +20,9 @@
 #include <thread>
 
 #include "ddp/compat.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/side_stream.h"
+#endif
 #include "ddp/data/device_feeder.h"
 #include "ddp/data/gpu_images.h"  // gpu_decode_chosen
 #include "ddp/data/loader.h"
@@ -108,6 +111,11 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
   use_one_pass_cross_entropy(c.ce_kernel == "auto");
   models::use_fused_layer_norm(c.ln_kernel == "auto");
   models::use_fused_linear(c.linear_kernel == "auto");
+#ifdef DDP_WITH_CUDA_KERNELS
+  cuda::set_side_stream(c.side_stream == "on"    ? cuda::SideStreamMode::kOn
+                        : c.side_stream == "off" ? cuda::SideStreamMode::kOff
+                                                 : cuda::SideStreamMode::kAuto);
+#endif
   models::use_nhwc_max_pool_kernels(c.bn_kernel != "native");  // native: all ATen, for A/B timing
   return TrainStepOptions()
       .amp(c.amp)

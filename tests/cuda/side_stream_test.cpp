@@ -8,6 +8,7 @@
 // that such a read would not be the finished sums.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <limits>
 
@@ -15,6 +16,8 @@
 #include "ddp/dist/grad_sync.h"
 #include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
+#include "ddp/train/lm_task.h"
+#include "ddp/train/train_step.h"
 #include "support/small_gpt.h"
 #include "support/testing.h"
 
@@ -31,11 +34,15 @@ using ddp::models::GptOptions;
 using ddp::testing::FusedLayerNormOn;
 using ddp::testing::FusedLinearOn;
 
-// Turns the side stream on or off for a scope, then back as it was.
+using ddp::cuda::SideStreamMode;
+
+// Sets the side stream's mode for a scope (on: for every model; off:
+// never), then back as it was.
 struct SideStream {
-  explicit SideStream(bool on) : was(ddp::cuda::side_stream_enabled()) { ddp::cuda::set_side_stream(on); }
+  explicit SideStream(bool on) : SideStream(on ? SideStreamMode::kOn : SideStreamMode::kOff) {}
+  explicit SideStream(SideStreamMode mode) : was(ddp::cuda::side_stream_mode()) { ddp::cuda::set_side_stream(mode); }
   ~SideStream() { ddp::cuda::set_side_stream(was); }
-  bool was;
+  SideStreamMode was;
 };
 
 // The flat gradient buffers filled with NaN before a backward: a slot that
@@ -58,7 +65,7 @@ void step_backward(ddp::GradSync& sync, bool side, const std::function<torch::Te
     ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
     loss = loss_of();
   }
-  ddp::cuda::SideWork work(side);
+  ddp::cuda::SideWork work(side, /*vouched=*/false);  // the mode is on: `side` decides
   loss.backward();
   work.close();
   sync.bf16_copies(false);
@@ -70,7 +77,7 @@ void step_backward(ddp::GradSync& sync, bool side, const std::function<torch::Te
 // every gradient equal to the bit, and the side stream used only when open.
 TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  SideStream side_on(true);  // SideWork(true) opens it; SideWork(false) does not
+  SideStream side_on(true);  // SideWork(true, ...) opens it; SideWork(false, ...) does not
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
@@ -184,6 +191,55 @@ TEST(SideStream, TrainingStepsAreTheOneStreamsToTheBit_CUDA) {
     EXPECT_EQ(two, one);
     EXPECT_LT(two.back(), two.front()) << ::testing::PrintToString(two);
   }
+}
+
+// --side-stream auto (the default) runs the side stream for ddptrain's GPT
+// trained by one process, which meets its contract, and not for another
+// module, even one that holds the same GPT (its other uses of the weights
+// are unknown); on runs it for that one too, off for neither.
+TEST(SideStream, AutoIsOnForDdptrainsGptAlone_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  FusedLinearOn on;
+  FusedLayerNormOn ln_on;
+  const torch::Device gpu(torch::kCUDA, 0);
+  const auto options =
+      GptOptions().n_layer(2).n_head(4).n_embd(128).block_size(32).vocab_size(1001).gelu(GptGelu::kTanh);
+  auto world = ddp::testing::one_rank_world(true);
+  // Three eager steps of `options`' GPT, trained as the module itself or as
+  // the one module a holder has: whether the step says it runs the side
+  // stream, and how many pieces went to it.
+  auto run = [&](SideStreamMode mode, bool held) {
+    SideStream set(mode);
+    ddp::LmTask task;
+    auto gpt = task.make_gpt(options, "tokens");
+    auto holder = std::make_shared<torch::nn::Module>();
+    holder->register_module("gpt", gpt);
+    torch::nn::Module& model = held ? *holder : *gpt;
+    model.to(gpu);
+    model.train();
+    ddp::TrainStep step(task, model, *world,
+                        ddp::TrainStepOptions().amp("bf16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)));
+    auto x = torch::randint(0, 1001, {8, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+    const ddp::data::Batch batch{{"input", x}, {"target", (x * 7 + 3).remainder(1001)}};
+    const size_t before = ddp::cuda::side_pieces();
+    torch::Tensor loss;
+    for (int i = 0; i < 3; ++i) loss = step.run(batch, true, 1e-3).loss;  // the process's first backward: one stream
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+    return std::make_pair(step.side_stream(), ddp::cuda::side_pieces() - before);
+  };
+  EXPECT_EQ(ddp::cuda::side_stream_mode(), SideStreamMode::kAuto);  // the default
+  const auto gpt_auto = run(SideStreamMode::kAuto, false);
+  EXPECT_TRUE(gpt_auto.first);
+  EXPECT_GE(gpt_auto.second, 2u * (2 * 3 + 1));  // the last two steps, as GptGradientsAreTheOneStreamsToTheBit counts
+  const auto held_auto = run(SideStreamMode::kAuto, true);
+  EXPECT_FALSE(held_auto.first);
+  EXPECT_EQ(held_auto.second, 0u);
+  const auto held_on = run(SideStreamMode::kOn, true);
+  EXPECT_TRUE(held_on.first);
+  EXPECT_GT(held_on.second, 0u);
+  const auto gpt_off = run(SideStreamMode::kOff, false);
+  EXPECT_FALSE(gpt_off.first);
+  EXPECT_EQ(gpt_off.second, 0u);
 }
 #endif
 

@@ -9,10 +9,14 @@
 // idle, and each matmul's last wave leaves SMs idle. On a second stream the
 // weight gradients fill those gaps.
 //
-// Off by default: in GPT-2's graphed step on an H100 the kernels overlapped
-// by 5 ms, yet the step gained 0.1-0.3 ms in one call and nothing in
-// another (bench/RESULTS.md, session 27): the graph with two branches left
-// the GPU idle 0.6-0.7 ms a step between kernels (0.06 ms as one chain).
+// On by default for ddptrain's own GPT trained by one process
+// (--side-stream auto): in GPT-2's graphed step on an H100 it took 0.36-0.41
+// ms off a 31 ms step in each of two calls (bench/RESULTS.md, session 28),
+// though the graph with two branches leaves the GPU idle 0.6-0.7 ms a step
+// between kernels (0.06 ms as one chain) and takes back most of the 5 ms
+// by which the kernels overlap (session 27). Not by default on several
+// GPUs: there GradSync joins the side stream before each bucket's
+// all-reduce, which no run has measured yet.
 //
 // The contract: a training step opens a SideWork around its backward. While
 // one is open, a backward function may hand work to aside(): it runs on the
@@ -28,7 +32,7 @@
 // no slot, which autograd then adds to the first. A parameter that also
 // gets a gradient from LibTorch's own ops in the same backward is not
 // covered: autograd would add that one into the slot before the side stream
-// wrote it (keep the side stream off for such a model).
+// wrote it (such a model must not run with --side-stream on).
 // With no SideWork open, aside() runs the work at once on the current
 // stream, so code outside a training step (tests, a user's own loop) sees
 // the usual one-stream order. Under CUDA graph capture the side stream
@@ -42,13 +46,20 @@
 
 namespace ddp::cuda {
 
-/// Whether SideWork opens the side stream (default: no; the environment's
-/// DDP_SIDE_STREAM=1 turns it on, for an A/B in one binary).
-void set_side_stream(bool on);
-bool side_stream_enabled();
+/// When training steps run their side work on the side stream
+/// (--side-stream): kAuto for a model that vouches for the contract above
+/// (ddptrain's GPT, trained by one process: TrainStep asks), kOn for every
+/// model (the model's author vouches), kOff never. Process-wide, as the
+/// other kernel switches; kAuto until set.
+enum class SideStreamMode { kAuto, kOn, kOff };
+void set_side_stream(SideStreamMode mode);
+SideStreamMode side_stream_mode();
+/// Whether the mode opens side work for a model that does (`vouched`) or
+/// does not vouch for the contract.
+bool side_stream_wanted(bool vouched);
 
-/// Opens side work on the current CUDA device, where
-/// side_stream_enabled() and this is not the process's first SideWork on
+/// Opens side work on the current CUDA device, where `cuda`, the mode is
+/// kOn or kAuto with `vouched`, and this is not the process's first SideWork on
 /// the device (that backward stays on one stream, so that its matmuls
 /// choose their algorithms by timing without the side stream's work beside
 /// them), until close() (or the destructor) joins it
@@ -57,7 +68,7 @@ bool side_stream_enabled();
 /// another exception unwinds the stack, only reports its own on stderr.
 class SideWork {
  public:
-  explicit SideWork(bool cuda);
+  SideWork(bool cuda, bool vouched);
   ~SideWork();
   void close();
   SideWork(const SideWork&) = delete;

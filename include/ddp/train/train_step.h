@@ -81,6 +81,10 @@ class TrainStep : public Stateful {
   bool graphed() const;
   /// Why --cuda-graph is not in use ("" when it is or was not asked for).
   const std::string& graph_fallback() const { return fallback_; }
+  /// Whether the backward's weight gradients run on a second CUDA stream
+  /// (--side-stream; cuda/side_stream.h): with auto, for ddptrain's GPT
+  /// trained by one process.
+  bool side_stream() const;
 
  private:
   StepOutput step_body(const data::Batch& batch, bool last_micro, double loss_scale);
@@ -99,6 +103,7 @@ class TrainStep : public Stateful {
   bool broadcast_buffers_ = false;  // local batch norm on several ranks
   torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
   bool graph_wanted_ = false;
+  bool side_stream_vouched_ = false;  // --side-stream auto applies: ddptrain's GPT, one process
   int64_t eager_steps_ = 0;
   std::string fallback_;
   struct Graph;
