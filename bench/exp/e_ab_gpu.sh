@@ -9,7 +9,7 @@
 #   5. (e) again; this tree's graphed step profiled (kernel count, idle
 #      gaps); the attention backends (bench/exp/attention_backends.py); the
 #      eager step by ATen op, while there is time.
-#   TESTS1=... TESTS2=... [AB_ENV=VAR=value | AB_ARGS="--flag value"] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
+#   TESTS1=... TESTS2=... [GELU=tanh|exact] [AB_ENV=VAR=value | AB_ARGS="--flag value"] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
 #     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
 #     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
 #   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
@@ -60,7 +60,8 @@ tests() {  # ctest regex, log name
   timeout 150 ctest --test-dir build -j 4 --timeout 120 --output-on-failure -R "$1" > "$OUT/$2.log" 2>&1
   grep -E 'tests passed|FAILED|Failed|\*\*\*' "$OUT/$2.log" | grep -v Skipped | head -20
 }
-base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu tanh)
+GELU=${GELU:-tanh}  # the MLP's GELU on both sides: tanh (GPT-2's, llm.c's) or exact (nanoGPT's nn.GELU, bench/run.sh's default)
+base=(--task lm --model gpt2 --batch 16 --amp bf16 --optimizer adamw --lr 6e-4 --weight-decay 0.1 --gelu "$GELU")
 gpt=("${base[@]}" --bench-steps 30 --cuda-graph)
 ab() {  # AB_ENV=VAR=value / AB_ARGS="--flag value": this tree is also run with it, between main and the default; REPS rounds, interleaved
   local runs=(/tmp/main .); [[ $SHORT == 1 ]] && runs=(.)
@@ -75,11 +76,11 @@ ab() {  # AB_ENV=VAR=value / AB_ARGS="--flag value": this tree is also run with 
   grep -iE "error|terminate|what\(\)" "$OUT/e.err" | head -5
 }
 log "CUDA tests of the changed kernels"; tests "${TESTS1:-ParamSlots|GemmGelu|FusedLinear|FusedLayerNorm}" tests1
-log "(e) A/B, graphed, tanh GELU"; ab
+log "(e) A/B, graphed, $GELU GELU"; ab
 [[ ${QUICK:-0} == 1 ]] && finish  # little device time: the tests and (e) only
-log "(e) torch.compile, tanh GELU (the contender, same machine)"
+log "(e) torch.compile, $GELU GELU (the contender, same machine)"
 timeout 150 torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model gpt2 --batch 16 --steps 30 \
-  --amp bf16 --gelu tanh --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
+  --amp bf16 --gelu "$GELU" --compile 2>"$OUT/e.py.err" | grep '^{' | tee -a "$OUT/ab.jsonl"
 log "CUDA tests: GPT, LM, cross-entropy"; tests "${TESTS2:-CrossEntropy.*_CUDA|Gpt\..*_CUDA|LmTask\..*_CUDA}" tests2
 [[ ${AB_TWICE:-1} == 1 ]] && { log "(e) A/B again"; ab; }
 if [[ -n ${EXTRA_RUNS:-} ]]; then  # "VAR=a VAR=b ...": this tree's (e) under each

@@ -114,8 +114,8 @@ bool side_stream_wanted(bool vouched) {
   return mode == SideStreamMode::kOn || (mode == SideStreamMode::kAuto && vouched);
 }
 
-SideWork::SideWork(bool cuda, bool vouched) {
-  if (!cuda || !side_stream_wanted(vouched)) return;
+SideWork::SideWork(bool wanted) {
+  if (!wanted) return;
   auto& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   TORCH_CHECK(!s.open, "SideWork: side work is already open (one training step's backward at a time)");

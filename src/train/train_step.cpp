@@ -7,11 +7,14 @@
 #include <cuda_runtime_api.h>
 #endif
 #include <optional>
+#include <typeinfo>
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/sync_batchnorm.h"
+#include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
+#include "ddp/train/lm_task.h"
 #ifdef DDP_WITH_CUDA_KERNELS
 #include "ddp/cuda/side_stream.h"
 #endif
@@ -84,10 +87,21 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
   fp16_ = o_.amp() == "fp16";
   amp_dtype_ = fp16_ ? c10::ScalarType::Half : c10::ScalarType::BFloat16;
   const bool fused = o_.optimizer().fused() && compat::kHasFusedOptimizers && dev.is_cuda();
-  // --side-stream auto: ddptrain's GPT meets the side stream's contract
-  // (cuda/side_stream.h: each weight gets its gradient from ddptrain's
-  // functions alone). One process only, until several GPUs are measured.
-  side_stream_vouched_ = dynamic_cast<const models::GptImpl*>(&model_) != nullptr && world_.size() == 1;
+#ifdef DDP_WITH_CUDA_KERNELS
+  {
+    // --side-stream auto: ddptrain's GPT trained by ddptrain's LmTask meets
+    // the side stream's contract (cuda/side_stream.h: each weight gets its
+    // gradient from ddptrain's functions alone); a subclass of either might
+    // add a LibTorch op on a weight (a penalty, say), so only these exact
+    // types vouch. One process only, until several GPUs are measured.
+    const bool vouched =
+        typeid(model_) == typeid(models::GptImpl) && typeid(task_) == typeid(LmTask) && world_.size() == 1;
+    // Decided here, for this step's life: only the fused linear layers under
+    // bf16 autocast hand work aside.
+    side_stream_ = dev.is_cuda() && amp_on_ && !fp16_ && models::fused_linear_enabled() &&
+                   cuda::side_stream_wanted(vouched);
+  }
+#endif
 
   if (o_.cuda_graph()) {
     graph_wanted_ = true;
@@ -141,14 +155,6 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 
 TrainStep::~TrainStep() = default;
 
-bool TrainStep::side_stream() const {
-#ifdef DDP_WITH_CUDA_KERNELS
-  return world_.device().is_cuda() && cuda::side_stream_wanted(side_stream_vouched_);
-#else
-  return false;
-#endif
-}
-
 void TrainStep::fall_back(const std::string& why) {
   graph_wanted_ = false;
   fallback_ = why;
@@ -190,7 +196,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
 #ifdef DDP_WITH_CUDA_KERNELS
       // Weight gradients off the backward's critical path, on a second
       // stream, joined back here (side_stream.h).
-      cuda::SideWork side(world_.device().is_cuda(), side_stream_vouched_);
+      cuda::SideWork side(side_stream_);
       scaled.backward();
       side.close();  // an error of the side work's fails the step here
 #else

@@ -11,12 +11,16 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ddp/compat.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
 #include "ddp/train/lm_task.h"
+#include "ddp/train/trainer.h"
 #include "ddp/train/train_step.h"
 #include "support/small_gpt.h"
 #include "support/testing.h"
@@ -65,7 +69,7 @@ void step_backward(ddp::GradSync& sync, bool side, const std::function<torch::Te
     ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
     loss = loss_of();
   }
-  ddp::cuda::SideWork work(side, /*vouched=*/false);  // the mode is on: `side` decides
+  ddp::cuda::SideWork work(side);
   loss.backward();
   work.close();
   sync.bf16_copies(false);
@@ -77,7 +81,6 @@ void step_backward(ddp::GradSync& sync, bool side, const std::function<torch::Te
 // every gradient equal to the bit, and the side stream used only when open.
 TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  SideStream side_on(true);  // SideWork(true, ...) opens it; SideWork(false, ...) does not
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
@@ -194,33 +197,41 @@ TEST(SideStream, TrainingStepsAreTheOneStreamsToTheBit_CUDA) {
 }
 
 // --side-stream auto (the default) runs the side stream for ddptrain's GPT
-// trained by one process, which meets its contract, and not for another
-// module, even one that holds the same GPT (its other uses of the weights
-// are unknown); on runs it for that one too, off for neither.
+// trained by ddptrain's LmTask in one process, which meet its contract, and
+// not for a module that holds the same GPT, nor for a task derived from
+// LmTask (either might put a weight through a LibTorch op too); on runs it
+// for those as well, off for none. The flag sets the mode.
+class DerivedLmTask : public ddp::LmTask {};
+
 TEST(SideStream, AutoIsOnForDdptrainsGptAlone_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
+  // A vocabulary that is a multiple of 8: the tied head's matmuls are
+  // ddptrain's too, and its weight gradient goes aside.
   const auto options =
-      GptOptions().n_layer(2).n_head(4).n_embd(128).block_size(32).vocab_size(1001).gelu(GptGelu::kTanh);
+      GptOptions().n_layer(2).n_head(4).n_embd(128).block_size(32).vocab_size(1024).gelu(GptGelu::kTanh);
   auto world = ddp::testing::one_rank_world(true);
-  // Three eager steps of `options`' GPT, trained as the module itself or as
-  // the one module a holder has: whether the step says it runs the side
-  // stream, and how many pieces went to it.
-  auto run = [&](SideStreamMode mode, bool held) {
+  enum class Trained { kGpt, kHeld, kDerivedTask };
+  // Three eager steps of `options`' GPT, trained as the module itself, as
+  // the one module a holder has, or by a task derived from LmTask: whether
+  // the step runs the side stream, and how many pieces went to it.
+  auto run = [&](SideStreamMode mode, Trained what) {
     SideStream set(mode);
-    ddp::LmTask task;
+    ddp::LmTask lm;
+    DerivedLmTask derived;
+    ddp::LmTask& task = what == Trained::kDerivedTask ? derived : lm;
     auto gpt = task.make_gpt(options, "tokens");
     auto holder = std::make_shared<torch::nn::Module>();
     holder->register_module("gpt", gpt);
-    torch::nn::Module& model = held ? *holder : *gpt;
+    torch::nn::Module& model = what == Trained::kHeld ? *holder : *gpt;
     model.to(gpu);
     model.train();
     ddp::TrainStep step(task, model, *world,
                         ddp::TrainStepOptions().amp("bf16").optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)));
-    auto x = torch::randint(0, 1001, {8, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
-    const ddp::data::Batch batch{{"input", x}, {"target", (x * 7 + 3).remainder(1001)}};
+    auto x = torch::randint(0, 1024, {8, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+    const ddp::data::Batch batch{{"input", x}, {"target", (x * 7 + 3).remainder(1024)}};
     const size_t before = ddp::cuda::side_pieces();
     torch::Tensor loss;
     for (int i = 0; i < 3; ++i) loss = step.run(batch, true, 1e-3).loss;  // the process's first backward: one stream
@@ -228,18 +239,32 @@ TEST(SideStream, AutoIsOnForDdptrainsGptAlone_CUDA) {
     return std::make_pair(step.side_stream(), ddp::cuda::side_pieces() - before);
   };
   EXPECT_EQ(ddp::cuda::side_stream_mode(), SideStreamMode::kAuto);  // the default
-  const auto gpt_auto = run(SideStreamMode::kAuto, false);
+  const auto gpt_auto = run(SideStreamMode::kAuto, Trained::kGpt);
   EXPECT_TRUE(gpt_auto.first);
-  EXPECT_GE(gpt_auto.second, 2u * (2 * 3 + 1));  // the last two steps, as GptGradientsAreTheOneStreamsToTheBit counts
-  const auto held_auto = run(SideStreamMode::kAuto, true);
-  EXPECT_FALSE(held_auto.first);
-  EXPECT_EQ(held_auto.second, 0u);
-  const auto held_on = run(SideStreamMode::kOn, true);
-  EXPECT_TRUE(held_on.first);
-  EXPECT_GT(held_on.second, 0u);
-  const auto gpt_off = run(SideStreamMode::kOff, false);
+  // A TrainStep's first step adds into the zeros GradSync starts with (no slots,
+  // nothing aside): the last two steps, each with 5 pieces a block and the
+  // head's (as GptGradientsAreTheOneStreamsToTheBit counts them).
+  EXPECT_GE(gpt_auto.second, 2u * (2 * 5 + 1));
+  for (auto what : {Trained::kHeld, Trained::kDerivedTask}) {
+    SCOPED_TRACE(what == Trained::kHeld ? "held" : "derived task");
+    const auto other_auto = run(SideStreamMode::kAuto, what);
+    EXPECT_FALSE(other_auto.first);
+    EXPECT_EQ(other_auto.second, 0u);
+    const auto other_on = run(SideStreamMode::kOn, what);
+    EXPECT_TRUE(other_on.first);
+    EXPECT_GE(other_on.second, 2u * (2 * 5 + 1));
+  }
+  const auto gpt_off = run(SideStreamMode::kOff, Trained::kGpt);
   EXPECT_FALSE(gpt_off.first);
   EXPECT_EQ(gpt_off.second, 0u);
+  // The flag sets the mode, for the steps made after it.
+  const auto was = ddp::cuda::side_stream_mode();
+  for (const auto& [flag, mode] : std::vector<std::pair<std::string, SideStreamMode>>{
+           {"off", SideStreamMode::kOff}, {"on", SideStreamMode::kOn}, {"auto", SideStreamMode::kAuto}}) {
+    ddp::train_step_options(ddp::testing::parse_args({"--side-stream", flag}), gpu);
+    EXPECT_EQ(ddp::cuda::side_stream_mode(), mode) << flag;
+  }
+  ddp::cuda::set_side_stream(was);
 }
 #endif
 

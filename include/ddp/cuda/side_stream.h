@@ -10,8 +10,8 @@
 // weight gradients fill those gaps.
 //
 // On by default for ddptrain's own GPT trained by one process
-// (--side-stream auto): in GPT-2's graphed step on an H100 it took 0.36-0.41
-// ms off a 31 ms step in each of two calls (bench/RESULTS.md, session 28),
+// (--side-stream auto): in GPT-2's graphed step on an H100 it took 0.36-0.47
+// ms off a 31 ms step in each of three calls (bench/RESULTS.md, session 28),
 // though the graph with two branches leaves the GPU idle 0.6-0.7 ms a step
 // between kernels (0.06 ms as one chain) and takes back most of the 5 ms
 // by which the kernels overlap (session 27). Not by default on several
@@ -48,9 +48,10 @@ namespace ddp::cuda {
 
 /// When training steps run their side work on the side stream
 /// (--side-stream): kAuto for a model that vouches for the contract above
-/// (ddptrain's GPT, trained by one process: TrainStep asks), kOn for every
-/// model (the model's author vouches), kOff never. Process-wide, as the
-/// other kernel switches; kAuto until set.
+/// (ddptrain's GPT and LmTask, trained by one process: TrainStep asks), kOn
+/// for every model (the model's author vouches), kOff never. Process-wide,
+/// as the other kernel switches, and read when a TrainStep is made; kAuto
+/// until set.
 enum class SideStreamMode { kAuto, kOn, kOff };
 void set_side_stream(SideStreamMode mode);
 SideStreamMode side_stream_mode();
@@ -58,8 +59,9 @@ SideStreamMode side_stream_mode();
 /// does not vouch for the contract.
 bool side_stream_wanted(bool vouched);
 
-/// Opens side work on the current CUDA device, where `cuda`, the mode is
-/// kOn or kAuto with `vouched`, and this is not the process's first SideWork on
+/// Opens side work on the current CUDA device, where `wanted` (a CUDA
+/// training step for which side_stream_wanted() said yes) and this is not
+/// the process's first SideWork on
 /// the device (that backward stays on one stream, so that its matmuls
 /// choose their algorithms by timing without the side stream's work beside
 /// them), until close() (or the destructor) joins it
@@ -68,7 +70,7 @@ bool side_stream_wanted(bool vouched);
 /// another exception unwinds the stack, only reports its own on stderr.
 class SideWork {
  public:
-  SideWork(bool cuda, bool vouched);
+  explicit SideWork(bool wanted);
   ~SideWork();
   void close();
   SideWork(const SideWork&) = delete;

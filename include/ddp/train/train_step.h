@@ -82,9 +82,10 @@ class TrainStep : public Stateful {
   /// Why --cuda-graph is not in use ("" when it is or was not asked for).
   const std::string& graph_fallback() const { return fallback_; }
   /// Whether the backward's weight gradients run on a second CUDA stream
-  /// (--side-stream; cuda/side_stream.h): with auto, for ddptrain's GPT
-  /// trained by one process.
-  bool side_stream() const;
+  /// (--side-stream; cuda/side_stream.h), as decided when this step was
+  /// made: under bf16 autocast with ddptrain's linear kernels, and with
+  /// auto only for ddptrain's GPT and LmTask trained by one process.
+  bool side_stream() const { return side_stream_; }
 
  private:
   StepOutput step_body(const data::Batch& batch, bool last_micro, double loss_scale);
@@ -103,7 +104,7 @@ class TrainStep : public Stateful {
   bool broadcast_buffers_ = false;  // local batch norm on several ranks
   torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
   bool graph_wanted_ = false;
-  bool side_stream_vouched_ = false;  // --side-stream auto applies: ddptrain's GPT, one process
+  bool side_stream_ = false;  // see side_stream()
   int64_t eager_steps_ = 0;
   std::string fallback_;
   struct Graph;
