@@ -6,6 +6,9 @@
 #include <fstream>
 #include <iterator>
 
+#include <nlohmann/json.hpp>
+#include <torch/cuda.h>
+
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "support/testing.h"
@@ -55,6 +58,37 @@ TEST(App, ProfileTraceWithoutAGpuProfilerIsAnError) {
     EXPECT_NE(r.output.find("drop --profile-trace"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("epoch 1/1"), std::string::npos) << "nothing trains first: " << r.output;
     EXPECT_FALSE(std::filesystem::exists(trace));
+  }
+}
+
+// `ddptrain bench --task lm` says whether its step ran the side stream
+// (the weight gradients on a second CUDA stream, --side-stream): never
+// without bf16 autocast or off a GPU; on a GPU under bf16, by default, yes
+// (for ddptrain's GPT on one GPU), and not with --side-stream off.
+TEST(App, LmBenchSaysWhetherTheSideStreamRan) {
+  struct Case {
+    std::vector<std::string> flags;
+    bool side;
+  };
+  std::vector<Case> cases{{{"--amp", "off"}, false}};
+#ifdef DDP_WITH_CUDA_KERNELS
+  if (torch::cuda::is_available()) {
+    cases.push_back({{"--amp", "bf16"}, true});
+    cases.push_back({{"--amp", "bf16", "--side-stream", "off"}, false});
+  }
+#endif
+  for (const auto& c : cases) {
+    std::vector<std::string> args{DDPTRAIN_EXE, "bench", "--task", "lm", "--model", "gpt-nano", "--bench-steps", "3",
+                                  "--batch", "2"};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    const auto r = run_process(args, {}, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const std::string out = "\n" + r.output;
+    const auto at = out.rfind("\n{");  // the result's line
+    ASSERT_NE(at, std::string::npos) << r.output;
+    const auto j = nlohmann::json::parse(out.substr(at + 1, out.find('\n', at + 1) - at - 1));
+    EXPECT_EQ(j.at("side_stream").get<bool>(), c.side) << r.output;
+    EXPECT_EQ(j.at("contender").get<std::string>().find(", side stream") != std::string::npos, c.side) << r.output;
   }
 }
 
