@@ -7,16 +7,17 @@
 #include <cuda_runtime_api.h>
 #endif
 #include <optional>
-#include <typeinfo>
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/sync_batchnorm.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include <typeinfo>
+
+#include "ddp/cuda/side_stream.h"
 #include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
 #include "ddp/train/lm_task.h"
-#ifdef DDP_WITH_CUDA_KERNELS
-#include "ddp/cuda/side_stream.h"
 #endif
 
 namespace ddp {
