@@ -40,8 +40,10 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_TRUE(torch::equal(linear_bias(x, w, b), torch::linear(x, w, b)));
   EXPECT_TRUE(torch::equal(linear_gelu(x, w, b), torch::gelu(torch::linear(x, w, b))));
   auto w2 = torch::randn({8, 16}), b2 = torch::randn({8});
-  EXPECT_TRUE(torch::equal(mlp_gelu_tanh(x, w, b, w2, b2),
+  EXPECT_TRUE(torch::equal(mlp_gelu(x, w, b, w2, b2, MlpGelu::kTanh),
                            torch::linear(torch::gelu(torch::linear(x, w, b), "tanh"), w2, b2)));
+  EXPECT_TRUE(torch::equal(mlp_gelu(x, w, b, w2, b2, MlpGelu::kExact),
+                           torch::linear(torch::gelu(torch::linear(x, w, b)), w2, b2)));
   auto heads = linear_heads(x, w, b, 2, 2);  // 16 outputs: two parts of two heads of 4
   ASSERT_EQ(heads.size(), 2u);
   auto y = torch::linear(x, w, b);
@@ -104,6 +106,37 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
       EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
     }
   }
+}
+
+// The exact GELU's forward against at::gelu: within one unit of bf16
+// rounding (the same formula in fp32; erf may round differently in the
+// last fp32 bit), into a block of rows of a larger tensor without touching
+// the rest; inputs it cannot take are refused.
+TEST(FusedLinear, GeluErfMatchesATen_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
+  torch::manual_seed(9);
+  for (auto shape : std::vector<std::vector<int64_t>>{{2048, 3072}, {3, 17, 64}, {1, 8}}) {
+    SCOPED_TRACE(::testing::PrintToString(shape));
+    auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
+    auto got = cuda::gelu_erf(h);
+    auto want = at::gelu(h);
+    ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
+    auto diff = (got.to(torch::kFloat) - want.to(torch::kFloat)).abs();
+    EXPECT_TRUE(diff.le(want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30).all().item<bool>())
+        << diff.max().item<double>();
+    auto tanh = at::gelu(h, "tanh");
+    EXPECT_FALSE(torch::equal(got, tanh)) << "the exact GELU, not the tanh one";
+  }
+  auto big = torch::zeros({6, 64}, opts).to(torch::kBFloat16);
+  auto h = torch::randn({2, 64}, opts).to(torch::kBFloat16);
+  cuda::gelu_erf(h, big.slice(0, 2, 4));
+  EXPECT_TRUE(torch::equal(big.slice(0, 2, 4), cuda::gelu_erf(h)));
+  EXPECT_EQ(big.slice(0, 0, 2).abs().sum().item<float>(), 0.f);
+  EXPECT_EQ(big.slice(0, 4, 6).abs().sum().item<float>(), 0.f);
+  EXPECT_FALSE(cuda::gelu_erf_supported(torch::randn({4, 16}, opts)));                            // fp32
+  EXPECT_FALSE(cuda::gelu_erf_supported(torch::randn({3, 3}, opts).to(torch::kBFloat16)));        // 9 values
+  EXPECT_THROW(cuda::gelu_erf(h, torch::empty({3, 64}, opts).to(torch::kBFloat16)), c10::Error);  // out's size
 }
 
 // Attention's q, k and v gradients side by side with their column sums:
@@ -302,50 +335,63 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   }
 }
 
-// The tanh-GELU MLP (cuBLASLt epilogues) under bf16 autocast against
-// LibTorch's linear, gelu(tanh) and linear: outputs within bf16 rounding
-// (the epilogue rounds the GELU of the fp32 sum once, LibTorch rounds the
-// pre-activation first), gradients within 2^-7 of the largest.
-TEST(FusedLinear, TanhMlpMatchesLibTorchUnderAutocast_CUDA) {
+// The MLP in one function under bf16 autocast against LibTorch's linear,
+// gelu and linear: tanh (cuBLASLt's epilogues) and exact (the GELU's own
+// passes), the exact one whole and in 3 blocks of rows (86, 86 and 84 of
+// 256 rows). Outputs within bf16 rounding (tanh's epilogue rounds the GELU of the
+// fp32 sum once, LibTorch rounds the pre-activation first), gradients
+// within 2^-7 of the largest.
+TEST(FusedLinear, MlpMatchesLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   ASSERT_TRUE(cuda::gemm_gelu_available());
   FusedLinearOn on;
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  torch::manual_seed(8);
-  auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
-  auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
-  auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
-  std::vector<torch::Tensor> ref;
-  for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
-  auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
-  torch::Tensor y, ry;
-  {
-    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-    y = mlp_gelu_tanh(x, w1, b1, w2, b2);
-    ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), "tanh"), ref[3], ref[4]);
+  struct Case {
+    MlpGelu gelu;
+    int64_t blocks;
+  };
+  const int64_t blocks_before = mlp_blocks();
+  for (auto c : {Case{MlpGelu::kTanh, 1}, Case{MlpGelu::kExact, 1}, Case{MlpGelu::kExact, 3}}) {
+    const bool tanh = c.gelu == MlpGelu::kTanh;
+    SCOPED_TRACE(std::string(tanh ? "tanh" : "exact") + ", " + std::to_string(c.blocks) + " blocks");
+    set_mlp_blocks(c.blocks);
+    torch::manual_seed(8);
+    auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
+    auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
+    auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
+    std::vector<torch::Tensor> ref;
+    for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
+    auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
+    torch::Tensor y, ry;
+    {
+      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      y = mlp_gelu(x, w1, b1, w2, b2, c.gelu);
+      ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), tanh ? "tanh" : "none"), ref[3], ref[4]);
+    }
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    ASSERT_EQ(y.sizes(), ry.sizes());
+    ASSERT_TRUE(y.grad_fn());
+    EXPECT_NE(y.grad_fn()->name().find("MlpGeluFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
+    EXPECT_LE(rel_err(y, ry), 1.0 / 64);
+    (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    const char* names[] = {"x", "w1", "b1", "w2", "b2"};
+    const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(got[i].grad().defined()) << names[i];
+      EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
+    }
+    EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
+    // Frozen weights and biases: the input's gradient alone, the same.
+    auto x2 = x.detach().clone().requires_grad_();
+    {
+      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+      y = mlp_gelu(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach(), c.gelu);
+    }
+    (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+    EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
   }
-  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
-  ASSERT_EQ(y.sizes(), ry.sizes());
-  ASSERT_TRUE(y.grad_fn());
-  EXPECT_NE(y.grad_fn()->name().find("MlpGeluTanhFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
-  EXPECT_LE(rel_err(y, ry), 1.0 / 64);
-  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-  (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-  const char* names[] = {"x", "w1", "b1", "w2", "b2"};
-  const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(got[i].grad().defined()) << names[i];
-    EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
-  }
-  EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
-  // Frozen weights and biases: the input's gradient alone, the same.
-  auto x2 = x.detach().clone().requires_grad_();
-  {
-    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-    y = mlp_gelu_tanh(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach());
-  }
-  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-  EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
+  set_mlp_blocks(blocks_before);
 }
 
 // Under a training step's GradSync, the GPT's linear and LayerNorm kernels
