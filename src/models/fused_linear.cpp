@@ -543,13 +543,13 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
                        const torch::Tensor& b2, MlpGelu gelu, BiasGrad b2_grad) {
   const bool tanh = gelu == MlpGelu::kTanh;
 #ifdef DDP_WITH_CUDA_KERNELS
-  static const bool exact_fused = [] {  // DDP_MLP_EXACT_FUSED=0: the two layers apart (session 29's A/B)
+  static const bool exact_fused = [] {  // DDP_MLP_EXACT_FUSED=0: the exact MLP's layers apart, as before (an A/B)
     const char* v = std::getenv("DDP_MLP_EXACT_FUSED");
     return v == nullptr || std::strcmp(v, "0") != 0;
   }();
-  if (fused_linear_applies(x, w1, b1) && x.size(-1) % 8 == 0 && b2.defined() && b2.scalar_type() == torch::kFloat &&
-      w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 && w2.size(1) == w1.size(0) &&
-      (tanh || exact_fused))
+  if (fused_linear_applies(x, w1, b1) && x.numel() > 0 && x.size(-1) % 8 == 0 && b1.defined() && b2.defined() &&
+      b2.scalar_type() == torch::kFloat && w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 &&
+      w2.size(1) == w1.size(0) && (tanh || exact_fused))
     return MlpGeluFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, tanh, b2_grad == BiasGrad::kHere);
 #endif
   const auto b2_used = b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach();

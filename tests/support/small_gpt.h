@@ -30,6 +30,12 @@ struct FusedLayerNormOn {
   FusedLayerNormOn() { ddp::models::use_fused_layer_norm(true); }
   ~FusedLayerNormOn() { ddp::models::use_fused_layer_norm(false); }
 };
+/// mlp_gelu's blocks of rows (set_mlp_blocks) for a scope.
+struct MlpBlocks {
+  explicit MlpBlocks(int64_t blocks) : before(ddp::models::mlp_blocks()) { ddp::models::set_mlp_blocks(blocks); }
+  ~MlpBlocks() { ddp::models::set_mlp_blocks(before); }
+  int64_t before;
+};
 
 /// The largest |a[i] - b[i]| / |b[i]|.
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b);

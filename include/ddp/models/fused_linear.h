@@ -88,8 +88,9 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
 /// apply: the first matmul and the GELU, then in the backward the second
 /// matmul's input gradient and the GELU's backward, a block at a time, so
 /// that each block is read back while still in L2. Process-wide; default
-/// the environment's DDP_MLP_CHUNKS, else 1 (an experiment:
-/// bench/RESULTS.md, session 29).
+/// the environment's DDP_MLP_CHUNKS, else 1 (an experiment, not yet
+/// measured; DDP_MLP_EXACT_FUSED=0 runs the exact MLP's layers apart, as
+/// linear_bias(linear_gelu(...)), for an A/B).
 void set_mlp_blocks(int64_t blocks);
 int64_t mlp_blocks();
 
