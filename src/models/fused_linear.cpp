@@ -15,6 +15,8 @@
 #ifdef DDP_WITH_CUDA_KERNELS
 #include <mutex>
 
+#include <ATen/cuda/CUDAContext.h>
+
 #include "ddp/cuda/embedding.h"
 #include "ddp/cuda/gemm_gelu.h"
 #include "ddp/cuda/linear_bias.h"
@@ -30,10 +32,10 @@ std::atomic<bool> g_embed_pos{[] {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }()};
 
-// mlp_gelu's blocks of rows (set_mlp_blocks).
+// mlp_gelu's blocks of rows (set_mlp_blocks; 0: kMlpBlocksByL2).
 std::atomic<int64_t> g_mlp_blocks{[] {
   const char* v = std::getenv("DDP_MLP_CHUNKS");
-  return v != nullptr ? std::max<int64_t>(1, std::atoll(v)) : int64_t{1};
+  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t{1};
 }()};
 
 // [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
@@ -246,8 +248,10 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
 };
 
 // Rows [begin, end) of each block of a [rows, ..] tensor cut in mlp_blocks().
-std::vector<std::pair<int64_t, int64_t>> row_blocks(int64_t rows) {
-  const int64_t n = std::min<int64_t>(g_mlp_blocks.load(), std::max<int64_t>(rows, 1));
+std::vector<std::pair<int64_t, int64_t>> row_blocks(int64_t rows, int64_t width) {
+  int64_t n = g_mlp_blocks.load();
+  if (n == kMlpBlocksByL2) n = mlp_blocks_for_l2(rows, width, at::cuda::getCurrentDeviceProperties()->l2CacheSize);
+  n = std::min<int64_t>(n, std::max<int64_t>(rows, 1));
   const int64_t step = (rows + n - 1) / n;
   std::vector<std::pair<int64_t, int64_t>> out;
   for (int64_t r = 0; r < rows; r += step) out.emplace_back(r, std::min(rows, r + step));
@@ -281,7 +285,7 @@ struct MlpGeluFn : torch::autograd::Function<MlpGeluFn> {
       pre.push_back(r[1]);
     } else {
       y = torch::empty({x2.size(0), w1.size(0)}, x2.options());
-      for (auto [r0, r1] : row_blocks(x2.size(0))) {
+      for (auto [r0, r1] : row_blocks(x2.size(0), w1.size(0))) {
         pre.push_back(linear16(x2.slice(0, r0, r1), w1_16, b1_16).contiguous());
         auto block = y.slice(0, r0, r1);
         if (cuda::gelu_erf_supported(pre.back()) && cuda::gelu_erf_supported(block)) {
@@ -500,7 +504,11 @@ torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
 }
 
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
-void set_mlp_blocks(int64_t blocks) { g_mlp_blocks.store(std::max<int64_t>(1, blocks)); }
+void set_mlp_blocks(int64_t blocks) { g_mlp_blocks.store(std::max<int64_t>(kMlpBlocksByL2, blocks)); }
+int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes) {
+  const int64_t bytes = rows * width * 2, half = std::max<int64_t>(l2_bytes / 2, 1);
+  return std::clamp<int64_t>((bytes + half - 1) / half, 1, std::max<int64_t>(rows, 1));
+}
 int64_t mlp_blocks() { return g_mlp_blocks.load(); }
 void use_embedding_with_positions(bool on) { g_embed_pos.store(on); }
 bool embedding_with_positions_enabled() { return g_embed_pos.load(); }

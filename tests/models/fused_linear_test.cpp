@@ -53,6 +53,24 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_THROW(linear_heads(x, w, b, 3, 2), c10::Error);  // 16 rows are not 3 x 2 heads
 }
 
+// The exact MLP's blocks by L2: GPT-2's 16 x 1024 rows of 3072 (96 MiB of
+// bf16) in 4 blocks of at most 25 MiB on a 50 MiB L2 (an H100's), 1 for a
+// small MLP; never more blocks than rows.
+TEST(FusedLinear, MlpBlocksFitHalfTheL2) {
+  const int64_t mib = 1 << 20;
+  EXPECT_EQ(mlp_blocks_for_l2(16 * 1024, 3072, 50 * mib), 4);
+  EXPECT_EQ(mlp_blocks_for_l2(16 * 1024, 3072, 40 * mib), 5);  // an A100's 40 MiB
+  EXPECT_EQ(mlp_blocks_for_l2(256, 384, 50 * mib), 1);
+  EXPECT_EQ(mlp_blocks_for_l2(3, 1 << 20, 1 * mib), 3);
+  EXPECT_EQ(mlp_blocks_for_l2(0, 3072, 50 * mib), 1);
+  const int64_t before = mlp_blocks();
+  set_mlp_blocks(kMlpBlocksByL2);
+  EXPECT_EQ(mlp_blocks(), kMlpBlocksByL2);
+  set_mlp_blocks(-3);
+  EXPECT_EQ(mlp_blocks(), kMlpBlocksByL2);
+  set_mlp_blocks(before);
+}
+
 #ifdef DDP_WITH_CUDA_KERNELS
 double rel_err(const torch::Tensor& got, const torch::Tensor& want) {
   auto g = got.to(torch::kDouble), r = want.to(torch::kDouble);
@@ -340,10 +358,10 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
 
 // The MLP in one function under bf16 autocast against LibTorch's linear,
 // gelu and linear: tanh (cuBLASLt's epilogues) and exact (the GELU's own
-// passes), the exact one whole and in 3 blocks of rows (86, 86 and 84 of
-// 256 rows). Outputs within bf16 rounding (tanh's epilogue rounds the GELU of the
-// fp32 sum once, LibTorch rounds the pre-activation first), gradients
-// within 2^-7 of the largest.
+// passes), the exact one whole, in 3 blocks of rows (86, 86 and 84 of 256)
+// and in the L2's (one, here). Outputs within bf16 rounding (tanh's
+// epilogue rounds the GELU of the fp32 sum once, LibTorch rounds the
+// pre-activation first), gradients within 2^-7 of the largest.
 TEST(FusedLinear, MlpMatchesLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   ASSERT_TRUE(cuda::gemm_gelu_available());
@@ -353,7 +371,8 @@ TEST(FusedLinear, MlpMatchesLibTorchUnderAutocast_CUDA) {
     MlpGelu gelu;
     int64_t blocks;
   };
-  for (auto c : {Case{MlpGelu::kTanh, 1}, Case{MlpGelu::kExact, 1}, Case{MlpGelu::kExact, 3}}) {
+  for (auto c : {Case{MlpGelu::kTanh, 1}, Case{MlpGelu::kExact, 1}, Case{MlpGelu::kExact, 3},
+                 Case{MlpGelu::kExact, kMlpBlocksByL2}}) {
     const bool tanh = c.gelu == MlpGelu::kTanh;
     SCOPED_TRACE(std::string(tanh ? "tanh" : "exact") + ", " + std::to_string(c.blocks) + " blocks");
     MlpBlocks blocks(c.blocks);

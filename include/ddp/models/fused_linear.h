@@ -87,12 +87,18 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
 /// How many blocks of rows mlp_gelu's exact GELU runs in where the kernels
 /// apply: the first matmul and the GELU, then in the backward the second
 /// matmul's input gradient and the GELU's backward, a block at a time, so
-/// that each block is read back while still in L2. Process-wide; default
-/// the environment's DDP_MLP_CHUNKS, else 1 (an experiment, not yet
-/// measured; DDP_MLP_EXACT_FUSED=0 runs the exact MLP's layers apart, as
+/// that each block is read back while still in L2. kMlpBlocksByL2 (0):
+/// mlp_blocks_for_l2 of the GPU's L2. Process-wide; default the
+/// environment's DDP_MLP_CHUNKS, else 1 (an experiment, not yet measured;
+/// DDP_MLP_EXACT_FUSED=0 runs the exact MLP's layers apart, as
 /// linear_bias(linear_gelu(...)), for an A/B).
+constexpr int64_t kMlpBlocksByL2 = 0;
 void set_mlp_blocks(int64_t blocks);
 int64_t mlp_blocks();
+/// The fewest blocks of `rows` rows whose bf16 [block rows, width]
+/// pre-activation each fit in half of an L2 cache of `l2_bytes` (at least
+/// 1, at most rows).
+int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes);
 
 /// The GPT's token embedding and its output head, which share one weight
 /// (GPT-2 ties them): embed(idx, pos) is weight[idx] + pos (pos: the
