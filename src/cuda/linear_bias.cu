@@ -53,10 +53,7 @@ __device__ __forceinline__ float gelu_grad(float dy, float h) {
     constexpr float kInvSqrt2 = 0.70710678118654752440f;
     constexpr float kInvSqrt2Pi = 0.39894228040143267794f;  // the normal density's 1 / sqrt(2 pi)
     const float cdf = 0.5f * (1.f + erff(h * kInvSqrt2));
-    // The fast exponential (within 2 + 1.2 |x| fp32 ulps, where expf is
-    // within one): this pass is as much arithmetic as memory, and dh is
-    // rounded to bf16, whose unit is 2^16 fp32 ulps.
-    const float pdf = __expf(-0.5f * h * h) * kInvSqrt2Pi;
+    const float pdf = expf(-0.5f * h * h) * kInvSqrt2Pi;
     return dy * (cdf + h * pdf);
   } else {
     constexpr float kSqrt2OverPi = 0.79788456080286535588f;

@@ -32,6 +32,13 @@ std::atomic<bool> g_embed_pos{[] {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }()};
 
+// Whether mlp_gelu runs the exact GELU's MLP in one function
+// (use_exact_mlp_fn).
+std::atomic<bool> g_exact_mlp_fn{[] {
+  const char* v = std::getenv("DDP_MLP_EXACT_FUSED");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}()};
+
 // mlp_gelu's blocks of rows (set_mlp_blocks; 0: kMlpBlocksByL2).
 std::atomic<int64_t> g_mlp_blocks{[] {
   const char* v = std::getenv("DDP_MLP_CHUNKS");
@@ -504,6 +511,8 @@ torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
 }
 
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
+void use_exact_mlp_fn(bool on) { g_exact_mlp_fn.store(on); }
+bool exact_mlp_fn_enabled() { return g_exact_mlp_fn.load(); }
 void set_mlp_blocks(int64_t blocks) { g_mlp_blocks.store(std::max<int64_t>(kMlpBlocksByL2, blocks)); }
 int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes) {
   const int64_t bytes = rows * width * 2, half = std::max<int64_t>(l2_bytes / 2, 1);
@@ -551,13 +560,9 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
                        const torch::Tensor& b2, MlpGelu gelu, BiasGrad b2_grad) {
   const bool tanh = gelu == MlpGelu::kTanh;
 #ifdef DDP_WITH_CUDA_KERNELS
-  static const bool exact_fused = [] {  // DDP_MLP_EXACT_FUSED=0: the exact MLP's layers apart, as before (an A/B)
-    const char* v = std::getenv("DDP_MLP_EXACT_FUSED");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
   if (fused_linear_applies(x, w1, b1) && x.numel() > 0 && x.size(-1) % 8 == 0 && b1.defined() && b2.defined() &&
       b2.scalar_type() == torch::kFloat && w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 &&
-      w2.size(1) == w1.size(0) && (tanh || exact_fused))
+      w2.size(1) == w1.size(0) && (tanh || g_exact_mlp_fn.load()))
     return MlpGeluFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, tanh, b2_grad == BiasGrad::kHere);
 #endif
   const auto b2_used = b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach();

@@ -34,6 +34,8 @@ using ddp::testing::MlpBlocks;
 
 TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_enabled());
+  EXPECT_FALSE(exact_mlp_fn_enabled()) << "an experiment not yet run on a GPU";
+  EXPECT_EQ(mlp_blocks(), 1);
   FusedLinearOn on;
   torch::manual_seed(3);
   auto x = torch::randn({2, 3, 8}), w = torch::randn({16, 8}), b = torch::randn({16});
@@ -114,8 +116,7 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
       auto want = at::gelu_backward(dy, h, approximate);
       ASSERT_EQ(r[0].scalar_type(), torch::kBFloat16);
       // Within one unit of bf16 rounding of each element (the same formula in
-      // fp32, the erf GELU's exp the fast one; erf and tanh may round
-      // differently in the last fp32 bit).
+      // fp32; erf, exp and tanh may round differently in the last fp32 bit).
       auto diff = (r[0].to(torch::kFloat) - want.to(torch::kFloat)).abs();
       auto bound = want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30;
       EXPECT_TRUE(diff.le(bound).all().item<bool>()) << diff.max().item<double>();

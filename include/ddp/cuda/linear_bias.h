@@ -34,8 +34,8 @@ at::Tensor column_sum(const at::Tensor& g, const at::Tensor& out = {});
 enum class Gelu { kErf, kTanh };
 
 /// A GELU's backward with the column sums of its result: {dh, db} for
-/// dh = dy * gelu'(h) in bf16 (ATen's gelu_backward's formula in fp32, the
-/// exact one's exp the fast __expf, then rounded: within bf16 rounding) and db = column_sum(dh) in fp32. dy and h: bf16 tensors of
+/// dh = dy * gelu'(h) in bf16 (as ATen's gelu_backward computes it, in fp32,
+/// then rounded) and db = column_sum(dh) in fp32. dy and h: bf16 tensors of
 /// one shape that column_sum_supported takes. db is written into `out`
 /// where given, as column_sum's.
 /// dh is written into `dh_out` where given (a contiguous bf16 tensor of h's
