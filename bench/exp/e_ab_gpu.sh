@@ -11,7 +11,7 @@
 #      eager step by ATen op, while there is time.
 #   TESTS1=... TESTS2=... [GELU=tanh|exact] [AB_ENV=VAR=value | AB_ARGS="--flag value"] [REPS=n] [EXTRA_RUNS="VAR=a VAR=b,W=c"] \
 #     [PROBE_ENV="VAR=v ..." PROBE_GREP=regex] [PROFILE_ENV="VAR=v ..."] \
-#     [TESTS3=regex TESTS3_ENV="VAR=v ..."] bash bench/exp/e_ab_gpu.sh
+#     [TESTS3=regex TESTS3_ENV="VAR=v ..."] [SKIP_PROFILE=1] bash bench/exp/e_ab_gpu.sh
 #   (logs under $OUT/ab). EXTRA_RUNS: a comma joins variables of one run.
 #   REPS=n: the A/B and each EXTRA_RUNS run n times, interleaved (BESIDE=1:
 #   each extra run with a run of the default after it); the end prints
@@ -95,6 +95,7 @@ if [[ -n ${PROBE_ENV:-} ]]; then
   env $PROBE_ENV timeout 90 ./build/ddptrain bench "${gpt[@]}" 2>"$OUT/probe.err" | grep '^{'
   grep -E "${PROBE_GREP:-.}" "$OUT/probe.err" | head -60
 fi
+[[ ${SKIP_PROFILE:-0} == 1 ]] && finish  # no profile, tests3 or attention (device time)
 log "profile, graphed ${PROFILE_ENV:-}"
 LINE=$(env ${PROFILE_ENV:-} timeout 120 ./build/ddptrain bench "${base[@]}" --bench-steps 10 --cuda-graph --profile-trace "$OUT/trace.json" 2>>"$OUT/e.err" | grep '^{' | tail -1)
 WALL=$(python3 -c 'import json,sys; print(json.loads(sys.argv[1])["ms_per_step"])' "$LINE")

@@ -84,46 +84,49 @@ TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
-  const auto options =
-      GptOptions().n_layer(2).n_head(8).n_embd(512).block_size(32).vocab_size(1024).gelu(GptGelu::kTanh);
-  torch::manual_seed(27);
-  Gpt aside(options), inline_(options);
-  {
-    torch::NoGradGuard no_grad;
-    auto from = aside->named_parameters();
-    for (auto& p : inline_->named_parameters()) p.value().copy_(from[p.key()]);
-  }
-  aside->to(gpu);
-  inline_->to(gpu);
-  auto world = ddp::testing::one_rank_world(true);
-  ddp::GradSync sync_aside(*aside, *world), sync_inline(*inline_, *world);
-  for (int step = 0; step < 3; ++step) {  // the first step asks for the bf16 copies, the others have them
-    SCOPED_TRACE("step " + std::to_string(step));
-    auto idx = torch::randint(0, 1024, {32, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
-    auto target = torch::randint(0, 1024, {32 * 32}, idx.options());
-    auto backward = [&](Gpt& m, ddp::GradSync& sync, bool side) {
-      step_backward(sync, side, [&] {
-        return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 1024}).to(torch::kFloat), target);
-      });
-    };
-    const size_t before = ddp::cuda::side_pieces();
-    backward(inline_, sync_inline, false);  // first: its matmuls choose their algorithms on one stream
-    EXPECT_EQ(ddp::cuda::side_pieces(), before);
-    backward(aside, sync_aside, true);
-    // Per block: c_attn's, the attention projection's and the MLP's two
-    // weights, the MLP's first bias (the others are the LayerNorms'; with
-    // DDP_BGRADB=1 the MLP's first weight and bias come from one matmul,
-    // here); the head. The process's first SideWork stays on one stream.
-    if (step > 0) {
-      EXPECT_GE(ddp::cuda::side_pieces() - before, 2u * 3 + 1);
+  for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 3}}) {
+    SCOPED_TRACE(std::string(gelu == GptGelu::kTanh ? "tanh" : "exact") + ", " + std::to_string(blocks) + " blocks");
+    ddp::testing::MlpBlocks mlp_blocks(blocks);
+    const auto options = GptOptions().n_layer(2).n_head(8).n_embd(512).block_size(32).vocab_size(1024).gelu(gelu);
+    torch::manual_seed(27);
+    Gpt aside(options), inline_(options);
+    {
+      torch::NoGradGuard no_grad;
+      auto from = aside->named_parameters();
+      for (auto& p : inline_->named_parameters()) p.value().copy_(from[p.key()]);
     }
-    auto got = aside->named_parameters();
-    for (const auto& p : inline_->named_parameters()) {
-      if (p.key() == "lm_head.weight") continue;  // the same tensor as wte
-      ASSERT_TRUE(got[p.key()].grad().defined()) << p.key();
-      EXPECT_FALSE(got[p.key()].grad().isnan().any().item<bool>()) << p.key();
-      EXPECT_TRUE(torch::equal(got[p.key()].grad(), p.value().grad()))
-          << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
+    aside->to(gpu);
+    inline_->to(gpu);
+    auto world = ddp::testing::one_rank_world(true);
+    ddp::GradSync sync_aside(*aside, *world), sync_inline(*inline_, *world);
+    for (int step = 0; step < 3; ++step) {  // the first step asks for the bf16 copies, the others have them
+      SCOPED_TRACE("step " + std::to_string(step));
+      auto idx = torch::randint(0, 1024, {32, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));
+      auto target = torch::randint(0, 1024, {32 * 32}, idx.options());
+      auto backward = [&](Gpt& m, ddp::GradSync& sync, bool side) {
+        step_backward(sync, side, [&] {
+          return torch::nn::functional::cross_entropy(m->forward(idx).view({-1, 1024}).to(torch::kFloat), target);
+        });
+      };
+      const size_t before = ddp::cuda::side_pieces();
+      backward(inline_, sync_inline, false);  // first: its matmuls choose their algorithms on one stream
+      EXPECT_EQ(ddp::cuda::side_pieces(), before);
+      backward(aside, sync_aside, true);
+      // Per block: c_attn's, the attention projection's and the MLP's two
+      // weights, the MLP's first bias with the tanh GELU (the others are the LayerNorms'; with
+      // DDP_BGRADB=1 the MLP's first weight and bias come from one matmul,
+      // here); the head. The process's first SideWork stays on one stream.
+      if (step > 0) {
+        EXPECT_GE(ddp::cuda::side_pieces() - before, 2u * 3 + 1);
+      }
+      auto got = aside->named_parameters();
+      for (const auto& p : inline_->named_parameters()) {
+        if (p.key() == "lm_head.weight") continue;  // the same tensor as wte
+        ASSERT_TRUE(got[p.key()].grad().defined()) << p.key();
+        EXPECT_FALSE(got[p.key()].grad().isnan().any().item<bool>()) << p.key();
+        EXPECT_TRUE(torch::equal(got[p.key()].grad(), p.value().grad()))
+            << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
+      }
     }
   }
 }

@@ -30,6 +30,20 @@ struct FusedLayerNormOn {
   FusedLayerNormOn() { ddp::models::use_fused_layer_norm(true); }
   ~FusedLayerNormOn() { ddp::models::use_fused_layer_norm(false); }
 };
+/// mlp_gelu's exact MLP in one function (use_exact_mlp_fn), by `blocks`
+/// blocks of rows (set_mlp_blocks), for a scope.
+struct MlpBlocks {
+  explicit MlpBlocks(int64_t blocks) : before(ddp::models::mlp_blocks()), fn(ddp::models::exact_mlp_fn_enabled()) {
+    ddp::models::set_mlp_blocks(blocks);
+    ddp::models::use_exact_mlp_fn(true);
+  }
+  ~MlpBlocks() {
+    ddp::models::set_mlp_blocks(before);
+    ddp::models::use_exact_mlp_fn(fn);
+  }
+  int64_t before;
+  bool fn;
+};
 
 /// The largest |a[i] - b[i]| / |b[i]|.
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b);

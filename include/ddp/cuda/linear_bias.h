@@ -1,6 +1,7 @@
 // A linear layer's bias gradient on CUDA: the column sums of its output's
 // gradient, in fp32, at a copy's bandwidth; and a GELU's backward
-// with the bias gradient of the layer before it in the same pass; and
+// with the bias gradient of the layer before it in the same pass (and the
+// exact GELU's forward, which cuBLASLt's epilogues cannot do); and
 // attention's q, k and v gradients put side by side for the projection
 // that made them, with its bias gradient in the same pass.
 //
@@ -37,8 +38,20 @@ enum class Gelu { kErf, kTanh };
 /// then rounded) and db = column_sum(dh) in fp32. dy and h: bf16 tensors of
 /// one shape that column_sum_supported takes. db is written into `out`
 /// where given, as column_sum's.
+/// dh is written into `dh_out` where given (a contiguous bf16 tensor of h's
+/// size: a block of rows of a larger one).
 std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form = Gelu::kErf,
-                                                 const at::Tensor& out = {});
+                                                 const at::Tensor& out = {}, const at::Tensor& dh_out = {});
+
+/// True where gelu_erf applies: a contiguous, 16-byte aligned bf16 CUDA
+/// tensor of a multiple of 8 values.
+bool gelu_erf_supported(const at::Tensor& h);
+
+/// The exact GELU's forward, at::gelu(h)'s formula in fp32, rounded to bf16,
+/// written into `out` where given (a tensor like h: a block of rows of a
+/// larger one). The exact MLP's pass that cuBLASLt's epilogues (tanh only)
+/// cannot do; by hand so that it can write into a slice.
+at::Tensor gelu_erf(const at::Tensor& h, const at::Tensor& out = {});
 
 /// The backward of splitting a projection into attention's heads, with its
 /// bias gradient: for parts (dq, dk, dv: 1 to 3 bf16 tensors [B, H, T, D] of

@@ -69,15 +69,44 @@ torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, c
 std::vector<torch::Tensor> linear_heads(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                                         int64_t parts, int64_t heads);
 
-/// The GPT's MLP with the tanh GELU: gelu_tanh(x W1^T + b1) W2^T + b2, as
-/// torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2).
-/// Where the kernels apply to both layers (widths multiples of 8) and
-/// cuBLASLt is loaded, the first matmul computes the bias and GELU in its
-/// epilogue, keeping the pre-activation (cuda/gemm_gelu.h); the backward
-/// applies the GELU's derivative and sums b1's gradient in one pass
-/// (cuda/linear_bias.h).
-torch::Tensor mlp_gelu_tanh(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1,
-                            const torch::Tensor& w2, const torch::Tensor& b2, BiasGrad b2_grad = BiasGrad::kHere);
+/// The MLP's GELU: the exact one (erf), as torch::gelu's default and
+/// nn.GELU(), or the tanh approximation (GPT-2's own).
+enum class MlpGelu { kExact, kTanh };
+
+/// The GPT's MLP: gelu(x W1^T + b1) W2^T + b2, as
+/// torch::linear(torch::gelu(torch::linear(x, w1, b1)[, "tanh"]), w2, b2).
+/// Where the kernels apply to both layers (widths multiples of 8, both
+/// biases present) and cuBLASLt is loaded, the tanh GELU's MLP is one
+/// function: the first matmul computes the bias and GELU in its epilogue,
+/// keeping the pre-activation (cuda/gemm_gelu.h), and the second's backward
+/// applies the GELU's derivative in its own. The exact GELU's MLP is
+/// linear_bias(linear_gelu(...)) unless use_exact_mlp_fn(true): then it is
+/// one function too, its GELU a pass of its own each way (cuda/linear_bias.h,
+/// the backward's with b1's sums), by blocks of rows (set_mlp_blocks).
+torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
+                       const torch::Tensor& b2, MlpGelu gelu, BiasGrad b2_grad = BiasGrad::kHere);
+
+/// Whether mlp_gelu runs the exact GELU's MLP in one function where the
+/// kernels apply. Process-wide; default the environment's
+/// DDP_MLP_EXACT_FUSED=1, else off: an experiment written on 2026-12-06 that
+/// has not run on a GPU (bench/RESULTS.md, session 29).
+void use_exact_mlp_fn(bool on);
+bool exact_mlp_fn_enabled();
+
+/// How many blocks of rows mlp_gelu's exact GELU runs in where the kernels
+/// apply: the first matmul and the GELU, then in the backward the second
+/// matmul's input gradient and the GELU's backward, a block at a time, so
+/// that each block is read back while still in L2. kMlpBlocksByL2 (0):
+/// mlp_blocks_for_l2 of the GPU's L2. Process-wide; default the
+/// environment's DDP_MLP_CHUNKS, else 1 (part of use_exact_mlp_fn's
+/// experiment).
+constexpr int64_t kMlpBlocksByL2 = 0;
+void set_mlp_blocks(int64_t blocks);
+int64_t mlp_blocks();
+/// The fewest blocks of `rows` rows whose bf16 [block rows, width]
+/// pre-activation each fit in half of an L2 cache of `l2_bytes` (at least
+/// 1, at most rows).
+int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes);
 
 /// The GPT's token embedding and its output head, which share one weight
 /// (GPT-2 ties them): embed(idx, pos) is weight[idx] + pos (pos: the

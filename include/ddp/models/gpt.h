@@ -34,7 +34,7 @@ namespace ddp::models {
 /// own tanh approximation (HF's "gelu_new", llm.c's). With tanh, ddptrain's
 /// kernels (--linear-kernel auto, on a GPU) compute the GELU and its
 /// backward inside the MLP's matmuls (cuda/gemm_gelu.h).
-enum class GptGelu { kExact, kTanh };
+using GptGelu = MlpGelu;  // kExact or kTanh (fused_linear.h)
 
 struct GptOptions {
   /// Transformer blocks.
