@@ -565,9 +565,11 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
       w2.size(1) == w1.size(0) && (tanh || g_exact_mlp_fn.load()))
     return MlpGeluFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, tanh, b2_grad == BiasGrad::kHere);
 #endif
-  const auto b2_used = b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach();
-  if (!tanh) return linear_bias(linear_gelu(x, w1, b1), w2, b2_used, b2_grad);
-  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2, b2_used);
+  // linear_bias takes b2 itself (not detached: its bf16 copy is found by the
+  // parameter) and leaves it no gradient under kInTheAdd.
+  if (!tanh) return linear_bias(linear_gelu(x, w1, b1), w2, b2, b2_grad);
+  return torch::linear(torch::gelu(torch::linear(x, w1, b1), "tanh"), w2,
+                       b2_grad == BiasGrad::kHere || !b2.defined() ? b2 : b2.detach());
 }
 
 torch::Tensor linear_gelu(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

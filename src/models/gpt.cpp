@@ -115,9 +115,9 @@ GptMlpImpl::GptMlpImpl(const GptOptions& o) {
 torch::Tensor GptMlpImpl::forward(const torch::Tensor& x, BiasGrad c_proj_bias) {
   TORCH_CHECK(c_proj_bias == BiasGrad::kHere || dropout->options.p() == 0,
               "MLP: the bias's gradient is the add's only without dropout");
-  // The exact (erf) GELU, as nn.GELU(), or the tanh one; both layers in one
-  // function, so that the GELU can live in the matmuls' epilogues (tanh) or
-  // meet its input in L2 (exact).
+  // The exact (erf) GELU, as nn.GELU(), or the tanh one, whose MLP is one
+  // function so that the GELU can live in the matmuls' epilogues
+  // (fused_linear.h; the exact one's is one function only as an experiment).
   auto y = mlp_gelu(x, c_fc->weight, c_fc->bias, c_proj->weight, c_proj->bias, gelu, c_proj_bias);
   return dropout->options.p() > 0 ? dropout(y) : y;
 }

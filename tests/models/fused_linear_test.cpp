@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 
 #include "ddp/compat.h"
 #include "ddp/dist/grad_sync.h"
@@ -415,21 +416,48 @@ TEST(FusedLinear, MlpMatchesLibTorchUnderAutocast_CUDA) {
   }
 }
 
+// ATen ops dispatched while `fn` runs, by name.
+std::map<std::string, int> ops_during(const std::function<void()>& fn) {
+  static std::mutex mu;
+  static std::map<std::string, int>* seen = nullptr;
+  std::map<std::string, int> out;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    seen = &out;
+  }
+  auto handle = at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
+    std::lock_guard<std::mutex> lock(mu);
+    if (seen) ++(*seen)[f.name()];
+    return nullptr;
+  }));
+  fn();
+  at::removeCallback(handle);
+  std::lock_guard<std::mutex> lock(mu);
+  seen = nullptr;
+  return out;
+}
+
 // Under a training step's GradSync, the GPT's linear and LayerNorm kernels
 // write every weight, bias and LayerNorm gradient straight into its slot of
 // the flat buffer, read the step's bf16 copies of the weights, and give the
 // gradients, to the bit, that the same kernels give without the slots (with
 // casts and fresh tensors): the same fp32 matmuls on the same bf16 values.
-// Both GELUs, the exact one's MLP also in 3 blocks of rows.
+// Both GELUs: the exact one's MLP as two layers (the default) and in one
+// function (whole and in 3 blocks of rows). With the copies made, each
+// forward casts the same tensors (no parameter: a cast more is a copy
+// missed).
 TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
-  for (auto [gelu, blocks] :
-       {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 1}, std::pair{GptGelu::kExact, 3}}) {
-    SCOPED_TRACE(std::string(gelu == GptGelu::kTanh ? "tanh" : "exact") + ", " + std::to_string(blocks) + " blocks");
-    MlpBlocks mlp_blocks(blocks);
+  std::vector<int> casts;  // the second step's forward's, by case
+  for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 0},
+                              std::pair{GptGelu::kExact, 1}, std::pair{GptGelu::kExact, 3}}) {
+    SCOPED_TRACE(std::string(gelu == GptGelu::kTanh ? "tanh" : "exact") + ", " +
+                 (blocks == 0 ? "two layers" : std::to_string(blocks) + " blocks"));
+    std::optional<MlpBlocks> mlp_blocks;  // none: the default
+    if (blocks > 0) mlp_blocks.emplace(blocks);
     const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(gelu);
     torch::manual_seed(21);
     Gpt model(options), plain(options);
@@ -452,7 +480,10 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
       SCOPED_TRACE("step " + std::to_string(step));
       sync.zero_grad(/*set_to_none=*/true);
       sync.bf16_copies(true);
-      loss_of(model).backward();
+      torch::Tensor loss;
+      auto ops = ops_during([&] { loss = loss_of(model); });
+      if (step == 1) casts.push_back(ops["aten::_to_copy"]);
+      loss.backward();
       const size_t slots = sync.gradient_slots_taken();
       sync.bf16_copies(false);
       sync.finish();
@@ -471,27 +502,9 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
           << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
     }
   }
-}
-
-// ATen ops dispatched while `fn` runs, by name.
-std::map<std::string, int> ops_during(const std::function<void()>& fn) {
-  static std::mutex mu;
-  static std::map<std::string, int>* seen = nullptr;
-  std::map<std::string, int> out;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    seen = &out;
-  }
-  auto handle = at::addGlobalCallback(at::RecordFunctionCallback([](const at::RecordFunction& f) -> std::unique_ptr<at::ObserverContext> {
-    std::lock_guard<std::mutex> lock(mu);
-    if (seen) ++(*seen)[f.name()];
-    return nullptr;
-  }));
-  fn();
-  at::removeCallback(handle);
-  std::lock_guard<std::mutex> lock(mu);
-  seen = nullptr;
-  return out;
+  ASSERT_EQ(casts.size(), 4u);
+  EXPECT_GT(casts[0], 0) << "the logits' cast, at least: the count is seen";
+  for (size_t i = 1; i < casts.size(); ++i) EXPECT_EQ(casts[i], casts[0]) << "case " << i;
 }
 
 // The tied embedding and head: the weight's gradient matches LibTorch's
