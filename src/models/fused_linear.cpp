@@ -100,11 +100,12 @@ torch::Tensor weight_grad(const torch::Tensor& param, const torch::Tensor& g2, c
 }
 
 // A bias's gradient: the column sums of g (with the GELU's backward first
-// when `gelu` is given), into the bias's slot where it has one (no bias:
-// undefined, and the sums are thrown away). {g', db}. A plain sum into a
-// slot goes aside, as weight_grad's matmul.
+// when `gelu` is given, its result written into `dh_out` where given), into
+// the bias's slot where it has one (no bias: undefined, and the sums are
+// thrown away). {g', db}. A plain sum into a slot goes aside, as
+// weight_grad's matmul.
 std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Tensor& g, const torch::Tensor& pre,
-                                     std::optional<cuda::Gelu> gelu) {
+                                     std::optional<cuda::Gelu> gelu, const torch::Tensor& dh_out = {}) {
   auto slot = param.defined() ? param_slots::take_gradient_slot(param) : torch::Tensor();
   if (slot.defined() && !gelu) {
     cuda::aside([g, out = slot.detach()] { cuda::column_sum(g, out); });  // an alias: see weight_grad
@@ -112,7 +113,7 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   }
   if (!slot.defined()) cuda::join_side_work();  // as in weight_grad
   auto db = slot.defined() || !param.defined() ? slot : fresh_gradient(param);
-  if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db);
+  if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db, dh_out);
   return {g, cuda::column_sum(g, db)};
 }
 
@@ -347,22 +348,18 @@ struct MlpGeluFn : torch::autograd::Function<MlpGeluFn> {
     } else {
       // By the forward's blocks of rows: (g W2) for a block, then its GELU
       // backward and column sums, which read that product back from L2.
-      // The first block's sums go into db1's home, the others' are added.
+      // The first block's sums are db1 (bias_grad: its slot where it has
+      // one), the others' are added.
       dh = torch::empty_like(y);
-      if (b1_wanted.defined()) {
-        db1 = param_slots::take_gradient_slot(b1_wanted);
-        if (!db1.defined()) {
-          cuda::join_side_work();  // as in bias_grad
-          db1 = fresh_gradient(b1_wanted);
-        }
-      }
       int64_t r0 = 0;
       for (size_t i = 0; i < pre.size(); ++i) {
         const int64_t r1 = r0 + pre[i].size(0);
-        auto sums = db1.defined() && i > 0 ? torch::Tensor() : db1;
-        auto r = cuda::gelu_backward_column_sum(mm16(g.slice(0, r0, r1), w2_16), pre[i], cuda::Gelu::kErf, sums,
-                                                dh.slice(0, r0, r1));
-        if (db1.defined() && i > 0) db1.add_(r[1]);
+        auto dg = mm16(g.slice(0, r0, r1), w2_16);
+        if (i == 0) {
+          db1 = bias_grad(b1_wanted, dg, pre[i], cuda::Gelu::kErf, dh.slice(0, r0, r1))[1];
+        } else {
+          db1.add_(cuda::gelu_backward_column_sum(dg, pre[i], cuda::Gelu::kErf, {}, dh.slice(0, r0, r1))[1]);
+        }
         r0 = r1;
       }
     }

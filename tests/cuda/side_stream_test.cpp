@@ -85,16 +85,12 @@ TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
   for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 3}}) {
-    SCOPED_TRACE(std::string(gelu == GptGelu::kTanh ? "tanh" : "exact") + ", " + std::to_string(blocks) + " blocks");
+    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu, blocks));
     ddp::testing::MlpBlocks mlp_blocks(blocks);
     const auto options = GptOptions().n_layer(2).n_head(8).n_embd(512).block_size(32).vocab_size(1024).gelu(gelu);
     torch::manual_seed(27);
     Gpt aside(options), inline_(options);
-    {
-      torch::NoGradGuard no_grad;
-      auto from = aside->named_parameters();
-      for (auto& p : inline_->named_parameters()) p.value().copy_(from[p.key()]);
-    }
+    ddp::testing::copy_parameters(*aside, *inline_);
     aside->to(gpu);
     inline_->to(gpu);
     auto world = ddp::testing::one_rank_world(true);

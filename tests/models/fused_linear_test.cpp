@@ -454,18 +454,13 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
   std::vector<int> casts;  // the second step's forward's, by case
   for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 0},
                               std::pair{GptGelu::kExact, 1}, std::pair{GptGelu::kExact, 3}}) {
-    SCOPED_TRACE(std::string(gelu == GptGelu::kTanh ? "tanh" : "exact") + ", " +
-                 (blocks == 0 ? "two layers" : std::to_string(blocks) + " blocks"));
+    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu, blocks));
     std::optional<MlpBlocks> mlp_blocks;  // none: the default
     if (blocks > 0) mlp_blocks.emplace(blocks);
     const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(gelu);
     torch::manual_seed(21);
     Gpt model(options), plain(options);
-    {
-      torch::NoGradGuard no_grad;
-      auto from = model->named_parameters();
-      for (auto& p : plain->named_parameters()) p.value().copy_(from[p.key()]);
-    }
+    ddp::testing::copy_parameters(*model, *plain);
     model->to(gpu);
     plain->to(gpu);
     auto idx = torch::randint(0, 96, {4, 32}, torch::TensorOptions().dtype(torch::kLong).device(gpu));

@@ -44,6 +44,17 @@ std::vector<double> small_gpt_bf16_losses(const ddp::models::GptOptions& options
   return losses;
 }
 
+std::string mlp_case_name(ddp::models::GptGelu gelu, int64_t blocks) {
+  return std::string(gelu == ddp::models::GptGelu::kTanh ? "tanh" : "exact") + ", " +
+         (blocks == 0 ? "two layers" : std::to_string(blocks) + " blocks");
+}
+
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  auto source = from.named_parameters();
+  for (auto& p : to.named_parameters()) p.value().copy_(source[p.key()]);
+}
+
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
   double worst = 0;
   for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)

@@ -3,6 +3,7 @@
 // eager) by their loss trajectories.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "ddp/models/fused_layer_norm.h"
@@ -44,6 +45,14 @@ struct MlpBlocks {
   int64_t before;
   bool fn;
 };
+
+/// A trace's name for a GPT test's MLP: its GELU and, for `blocks` > 0, the
+/// exact MLP in one function by that many blocks (MlpBlocks); 0: as two
+/// layers, the default.
+std::string mlp_case_name(ddp::models::GptGelu gelu, int64_t blocks);
+
+/// `to`'s parameters set to `from`'s (a model of the same architecture).
+void copy_parameters(torch::nn::Module& from, torch::nn::Module& to);
 
 /// The largest |a[i] - b[i]| / |b[i]|.
 double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b);
