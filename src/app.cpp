@@ -207,9 +207,8 @@ Config with_saved_flags(const Config& c) {
 data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
   check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu" &&
-                                            !c.was_given("val-split") && !c.was_given("strict-data") &&
-                                            !c.was_given("cpu-decode-share")),
-             "--image-size, --val-root, --val-split, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
+                                            !c.was_given("strict-data") && !c.was_given("cpu-decode-share")),
+             "--image-size, --val-root, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
              "--dataset imagefolder only.",
              "drop them, or pass --dataset imagefolder.");
   const bool gpu_decode = data::gpu_decode_chosen(c.image_decode, device);

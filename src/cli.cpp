@@ -53,7 +53,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
       {"--cpu-decode-share", "imagefolder with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange},
       {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
-      {"--val-split", "imagefolder without --val-root: fraction of each class held out for validation", &c.val_split, {}, "data"},
+      {"--val-split", "fraction of the training set held out as the validation split, which then chooses best.pt, the monitor and --stop-at (test is evaluated on best.pt at the end): seeded, the same on any number of ranks; imagefolder holds out this fraction of each class (default there 0.1, unless --val-root). 0: none, test chooses", &c.val_split, {}, "data"},
+      {"--test-every-epoch", "with a validation split: also evaluate the test split every epoch (logged as test_*; it never chooses)", &c.test_every_epoch, {}, "data", kMayChange},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
       {"--image-decode", "imagefolder: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
@@ -160,7 +161,7 @@ void validate(const Config& c) {
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
              "use 1024-65535, or omit it to pick a free one.");
   check_user(c.val_split >= 0 && c.val_split < 1, "--val-split must be in [0, 1), got " + std::to_string(c.val_split) + ".",
-             "e.g. --val-split 0.1 holds out 10% of each class.");
+             "e.g. --val-split 0.1 holds out 10% of the training set for validation.");
   check_user(c.cpu_decode_share >= 0 && c.cpu_decode_share <= 1,
              "--cpu-decode-share must be in [0, 1], got " + std::to_string(c.cpu_decode_share) + ".",
              "e.g. --cpu-decode-share 0.3 decodes 3 of every 10 images on the CPU.");
@@ -214,6 +215,9 @@ void validate(const Config& c) {
 void resolve_defaults(Config& c) {
   if (!c.was_given("lr")) c.lr = c.optimizer == "sgd" ? 0.1 : 2e-3;
   if (!c.was_given("weight-decay")) c.weight_decay = c.optimizer == "sgd" ? 5e-4 : (c.optimizer == "adamw" ? 0.05 : 0.0);
+  // An image folder has no held-out images of its own: without --val-root
+  // it keeps its 10% per class, which it always held out.
+  if (!c.was_given("val-split") && c.dataset == "imagefolder" && c.val_root.empty()) c.val_split = 0.1;
 }
 
 nlohmann::json value_of(const FlagTarget& target) {

@@ -45,7 +45,8 @@ struct Config {
   int train_samples = 0;            // 0: all
   int test_samples = 0;
   std::string val_root;             // imagefolder: separate validation folder; "": use val_split
-  double val_split = 0.1;           // imagefolder: fraction of each class held out
+  double val_split = 0;             // fraction of train held out for validation (imagefolder: per class; 0.1 there unless --val-root)
+  bool test_every_epoch = false;    // with a validation split: evaluate test every epoch too
   int image_size = 0;               // imagefolder crops (0: 224); ddptrain bench inputs (0: 64)
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)

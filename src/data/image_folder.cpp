@@ -1,5 +1,6 @@
 // Scanning, splitting and decoding of image folders.
 #include "ddp/data/image_folder.h"
+#include "ddp/data/subset.h"
 
 #include <algorithm>
 #include <cctype>
@@ -340,11 +341,14 @@ Splits load_image_folder(const ImageFolderSplitOptions& options) {
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(options.augment())).strict(options.strict())
           .gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share()),
       "imagefolder " + options.root() + " (train)");
-  splits.test = std::make_shared<ImageFolderDataset>(
+  // The held-out images (or --val-root's) are a validation split: they
+  // choose best.pt. An image folder brings no test split of its own.
+  splits.val = std::make_shared<ImageFolderDataset>(
       std::move(val),
       ImageFolderOptions().transform(ImageTransformOptions(transform).train(false)).strict(options.strict())
           .gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share()),
       val_name);
+  splits.test = empty_like(splits.val, "imagefolder (no test split)");
   return splits;
 }
 

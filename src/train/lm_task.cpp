@@ -185,7 +185,6 @@ void LmTask::note_ignored_flags(const Config& c) {
   note(c.augment != "none", "augment");
   note(c.dataset != d.dataset, "dataset");
   note(c.val_root != d.val_root, "val-root");
-  note(c.val_split != d.val_split, "val-split");
   note(c.image_size != d.image_size, "image-size");
   note(c.strict_data != d.strict_data, "strict-data");
 }

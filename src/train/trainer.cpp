@@ -35,6 +35,7 @@
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
 #include "ddp/train/fused_cross_entropy.h"
+#include "ddp/train/validation.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/fused_linear.h"
 #include "ddp/models/max_pool.h"
@@ -149,7 +150,6 @@ Trainer::Trainer(Config config, World& world, Task& task)
   // 0. Every rank has rank 0's flags; then flags that only the task or the
   //    run's length can judge.
   check_flags_match_rank_0();
-  check_stop_rule();
   if (config_.warmup_epochs > config_.epochs) {
     std::ostringstream w;
     w << config_.warmup_epochs;
@@ -158,9 +158,15 @@ Trainer::Trainer(Config config, World& world, Task& task)
                     "warm up over part of the run, e.g. --warmup-epochs 1, or train for more --epochs.");
   }
   // 1. The task's data and model, on this rank's device.
+  //    Validation (the task's, or --val-split's) chooses when there is one.
   data_ = task_.make_data(config_, world_);
-  check_user(data_.train && data_.test, "make_data() returned no train or no test dataset.",
+  check_user(data_.train && (data_.test || data_.val), "make_data() returned no train, or no test and no validation dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
+  add_validation_split(data_, config_);
+  choosing_ = data_.val ? kValPrefix : kTestPrefix;
+  monitor_.metric = metric_for_split(monitor_.metric, choosing_);
+  stop_rule_ = stop_rule_for_split(config_, choosing_);
+  check_stop_rule();
   note_fewer_samples_than_asked();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
@@ -438,6 +444,7 @@ EpochMetrics Trainer::fit() {
   }
   set_stop_can_checkpoint(true);  // a stop signal now checkpoints (signals.h); before "world: " is printed
   print_start();
+  print_choosing_split();
   sanity_validation();
   const auto started = Clock::now();
   EpochMetrics last;
@@ -463,7 +470,9 @@ EpochMetrics Trainer::fit() {
       next_feed_->feeder.start();
     }
     // ---- validate ----
-    Metrics metrics = evaluate();
+    Metrics metrics = evaluate(choosing_split(), choosing_);
+    if (config_.test_every_epoch && data_.val)
+      for (const auto& [name, v] : evaluate(data_.test, kTestPrefix)) metrics[name] = v;
     for (const auto& [name, v] : logs) metrics[name] = v;
     EpochEnd end{epoch, state_.step, metrics};
     task_.on_epoch_end(end);
@@ -494,7 +503,7 @@ EpochMetrics Trainer::fit() {
     hint_if_data_bound(epoch, data_wait_seconds_ / std::max(train_seconds, 1e-9), samples);
     // ---- checkpoint, and stop if asked ----
     auto monitored = metrics.find(monitor_.metric);
-    check_user(data_.test->size() == 0 || monitored != metrics.end(),
+    check_user(choosing_split()->size() == 0 || monitored != metrics.end(),
                "the task's monitor metric '" + monitor_.metric + "' is not among its metrics (" +
                    [&] {
                      std::string s;
@@ -530,6 +539,7 @@ EpochMetrics Trainer::fit() {
   }
   next_feed_.reset();  // after a --stop-at stop
   world_.barrier("end of training");
+  test_best();
   print_summary(last, seconds_since(started));
   return last;
 }
@@ -781,12 +791,12 @@ void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
                  static_cast<long long>(epoch), bad.c_str());
 }
 
-Metrics Trainer::evaluate(int64_t max_batches) {
-  const auto& test = data_.test;
+Metrics Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefix, int64_t max_batches) {
   if (test->size() == 0) return {};
-  check_user(test->size() >= world_.size(), "the test set has " + std::to_string(test->size()) +
+  const std::string split = prefix == kValPrefix ? "validation" : "test";
+  check_user(test->size() >= world_.size(), "the " + split + " set has " + std::to_string(test->size()) +
                                                 " samples, fewer than the " + std::to_string(world_.size()) + " ranks.",
-             "use a larger test set (--test-samples) or fewer ranks.");
+             prefix == kValPrefix ? "raise --val-split, or use fewer ranks." : "use a larger test set (--test-samples) or fewer ranks.");
   auto& model = *model_;
   // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
   step_->sync().broadcast_buffers();
@@ -816,7 +826,7 @@ Metrics Trainer::evaluate(int64_t max_batches) {
       else it->second += d;
     }
   }
-  return task_.validation_metrics(reduce_totals(world_, totals, dev));
+  return with_split_prefix(task_.validation_metrics(reduce_totals(world_, totals, dev)), prefix);
 }
 
 // On several nodes every launcher parses its own command line: a different
@@ -834,8 +844,10 @@ void Trainer::check_flags_match_rank_0() {
   for (const auto& f : flag_table(copy)) {
     const std::string key = f.key();
     if (key == "data_root" || key == "val-root") continue;
-    // --sanity-val-steps too: it decides whether collectives run before training.
-    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps") continue;
+    // --sanity-val-steps and --test-every-epoch too: they decide whether collectives run.
+    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps" &&
+        key != "test-every-epoch")
+      continue;
     keys.push_back(key);
     mine[key] = all[key];
   }
@@ -864,8 +876,8 @@ void Trainer::check_flags_match_rank_0() {
 // --stop-at NAME=V reaches V in the monitor's direction, so a plain '='
 // is for the monitor only: another metric's direction is not known.
 void Trainer::check_stop_rule() const {
-  const std::string& rule = config_.stop_at;
-  if (rule.empty()) return;
+  const std::string& rule = stop_rule_;
+  if (config_.stop_at.empty()) return;
   const auto op = rule.find_first_of("<>=");
   const std::string name = rule.substr(0, op), value = rule.substr(rule.find('=') + 1);
   check_user(rule[op] != '=' || name == monitor_.metric,
@@ -888,7 +900,7 @@ int64_t Trainer::warmup_steps() const {
 // The metric may still come from a training log or on_epoch_end(), so an
 // unknown name is a warning here; after the first epoch it is an error.
 void Trainer::sanity_validation() {
-  if (config_.sanity_val_steps == 0 || data_.test->size() == 0) return;
+  if (config_.sanity_val_steps == 0 || choosing_split()->size() == 0) return;
   // A validation_step that draws random numbers must not change training:
   // the generators are as they were before (as Lightning restores them).
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
@@ -899,11 +911,10 @@ void Trainer::sanity_validation() {
     gpu = at::globalContext().defaultGenerator(world_.device());
     gpu_state = gpu->get_state();
   }
-  const Metrics metrics = evaluate(config_.sanity_val_steps);
+  const Metrics metrics = evaluate(choosing_split(), choosing_, config_.sanity_val_steps);
   cpu.set_state(cpu_state);
   if (gpu) gpu->set_state(gpu_state);
-  const std::string rule = config_.stop_at.empty() && config_.stop_at_acc > 0 ? "test_acc>=" : config_.stop_at;
-  const std::string name = rule.substr(0, rule.find_first_of("<>="));
+  const std::string name = stop_rule_.substr(0, stop_rule_.find_first_of("<>="));
   if (name.empty() || metrics.count(name)) return;
   std::string names;
   for (const auto& [n, v] : metrics) names += (names.empty() ? "" : ", ") + n;
@@ -916,9 +927,7 @@ void Trainer::sanity_validation() {
 }
 
 bool Trainer::reached_stop_at(const Metrics& metrics) const {
-  const std::string rule = !config_.stop_at.empty() ? config_.stop_at
-                           : config_.stop_at_acc > 0 ? "test_acc>=" + std::to_string(config_.stop_at_acc)
-                                                     : "";
+  const std::string& rule = stop_rule_;
   if (rule.empty()) return false;
   // NAME>=V, NAME<=V, or NAME=V (reaching V in the monitor's direction).
   const auto op = rule.find_first_of("<>=");
@@ -1009,6 +1018,55 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
   std::printf("export:   %s\n", command("export " + run_dir_ + "/best.pt weights.pt").c_str());
   std::printf("view:     %s; tensorboard --logdir %s\n", command("report " + run_dir_).c_str(), run_dir_.c_str());
   std::fflush(stdout);
+}
+
+// Which split chooses best.pt, the monitor and --stop-at, said at the
+// start: with none, test chooses, and its numbers are no unbiased estimate.
+void Trainer::print_choosing_split() const {
+  if (!world_.is_main()) return;
+  if (data_.val)
+    std::printf("choosing on: validation, %s (%lld samples): %s, best.pt%s; test (%lld samples) on best.pt at the end%s\n",
+                data_.val->name().c_str(), static_cast<long long>(data_.val->size()), monitor_.metric.c_str(),
+                stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_).c_str(),
+                static_cast<long long>(data_.test->size()), config_.test_every_epoch ? " and every epoch" : "");
+  else
+    std::printf("choosing on: test (no validation split): %s, best.pt%s. Hint: --val-split 0.1 holds out 10%% of the "
+                "training set to choose on, and keeps test for reporting.\n",
+                monitor_.metric.c_str(), stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_).c_str());
+  std::fflush(stdout);
+}
+
+// With a validation split, test reports what best.pt (chosen on validation)
+// does on data that chose nothing: printed apart from the epochs, and kept
+// in the run directory's test.json. Rank 0 reads best.pt (the other ranks
+// may not see its disk) and hands its weights to the others.
+void Trainer::test_best() {
+  if (!data_.val || data_.test->size() == 0) return;
+  const std::string best = run_dir_ + "/best.pt";
+  int64_t best_epoch = 0;
+  if (world_.is_main() && std::filesystem::exists(best)) best_epoch = read_checkpoint_meta(best).state.epoch;
+  best_epoch = std::stoll(world_.share_string("best_epoch", std::to_string(best_epoch)));
+  if (best_epoch > 0) {
+    if (world_.is_main()) load_model_weights(best, *model_, world_.device());
+    torch::NoGradGuard no_grad;
+    for (auto t : model_->parameters()) {
+      auto data = t.detach();
+      world_.broadcast(data, 0, "best.pt's weights");
+    }
+    for (auto t : model_->buffers()) world_.broadcast(t, 0, "best.pt's buffers");
+  }
+  const Metrics metrics = evaluate(data_.test, kTestPrefix);
+  if (!world_.is_main()) return;
+  std::string line = best_epoch > 0 ? "test on best.pt (epoch " + std::to_string(best_epoch) + "):"
+                                    : "test on the last weights (no best.pt: the monitor was never finite):";
+  nlohmann::json json{{"checkpoint", best_epoch > 0 ? "best.pt" : ""}, {"epoch", best_epoch}};
+  for (const auto& [name, v] : metrics) {
+    line += "  " + format_metric(name, v);
+    json[name] = v;
+  }
+  std::printf("%s\n", line.c_str());
+  std::fflush(stdout);
+  write_file_atomic(run_dir_ + "/test.json", json.dump(2) + "\n");
 }
 
 }  // namespace ddp

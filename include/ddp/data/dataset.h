@@ -108,9 +108,14 @@ class Dataset {
 
 using DatasetPtr = std::shared_ptr<const Dataset>;
 
-/// Train and test splits of one source.
+/// Train, validation and test splits of one source. Validation (when
+/// there is one) chooses: the monitor, best.pt and --stop-at read it every
+/// epoch, and test is evaluated on best.pt at the end. Without one, test
+/// chooses, as it always did. A task may give its own validation split, or
+/// leave it null for --val-split to carve out of train (data/subset.h).
 struct Splits {
   DatasetPtr train, test;
+  DatasetPtr val;  // null: none
   /// Per-channel mean and std used to normalise inputs.
   std::vector<double> mean, std;
   bool synthetic = false;

@@ -67,7 +67,9 @@ struct StepOutput {
 enum class Goal { kMin, kMax };
 
 /// The metric that picks best.pt, that --stop-at compares against by
-/// default, and that `ddptrain report` summarises.
+/// default, and that `ddptrain report` summarises. It is read on the
+/// validation split when there is one: "test_acc" (or "acc") then means
+/// val_acc.
 struct Monitor {
   std::string metric = "test_loss";
   Goal goal = Goal::kMin;
@@ -119,10 +121,13 @@ class Task {
   virtual StepOutput training_step(const data::Batch& batch) = 0;
   /// Sums over the batch, e.g. {"loss": loss * n, "correct": c, "count": n}.
   virtual TensorMap validation_step(const data::Batch& batch) = 0;
-  /// Metrics from the totals over the whole validation set. Default: every
-  /// scalar total X other than "count" gives test_X = X / count. Both also
-  /// run once before training on a few batches (--sanity-val-steps, as
-  /// Lightning's sanity check), whose metrics are checked, not logged.
+  /// Metrics from the totals over a whole evaluation split. Default: every
+  /// scalar total X other than "count" gives test_X = X / count. Name them
+  /// once, X or test_X: each gets the prefix of the split it was computed
+  /// on, val_X on the validation split, test_X on test (validation.h).
+  /// Both also run once before training on a few batches
+  /// (--sanity-val-steps, as Lightning's sanity check), whose metrics are
+  /// checked, not logged.
   virtual Metrics validation_metrics(const Totals& totals);
   virtual Monitor monitor() const { return {}; }
 

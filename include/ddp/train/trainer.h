@@ -36,9 +36,10 @@ class Trainer {
 
   /// Trains every epoch and returns the last epoch's metrics.
   EpochMetrics fit();
-  /// One pass over the test set, sharded across ranks (every sample counted
-  /// once): the task's validation metrics.
-  Metrics validate() { return evaluate(); }
+  /// One pass over the choosing split (validation if there is one, else
+  /// test), sharded across ranks (every sample counted once): the task's
+  /// validation metrics, named val_* or test_*.
+  Metrics validate() { return evaluate(choosing_split(), choosing_); }
 
   const std::string& run_dir() const { return run_dir_; }
   torch::nn::Module& model() { return *model_; }
@@ -53,7 +54,10 @@ class Trainer {
   struct EpochFeed;
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
-  Metrics evaluate(int64_t max_batches = -1);
+  Metrics evaluate(const data::DatasetPtr& split, const std::string& prefix, int64_t max_batches = -1);
+  const data::DatasetPtr& choosing_split() const { return data_.val ? data_.val : data_.test; }
+  void test_best();
+  void print_choosing_split() const;
   void sanity_validation();
   void save(int64_t epoch, double monitored, bool periodic);
   void save_job_checkpoint(const std::string& path);
@@ -82,7 +86,9 @@ class Trainer {
   Task& task_;
   data::Splits data_;
   ModulePtr model_;
-  Monitor monitor_;
+  Monitor monitor_;          // named as the choosing split reports it (val_* or test_*)
+  std::string choosing_;     // that split's metric prefix: "val_" with a validation split, else "test_"
+  std::string stop_rule_;    // --stop-at (or --stop-at-acc) naming the choosing split's metric
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<LrSchedule> schedule_;
   TrainState state_;

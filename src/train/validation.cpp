@@ -1,0 +1,46 @@
+// The choosing split: carving validation out of train, and metric names.
+#include "ddp/train/validation.h"
+
+#include "ddp/data/subset.h"
+#include "ddp/error.h"
+
+namespace ddp {
+
+namespace {
+bool starts_with(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
+}  // namespace
+
+std::string metric_for_split(const std::string& name, const std::string& prefix) {
+  for (const std::string known : {kValPrefix, kTestPrefix})
+    if (starts_with(name, known)) return prefix + name.substr(known.size());
+  return prefix + name;
+}
+
+Metrics with_split_prefix(const Metrics& metrics, const std::string& prefix) {
+  Metrics out;
+  for (const auto& [name, v] : metrics) out[metric_for_split(name, prefix)] = v;
+  return out;
+}
+
+void add_validation_split(data::Splits& data, const Config& c) {
+  // An image folder's loader holds out --val-split per class itself.
+  if (data.val) {
+    check_user(!c.was_given("val-split") || c.dataset == "imagefolder",
+               "--val-split " + std::to_string(c.val_split) + " would carve a validation split out of " +
+                   data.train->name() + ", but the task's make_data() gives its own (" + data.val->name() + ").",
+               "drop --val-split, or leave Splits::val empty in make_data() to carve one.");
+  } else if (c.val_split > 0) {
+    std::tie(data.train, data.val) = data::carve_validation(data.train, c.val_split, static_cast<uint64_t>(c.seed));
+  }
+  if (data.val && !data.test) data.test = data::empty_like(data.val, "no test split");
+}
+
+std::string stop_rule_for_split(const Config& c, const std::string& prefix) {
+  std::string rule = c.stop_at;
+  if (rule.empty() && c.stop_at_acc > 0) rule = "test_acc>=" + std::to_string(c.stop_at_acc);
+  if (rule.empty()) return rule;
+  const auto op = rule.find_first_of("<>=");
+  return metric_for_split(rule.substr(0, op), prefix) + rule.substr(op);
+}
+
+}  // namespace ddp
