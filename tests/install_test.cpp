@@ -113,7 +113,7 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
 
   const std::string out = root + "/runs";
   auto r = run_process({build + "/train", "--size", "1", "--backend", "gloo", "--epochs", "1", "--train-samples",
-                        "2000", "--test-samples", "500", "--save_path", out, "--progress", "plain"},
+                        "2000", "--test-samples", "500", "--val-split", "0.2", "--save_path", out, "--progress", "plain"},
                        {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("data: my-dataset"), std::string::npos) << r.output;
@@ -126,7 +126,11 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
         if (!line.empty()) metrics.push_back(nlohmann::json::parse(line));
     }
   ASSERT_EQ(metrics.size(), 1u) << r.output;
-  EXPECT_GT(metrics[0]["test_acc"].get<double>(), 0.5) << r.output;  // MyDataset is learnable; chance is 0.1
+  // --val-split: validation (400 of the 2000) chooses; test is evaluated on best.pt at the end.
+  EXPECT_GT(metrics[0]["val_acc"].get<double>(), 0.5) << r.output;  // MyDataset is learnable; chance is 0.1
+  EXPECT_EQ(metrics[0]["monitor"], "val_acc") << r.output;
+  const auto test = nlohmann::json::parse(ddp::testing::read_file(ddp::testing::find_file(out, "test.json")));
+  EXPECT_GT(test["test_acc"].get<double>(), 0.5) << r.output;
   // The examples, built against the same prefix, each train one short epoch.
   const std::string ex_build = root + "/examples_build";
   std::vector<std::string> ex_configure{"cmake", "-S", std::string(DDP_SOURCE_DIR) + "/examples", "-B", ex_build,

@@ -9,6 +9,9 @@
 #include "ddp/app.h"
 #include "ddp/cli.h"
 #include "ddp/data/image_codec.h"
+#include "ddp/data/subset.h"
+#include "ddp/data/synthetic.h"
+#include "ddp/train/validation.h"
 #include "ddp/error.h"
 #include "support/testing.h"
 
@@ -20,7 +23,12 @@ TEST(DataFlags, ParseAndDefaults) {
   const auto d = parse_args({});
   EXPECT_FALSE(d.strict_data);
   EXPECT_EQ(d.image_size, 0);
-  EXPECT_DOUBLE_EQ(d.val_split, 0.1);
+  EXPECT_DOUBLE_EQ(d.val_split, 0);  // no validation split: test chooses, as it always did
+  EXPECT_FALSE(d.test_every_epoch);
+  // An image folder keeps the 10% per class it always held out, unless a
+  // separate --val-root is given.
+  EXPECT_DOUBLE_EQ(parse_args({"--dataset", "imagefolder"}).val_split, 0.1);
+  EXPECT_DOUBLE_EQ(parse_args({"--dataset", "imagefolder", "--val-root", "/v"}).val_split, 0);
   EXPECT_EQ(d.val_root, "");
   const auto c = parse_args({"--dataset", "imagefolder", "--strict-data", "--val-split", "0.2", "--image-size", "64",
                         "--val-root", "/v"});
@@ -62,10 +70,13 @@ TEST(DataFlags, LoadDataBuildsTheNamedDataset) {
     }
   auto splits = ddp::load_data(parse_args({"--dataset", "imagefolder", "--data_root", root, "--val-split", "0.2"}), false);
   EXPECT_EQ(splits.train->size(), 8);
-  EXPECT_EQ(splits.test->size(), 2);
+  // The held-out images are the validation split; an image folder has no test split.
+  ASSERT_TRUE(splits.val);
+  EXPECT_EQ(splits.val->size(), 2);
+  EXPECT_EQ(splits.test->size(), 0);
   EXPECT_EQ(splits.train->input_shape(), (std::vector<int64_t>{3, 224, 224}));  // the default size
   EXPECT_EQ(ddp::load_data(parse_args({"--dataset", "imagefolder", "--data_root", root, "--image-size", "32"}), false)
-                .test->input_shape(),
+                .val->input_shape(),
             (std::vector<int64_t>{3, 32, 32}));
   try {
     ddp::load_data(parse_args({"--dataset", "synthetic", "--image-size", "32"}), false);
@@ -94,6 +105,62 @@ TEST(DataFlags, MoreSamplesThanTheDataHoldIsNoted) {
   EXPECT_NE(r.output.find("note: --test-samples 999999 is more than the 10000 samples of"), std::string::npos)
       << r.output;
   EXPECT_EQ(r.output.find("note: --train-samples"), std::string::npos) << r.output;
+}
+
+// --val-split carves validation out of any training set: round(F x n)
+// samples, a function of the seed alone (so the same on any number of
+// ranks, which never enter it), disjoint from what trains, together all.
+TEST(ValSplit, CarvesTheSameValidationSetFromTheSameSeed) {
+  const auto a = ddp::data::validation_indices(1000, 0.2, 7);
+  ASSERT_EQ(a.size(), 200u);
+  EXPECT_TRUE(std::is_sorted(a.begin(), a.end()));
+  EXPECT_EQ(std::adjacent_find(a.begin(), a.end()), a.end());
+  EXPECT_EQ(a, ddp::data::validation_indices(1000, 0.2, 7));
+  EXPECT_NE(a, ddp::data::validation_indices(1000, 0.2, 8));
+  EXPECT_GT(a.back() - a.front(), 500);  // spread over the set, not its head
+  auto splits = ddp::data::make_synthetic(100, 20, 3);
+  const auto whole = splits.train;
+  ddp::add_validation_split(splits, parse_args({"--val-split", "0.25", "--seed", "5"}));
+  ASSERT_TRUE(splits.val);
+  ASSERT_EQ(splits.val->size(), 25);
+  ASSERT_EQ(splits.train->size(), 75);
+  EXPECT_EQ(splits.test->size(), 20);
+  const auto& val = dynamic_cast<const ddp::data::Subset&>(*splits.val).indices();
+  const auto& train = dynamic_cast<const ddp::data::Subset&>(*splits.train).indices();
+  EXPECT_EQ(val, ddp::data::validation_indices(100, 0.25, 5));
+  std::vector<int64_t> all(train);
+  all.insert(all.end(), val.begin(), val.end());
+  std::sort(all.begin(), all.end());
+  for (int64_t i = 0; i < 100; ++i) ASSERT_EQ(all[static_cast<size_t>(i)], i);
+  // A subset's batch is the whole set's batch of the mapped indices.
+  const auto got = splits.val->get_batch({0, 3});
+  const auto want = whole->get_batch({val[0], val[3]});
+  EXPECT_TRUE(torch::equal(got.input(), want.input()));
+  EXPECT_TRUE(torch::equal(got.target(), want.target()));
+}
+
+TEST(ValSplit, RefusalsNameTheFlag) {
+  auto splits = ddp::data::make_synthetic(10, 4, 3);
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::add_validation_split(splits, parse_args({"--val-split", "0.01"})); })
+                .find("--val-split 0.01 of the 10 samples"),
+            std::string::npos);
+  // A task's own validation split and --val-split: one would be ignored.
+  splits.val = splits.test;
+  const auto own = ddp::testing::user_error([&] { ddp::add_validation_split(splits, parse_args({"--val-split", "0.2"})); });
+  EXPECT_NE(own.find("make_data() gives its own"), std::string::npos) << own;
+  EXPECT_NE(own.find("drop --val-split"), std::string::npos) << own;
+}
+
+// A task names its metrics once; each split's get its prefix, and the
+// monitor and --stop-at name the choosing split's.
+TEST(ValSplit, MetricNamesTakeTheSplitsPrefix) {
+  EXPECT_EQ(ddp::metric_for_split("test_acc", "val_"), "val_acc");
+  EXPECT_EQ(ddp::metric_for_split("val_acc", "test_"), "test_acc");
+  EXPECT_EQ(ddp::metric_for_split("mae", "val_"), "val_mae");
+  EXPECT_EQ(ddp::metric_for_split("test_loss", "test_"), "test_loss");
+  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at", "test_loss<=0.3"}), "val_"), "val_loss<=0.3");
+  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at-acc", "0.5"}), "val_").rfind("val_acc>=0.5", 0), 0u);
+  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({}), "val_"), "");
 }
 
 }  // namespace

@@ -316,7 +316,7 @@ TEST(GpuImages, TrainsWithGpuDecode_CUDA) {
         << r.output;
     EXPECT_EQ(r.output.find("with nvJPEG") != std::string::npos, share == "0") << r.output;
     EXPECT_NE(r.output.find("skipping corrupt image"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("test_acc"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("val_acc"), std::string::npos) << r.output;
   }
 }
 

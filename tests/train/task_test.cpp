@@ -178,6 +178,64 @@ TEST(Task, RegressionExampleReachesStatedR2) {
   const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 4u);
   EXPECT_GE(m[3]["test_r2"].get<double>(), 0.9) << r.output;  // stated in the README
+  // No validation split: test chooses, as it always did, and the start says so.
+  EXPECT_NE(r.output.find("choosing on: test (no validation split): test_loss, best.pt"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(run_dir_of(dir) + "/test.json"));
+}
+
+// --val-split on a program of one's own (its make_data gives train and
+// test): validation, carved out of train, chooses the monitor and best.pt;
+// test is evaluated every epoch (--test-every-epoch) but never chooses, and
+// at the end on best.pt, whose numbers must be those logged at best.pt's
+// epoch: the same weights on the same split. 2 ranks.
+TEST(Task, ValSplitChoosesBestPtAndTestIsEvaluatedOnIt) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("val_split_best");
+  auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "3", "--train-samples", "640",
+                                                         "--test-samples", "96", "--val-split", "0.25", "--workers", "0",
+                                                         "--test-every-epoch"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("choosing on: validation, bars --val-split 0.25 (160 samples): val_loss, best.pt; test (96 "
+                           "samples) on best.pt at the end and every epoch"),
+            std::string::npos) << r.output;
+  const auto m = metrics_under(dir);
+  ASSERT_EQ(m.size(), 3u);
+  size_t best = 0;
+  for (size_t e = 0; e < m.size(); ++e) {
+    for (const char* key : {"val_loss", "val_mae", "val_r2", "test_loss", "test_r2"}) ASSERT_TRUE(m[e].contains(key)) << key;
+    EXPECT_EQ(m[e]["monitor"], "val_loss");
+    if (m[e]["val_loss"].get<double>() < m[best]["val_loss"].get<double>()) best = e;
+  }
+  const auto run = run_dir_of(dir);
+  EXPECT_EQ(ddp::read_checkpoint_meta(run + "/best.pt").state.epoch, static_cast<int64_t>(best + 1));
+  const auto test = nlohmann::json::parse(read_file(run + "/test.json"));
+  EXPECT_EQ(test["epoch"], best + 1);
+  for (const char* key : {"test_loss", "test_mae", "test_r2"})
+    EXPECT_NEAR(test[key].get<double>(), m[best][key].get<double>(), 1e-9) << key;
+  EXPECT_FALSE(test.contains("val_loss"));
+  EXPECT_NE(r.output.find("test on best.pt (epoch " + std::to_string(best + 1) + "):  test_loss"), std::string::npos)
+      << r.output;
+}
+
+// The carve depends on the seed alone, and evaluation counts each
+// validation sample once: 1 rank with --batch 16 and 2 ranks with --batch 8
+// (the same global batch, so the same training) report the same val_loss.
+TEST(Task, ValSplitIsTheSameOnOneAndTwoRanks) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto a = ddp::testing::temp_dir("val_split_1"), b = ddp::testing::temp_dir("val_split_2");
+  const std::vector<std::string> common{"--epochs", "1", "--train-samples", "400", "--test-samples", "40",
+                                        "--val-split", "0.3", "--workers", "0", "--sanity-val-steps", "0"};
+  auto one = common, two = common;
+  one.insert(one.end(), {"--size", "1", "--batch", "16"});
+  two.insert(two.end(), {"--size", "2", "--batch", "8"});
+  auto ra = run_process(cpu_run(EXAMPLE_regression, a, one)), rb = run_process(cpu_run(EXAMPLE_regression, b, two));
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  const auto ma = metrics_under(a), mb = metrics_under(b);
+  ASSERT_EQ(ma.size(), 1u);
+  ASSERT_EQ(mb.size(), 1u);
+  EXPECT_NEAR(ma[0]["val_loss"].get<double>(), mb[0]["val_loss"].get<double>(), 1e-4);
+  EXPECT_NEAR(ma[0]["val_r2"].get<double>(), mb[0]["val_r2"].get<double>(), 1e-4);
 }
 
 // Example (b): two inputs, a custom loss with its own flag, macro-F1.
