@@ -115,8 +115,11 @@ int launch(const Config& c, int argc, char** argv) {
 // Fault injection for tests of restarts and crash reports:
 // DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws on that rank after that optimizer
 // step (first attempt only); RANK:STEP:segv crashes there with SIGSEGV, and
-// RANK:STEP:user throws a bad-input error (as a corrupt sample would). It
-// hooks the trainer from outside; the loop knows nothing of it.
+// RANK:STEP:user throws a bad-input error (as a corrupt sample would), and
+// RANK:STEP:term sends SIGTERM to the job's launcher (to the rank itself
+// when it has none), as a preemption would, at a step a test can rely on
+// however fast the steps are. It hooks the trainer from outside; the loop
+// knows nothing of it.
 void install_fault_injection_from_env() {
   const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
@@ -124,10 +127,14 @@ void install_fault_injection_from_env() {
   long step = -1;
   char how[8] = "";
   if (!fail || (attempt && std::atoi(attempt) > 0) || std::sscanf(fail, "%d:%ld:%7s", &rank, &step, how) < 2) return;
-  const bool segv = std::string(how) == "segv", user = std::string(how) == "user";
-  Trainer::after_step_hook() = [rank, step, segv, user](const World& world, int64_t done) {
+  const bool segv = std::string(how) == "segv", user = std::string(how) == "user", term = std::string(how) == "term";
+  Trainer::after_step_hook() = [rank, step, segv, user, term](const World& world, int64_t done) {
     if (world.rank() != rank || done != step) return;
     if (segv) std::raise(SIGSEGV);
+    if (term) {
+      ::kill(std::getenv("DDPTRAIN_LAUNCHER") ? ::getppid() : ::getpid(), SIGTERM);
+      return;
+    }
     if (user)
       throw UserError("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank " + std::to_string(rank) + " at step " +
                       std::to_string(step) + ".");

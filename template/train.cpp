@@ -109,7 +109,8 @@ struct MyTask : ddp::Task {
             {"count", torch::tensor(static_cast<double>(y.size(0)))}};
   }
 
-  // The metrics, from the totals over the whole test set.
+  // The metrics, from the totals over a whole split. Named once: with a
+  // validation split (--val-split) they are reported as val_loss, val_acc.
   ddp::Metrics validation_metrics(const ddp::Totals& t) override {
     const double n = t.at("count").item<double>();
     return {{"test_loss", t.at("loss").item<double>() / n}, {"test_acc", t.at("correct").item<double>() / n}};

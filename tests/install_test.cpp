@@ -149,6 +149,14 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
                            {}, 300);
     EXPECT_EQ(run.exit_code, 0) << example << "\n" << run.output;
   }
+  // examples/tabular on its CSV, with a validation split: test on best.pt at the end.
+  ddp::testing::write_sales_csvs(root + "/sales", 600, 150);
+  auto tabular = run_process({ex_build + "/tabular", "--size", "1", "--backend", "gloo", "--epochs", "1", "--data_root",
+                              root + "/sales", "--val-split", "0.2", "--save_path", root + "/ex_tabular", "--progress",
+                              "none"},
+                             {}, 300);
+  EXPECT_EQ(tabular.exit_code, 0) << tabular.output;
+  EXPECT_NE(tabular.output.find("test on best.pt (epoch 1):  test_mae"), std::string::npos) << tabular.output;
   auto own = run_process({ex_build + "/own_loop", root}, {}, 600);
   EXPECT_EQ(own.exit_code, 0) << own.output;
   EXPECT_NE(own.output.find("epoch 2  test_acc"), std::string::npos) << own.output;

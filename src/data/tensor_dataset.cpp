@@ -1,7 +1,10 @@
 // ImageTensorDataset: uint8 images in memory, normalised on the way out.
+// NamedTensorDataset: any named tensors in memory, one sample per row.
 #include "ddp/data/tensor_dataset.h"
 
 #include <utility>
+
+#include "ddp/error.h"
 
 namespace ddp::data {
 
@@ -53,6 +56,48 @@ Batch ImageTensorDataset::get_batch(const std::vector<int64_t>& indices) const {
 
 std::vector<int64_t> ImageTensorDataset::input_shape() const {
   return {images_.size(1), images_.size(2), images_.size(3)};
+}
+
+NamedTensorDataset::NamedTensorDataset(TensorDict tensors, std::string name)
+    : tensors_(std::move(tensors)), name_(std::move(name)) {
+  check_user(!tensors_.empty(), name_ + ": a dataset of named tensors needs at least one tensor.",
+             "pass e.g. {{\"input\", features}, {\"target\", targets}}.");
+  std::string sizes;
+  bool same = true;
+  for (auto& [key, t] : tensors_) {
+    check_user(t.defined() && t.dim() >= 1, name_ + ": tensor '" + key + "' has no first dimension to index samples by.",
+               "give each tensor one row per sample (N x ...).");
+    t = t.contiguous();
+    if (sizes.empty()) size_ = t.size(0);
+    same = same && t.size(0) == size_;
+    sizes += (sizes.empty() ? "" : ", ") + key + " " + std::to_string(t.size(0));
+  }
+  check_user(same, name_ + ": the tensors have different numbers of rows (" + sizes + ").",
+             "give every tensor one row per sample.");
+}
+
+Example NamedTensorDataset::get(int64_t index) const {
+  TORCH_CHECK(index >= 0 && index < size_, name_, ": index ", index, " outside [0, ", size_, ")");
+  Example out;
+  for (const auto& [key, t] : tensors_) out[key] = t[index].clone();
+  return out;
+}
+
+Batch NamedTensorDataset::get_batch(const std::vector<int64_t>& indices) const {
+  auto idx = torch::tensor(indices, torch::kLong);
+  if (idx.numel() > 0) {
+    const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < size_, name_, ": batch index outside [0, ", size_, ")");
+  }
+  Batch out;
+  for (const auto& [key, t] : tensors_) out[key] = t.index_select(0, idx);
+  return out;
+}
+
+std::vector<int64_t> NamedTensorDataset::input_shape() const {
+  if (!tensors_.contains("input")) return {};
+  const auto s = tensors_.at("input").sizes();
+  return {s.begin() + 1, s.end()};
 }
 
 torch::Tensor first_rows(const torch::Tensor& t, int64_t max) {

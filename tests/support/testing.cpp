@@ -12,6 +12,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -215,6 +218,28 @@ ddp::Config parse_args(std::vector<std::string> args) {
   std::vector<const char*> argv;
   for (auto& a : args) argv.push_back(a.c_str());
   return ddp::parse_cli(static_cast<int>(argv.size()), argv.data());
+}
+
+void write_sales_csvs(const std::string& dir, int train_rows, int test_rows) {
+  std::filesystem::create_directories(dir);
+  std::mt19937_64 random(12345);
+  auto uniform = [&] { return static_cast<double>(random() >> 11) * 0x1.0p-53; };
+  auto normal = [&] { return std::sqrt(-2.0 * std::log(1.0 - uniform())) * std::cos(6.283185307179586 * uniform()); };
+  for (const auto& [name, rows] : {std::pair<std::string, int>{"train.csv", train_rows}, {"test.csv", test_rows}}) {
+    std::FILE* f = std::fopen((dir + "/" + name).c_str(), "w");
+    if (!f) throw std::runtime_error("cannot write " + dir + "/" + name);
+    std::fprintf(f, "x0,x1,x2,x3,x4,x5,x6,x7,store,sales\n");
+    for (int r = 0; r < rows; ++r) {
+      double x[8];
+      for (double& v : x) v = normal();
+      const int store = static_cast<int>(random() % 12);
+      const double sales = 2 + 1.5 * x[0] - x[1] + 0.5 * x[2] * x[3] + std::sin(2 * x[4]) + 0.3 * x[5] +
+                           0.8 * (store % 4 - 1.5) + 0.1 * normal();
+      for (double v : x) std::fprintf(f, "%.6g,", v);
+      std::fprintf(f, "%d,%.6g\n", store, sales);
+    }
+    std::fclose(f);
+  }
 }
 
 }  // namespace ddp::testing

@@ -86,6 +86,11 @@ ddp::Config parse_args(std::vector<std::string> args);
 /// A world of this process alone: Gloo on the CPU, or NCCL on a GPU.
 std::unique_ptr<ddp::World> one_rank_world(bool cuda = false);
 
+/// examples/tabular's data: DIR/train.csv and DIR/test.csv with the header
+/// x0,...,x7,store,sales; sales depends on x0..x5 (a product and a sine
+/// among them) and on the store (12 of them), with a little noise.
+void write_sales_csvs(const std::string& dir, int train_rows, int test_rows);
+
 }  // namespace ddp::testing
 
 /// Tests that need CPU ranks (Gloo) skip in NCCL-only builds.

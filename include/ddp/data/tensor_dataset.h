@@ -43,6 +43,30 @@ class ImageTensorDataset : public Dataset {
   std::string name_;
 };
 
+/// Named tensors held in memory, one sample per row: tabular data (from
+/// read_csv, say), embeddings, or any arrays computed ahead. Sample i is
+/// {name: tensor[i]} for every name; a batch is one index_select per name.
+class NamedTensorDataset : public Dataset {
+ public:
+  /// Every tensor has the same first dimension (the number of samples);
+  /// a UserError naming the tensors otherwise.
+  NamedTensorDataset(TensorDict tensors, std::string name);
+
+  int64_t size() const override { return size_; }
+  Example get(int64_t index) const override;
+  Batch get_batch(const std::vector<int64_t>& indices) const override;
+  /// The shape of one "input" row, if there is an "input".
+  std::vector<int64_t> input_shape() const override;
+  std::string name() const override { return name_; }
+
+  const TensorDict& tensors() const { return tensors_; }
+
+ private:
+  TensorDict tensors_;
+  int64_t size_ = 0;
+  std::string name_;
+};
+
 /// The first max rows of t (a copy), or t itself when max <= 0 or t has no
 /// more rows: the --max-train/--max-test cut of the in-memory datasets.
 torch::Tensor first_rows(const torch::Tensor& t, int64_t max);

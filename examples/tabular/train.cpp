@@ -1,0 +1,114 @@
+// Tabular regression from a CSV: 8 numeric features and a store id, an MLP
+// with an embedding for the store, Huber loss, and MAE, RMSE and R^2 with
+// MAE as the monitor:
+//   ./build/tabular --data_root DIR                  DIR/train.csv and DIR/test.csv
+//   ./build/tabular --data_root DIR --size 2 --val-split 0.1 --epochs 10
+// Each CSV has the header x0,...,x7,store,sales; store is an integer id from
+// 0. The data is read into named tensors held in memory (ddp::data::read_csv,
+// NamedTensorDataset); --val-split holds out a validation split that chooses
+// best.pt, and test is evaluated on best.pt at the end.
+#include <ddp/app.h>
+#include <ddp/data/csv.h>
+#include <ddp/data/tensor_dataset.h>
+
+namespace F = torch::nn::functional;
+
+// ---------------------------------------------------------------------------
+// 1. My data: a CSV file as named tensors ("input", "store", "target").
+// ---------------------------------------------------------------------------
+const std::vector<std::string> kFeatures{"x0", "x1", "x2", "x3", "x4", "x5", "x6", "x7"};
+
+ddp::data::TensorDict read_sales(const std::string& path) {
+  const auto table = ddp::data::read_csv(path, ddp::data::CsvOptions().categories({"store"}));
+  return {{"input", table.floats(kFeatures)},
+          {"store", table.column("store")},
+          {"target", table.column("sales").unsqueeze(1)}};
+}
+
+// ---------------------------------------------------------------------------
+// 2. My model: the store's embedding beside the features, then an MLP.
+// ---------------------------------------------------------------------------
+struct SalesMlpImpl : torch::nn::Module {
+  SalesMlpImpl(int64_t stores, int64_t embedding, int64_t hidden)
+      : store(register_module("store", torch::nn::Embedding(stores, embedding))),
+        fc1(register_module("fc1", torch::nn::Linear(8 + embedding, hidden))),
+        fc2(register_module("fc2", torch::nn::Linear(hidden, hidden))),
+        out(register_module("out", torch::nn::Linear(hidden, 1))) {}
+
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& store_id) {
+    auto h = torch::cat({x, store(store_id)}, 1);
+    h = torch::relu(fc2(torch::relu(fc1(h))));
+    return out(h);  // B x 1, like the target
+  }
+
+  torch::nn::Embedding store;
+  torch::nn::Linear fc1, fc2, out;
+};
+TORCH_MODULE(SalesMlp);
+
+// ---------------------------------------------------------------------------
+// 3. My task: standardised features, Huber loss (plus a penalty on the
+//    embeddings, under its own flag), MAE/RMSE/R^2 from sums.
+// ---------------------------------------------------------------------------
+struct SalesTask : ddp::Task {
+  SalesMlp model{nullptr};
+  int64_t stores = 0;
+
+  void add_flags(ddp::Config& config) override {
+    config.augment = "none";  // image augmentation means nothing for a table
+    config.add_flag("--hidden", "width of the MLP's hidden layers", 64);
+    config.add_flag("--embedding-penalty", "weight of the mean square of the store embeddings in the loss", 1e-4);
+  }
+
+  ddp::data::Splits make_data(const ddp::Config& config, ddp::World&) override {
+    auto train = read_sales(config.data_root + "/train.csv"), test = read_sales(config.data_root + "/test.csv");
+    // Standardise with the training set's statistics, for train and test alike.
+    const auto mean = train.input().mean(0), std = train.input().std(0).clamp_min(1e-6);
+    for (auto* split : {&train, &test}) split->input() = (split->input() - mean) / std;
+    stores = 1 + std::max(train.at("store").max().item<int64_t>(), test.at("store").max().item<int64_t>());
+    ddp::data::Splits data;
+    data.train = std::make_shared<ddp::data::NamedTensorDataset>(train, "sales train.csv");
+    data.test = std::make_shared<ddp::data::NamedTensorDataset>(test, "sales test.csv");
+    return data;
+  }
+
+  ddp::ModulePtr make_model(const ddp::Config& config, const ddp::data::Splits&) override {
+    const int hidden = config.flag<int>("hidden");
+    arch_ = "sales-mlp/" + std::to_string(stores) + "/" + std::to_string(hidden);
+    model = SalesMlp(stores, 4, hidden);
+    penalty = config.flag<double>("embedding-penalty");
+    return model.ptr();
+  }
+
+  ddp::StepOutput training_step(const ddp::data::Batch& batch) override {
+    const auto huber = F::huber_loss(model(batch.input(), batch.at("store")), batch.target());
+    const auto embedding = model->store->weight.pow(2).mean();
+    return {huber + penalty * embedding, {{"train_huber", huber.detach()}}};
+  }
+
+  // Sums over the batch; ddptrain adds them up over batches and ranks.
+  ddp::TensorMap validation_step(const ddp::data::Batch& batch) override {
+    const auto y = batch.target().to(torch::kDouble);
+    const auto error = model(batch.input(), batch.at("store")).to(torch::kDouble) - y;
+    return {{"abs_error", error.abs().sum()}, {"sq_error", error.pow(2).sum()}, {"y", y.sum()},
+            {"y_sq", y.pow(2).sum()}, {"count", torch::tensor(static_cast<double>(y.size(0)), torch::kDouble)}};
+  }
+
+  // Named once, without a split: ddptrain reports them as val_* and test_*.
+  ddp::Metrics validation_metrics(const ddp::Totals& t) override {
+    const double n = t.at("count").item<double>(), sse = t.at("sq_error").item<double>();
+    const double sst = t.at("y_sq").item<double>() - t.at("y").item<double>() * t.at("y").item<double>() / n;
+    return {{"mae", t.at("abs_error").item<double>() / n},
+            {"rmse", std::sqrt(sse / n)},
+            {"r2", sst > 0 ? 1.0 - sse / sst : std::nan("")}};
+  }
+
+  ddp::Monitor monitor() const override { return {"mae", ddp::Goal::kMin}; }
+
+  double penalty = 0;
+};
+
+// ---------------------------------------------------------------------------
+// 4. Train.
+// ---------------------------------------------------------------------------
+int main(int argc, char** argv) { return ddp::main(argc, argv, std::make_shared<SalesTask>()); }
