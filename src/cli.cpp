@@ -525,6 +525,14 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
     if (differs && key != "batch") out.given.push_back(key);
     std::visit([&](auto* p) { assign(p, saved[key]); }, f.target);
   }
+  // A checkpoint from before --val-split applied to every dataset (it has
+  // no test-every-epoch) saved the old default 0.1, which only an image
+  // folder read: the run trained on all of its data, and goes on so.
+  if (!saved.contains("test-every-epoch") && saved.contains("val-split") && out.dataset != "imagefolder" &&
+      !now.was_given("val-split")) {
+    out.val_split = 0;
+    out.given.erase(std::remove(out.given.begin(), out.given.end(), "val-split"), out.given.end());
+  }
   if (!changed.empty()) {
     std::string list;
     for (const auto& c : changed) list += (list.empty() ? "" : ", ") + c;

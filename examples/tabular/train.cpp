@@ -6,7 +6,9 @@
 // Each CSV has the header x0,...,x7,store,sales; store is an integer id from
 // 0. The data is read into named tensors held in memory (ddp::data::read_csv,
 // NamedTensorDataset); --val-split holds out a validation split that chooses
-// best.pt, and test is evaluated on best.pt at the end.
+// best.pt, and test is evaluated on best.pt at the end. On 3000 rows, 2 CPU
+// ranks, --epochs 4 --lr 1e-2 --batch 16 reach R^2 >= 0.9 on test (0.94
+// measured; tests/train/task_test.cpp), in about 2 s.
 #include <ddp/app.h>
 #include <ddp/data/csv.h>
 #include <ddp/data/tensor_dataset.h>

@@ -66,7 +66,7 @@ std::pair<DatasetPtr, DatasetPtr> carve_validation(const DatasetPtr& train, doub
     else rest.push_back(i);
   }
   const std::string name = train->name();
-  return {std::make_shared<Subset>(train, std::move(rest), name + " without --val-split " + f.str()),
+  return {std::make_shared<Subset>(train, std::move(rest), name + " less --val-split " + f.str()),
           std::make_shared<Subset>(train, std::move(val), name + " --val-split " + f.str())};
 }
 

@@ -162,12 +162,12 @@ Trainer::Trainer(Config config, World& world, Task& task)
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && (data_.test || data_.val), "make_data() returned no train, or no test and no validation dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
+  note_fewer_samples_than_asked();  // of the data as it came: --train-samples counts before the carve
   add_validation_split(data_, config_);
   choosing_ = data_.val ? kValPrefix : kTestPrefix;
   monitor_.metric = metric_for_split(monitor_.metric, choosing_);
   stop_rule_ = stop_rule_for_split(config_, choosing_);
   check_stop_rule();
-  note_fewer_samples_than_asked();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
   check_flags_apply(config_, task_);
@@ -428,7 +428,7 @@ void Trainer::note_fewer_samples_than_asked() const {
                  static_cast<long long>(d.size()));
   };
   note("--train-samples", config_.train_samples, *data_.train);
-  note("--test-samples", config_.test_samples, *data_.test);
+  if (data_.test) note("--test-samples", config_.test_samples, *data_.test);
 }
 
 // The whole run: epochs of training and validation, logs and checkpoints.

@@ -1,6 +1,9 @@
 // The choosing split: carving validation out of train, and metric names.
 #include "ddp/train/validation.h"
 
+#include <sstream>
+#include <tuple>
+
 #include "ddp/data/subset.h"
 #include "ddp/error.h"
 
@@ -25,13 +28,19 @@ Metrics with_split_prefix(const Metrics& metrics, const std::string& prefix) {
 void add_validation_split(data::Splits& data, const Config& c) {
   // An image folder's loader holds out --val-split per class itself.
   if (data.val) {
+    std::ostringstream fraction;
+    fraction << c.val_split;
     check_user(!c.was_given("val-split") || c.dataset == "imagefolder",
-               "--val-split " + std::to_string(c.val_split) + " would carve a validation split out of " +
+               "--val-split " + fraction.str() + " would carve a validation split out of " +
                    data.train->name() + ", but the task's make_data() gives its own (" + data.val->name() + ").",
                "drop --val-split, or leave Splits::val empty in make_data() to carve one.");
   } else if (c.val_split > 0) {
     std::tie(data.train, data.val) = data::carve_validation(data.train, c.val_split, static_cast<uint64_t>(c.seed));
   }
+  check_user(!c.test_every_epoch || data.val,
+             "--test-every-epoch evaluates test beside a validation split, and this run has none: test is "
+             "evaluated every epoch already, and chooses.",
+             "add --val-split 0.1 to hold out a validation split, or drop --test-every-epoch.");
   if (data.val && !data.test) data.test = data::empty_like(data.val, "no test split");
 }
 

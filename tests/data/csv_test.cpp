@@ -43,7 +43,7 @@ TEST(Csv, ReadsNumbersAndCategoriesByName) {
 
 TEST(Csv, ErrorsNameTheFileLineAndColumn) {
   const auto opts = CsvOptions().categories({"store"});
-  for (const auto& [text, expected] : std::vector<std::pair<std::string, std::string>>{
+  for (const auto& [input, expected] : std::vector<std::pair<std::string, std::string>>{
            {"x,store\n1,2\n3,abc\n", "f.csv line 3, column 2 ('store'): 'abc' is not a category"},
            {"x,store\n1,2\n1.5.2,3\n", "f.csv line 3, column 1 ('x'): '1.5.2' is not a number"},
            {"x,store\n,2\n", "f.csv line 2, column 1 ('x'): an empty value"},
@@ -59,6 +59,7 @@ TEST(Csv, ErrorsNameTheFileLineAndColumn) {
            {"\n\n", "f.csv is empty: no header line"},
            {"x,y\n1,2\n", "f.csv: no column 'store'; the header has x, y"},
        }) {
+    const std::string& text = input;  // a lambda captures no structured binding in C++17
     const auto message = user_error([&] { parse_csv(text, "f.csv", opts); });
     EXPECT_NE(message.find(expected), std::string::npos) << "for:\n" << text << "got: " << message;
     EXPECT_NE(message.find("Hint: "), std::string::npos) << message;

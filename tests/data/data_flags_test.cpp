@@ -139,10 +139,31 @@ TEST(ValSplit, CarvesTheSameValidationSetFromTheSameSeed) {
   EXPECT_TRUE(torch::equal(got.target(), want.target()));
 }
 
+// A run saved before --val-split applied to every dataset kept its old
+// default 0.1 in the checkpoint, which only an image folder read: resumed,
+// it goes on with all of its training data.
+TEST(ValSplit, OldCheckpointsResumeWithoutOne) {
+  auto old = ddp::config_to_json(parse_args({"--dataset", "synthetic"}));
+  old["val-split"] = 0.1;
+  old.erase("test-every-epoch");
+  const auto now = ddp::resumed_config(parse_args({"--resume", "old.pt"}), old, "old.pt");
+  EXPECT_DOUBLE_EQ(now.val_split, 0);
+  EXPECT_FALSE(now.was_given("val-split"));
+  auto image_folder = ddp::config_to_json(parse_args({"--dataset", "imagefolder"}));
+  image_folder.erase("test-every-epoch");
+  EXPECT_DOUBLE_EQ(ddp::resumed_config(parse_args({"--resume", "old.pt"}), image_folder, "old.pt").val_split, 0.1);
+  // A checkpoint of today keeps its --val-split.
+  const auto today = ddp::config_to_json(parse_args({"--dataset", "synthetic", "--val-split", "0.1"}));
+  EXPECT_DOUBLE_EQ(ddp::resumed_config(parse_args({"--resume", "x.pt"}), today, "x.pt").val_split, 0.1);
+}
+
 TEST(ValSplit, RefusalsNameTheFlag) {
   auto splits = ddp::data::make_synthetic(10, 4, 3);
   EXPECT_NE(ddp::testing::user_error([&] { ddp::add_validation_split(splits, parse_args({"--val-split", "0.01"})); })
                 .find("--val-split 0.01 of the 10 samples"),
+            std::string::npos);
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::add_validation_split(splits, parse_args({"--test-every-epoch"})); })
+                .find("add --val-split 0.1"),
             std::string::npos);
   // A task's own validation split and --val-split: one would be ignored.
   splits.val = splits.test;
