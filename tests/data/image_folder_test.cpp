@@ -253,7 +253,10 @@ TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {
   const auto root = mixed_folder();
   auto splits = ddp::data::load_image_folder(ddp::data::ImageFolderSplitOptions().root(root).val_fraction(1.0 / 3).image_size(16));
   EXPECT_EQ(splits.train->size(), 18);
-  EXPECT_EQ(splits.test->size(), 9);
+  // The held-out images are the validation split; a folder has no test split.
+  ASSERT_TRUE(splits.val);
+  EXPECT_EQ(splits.val->size(), 9);
+  EXPECT_EQ(splits.test->size(), 0);
   EXPECT_EQ(splits.train->num_classes(), 3);
   EXPECT_EQ(splits.train->input_shape(), (std::vector<int64_t>{3, 16, 16}));
   EXPECT_TRUE(splits.train_augmented);
@@ -261,7 +264,7 @@ TEST(ImageFolder, LoadSplitsWithValRootOrValSplit) {
 
   auto with_val = ddp::data::load_image_folder(ddp::data::ImageFolderSplitOptions().root(root).val_root(root));
   EXPECT_EQ(with_val.train->size(), 27);
-  EXPECT_EQ(with_val.test->size(), 27);
+  EXPECT_EQ(with_val.val->size(), 27);
   const auto other = ddp::testing::temp_dir("imgfolder_val");
   touch(other + "/class0/a.png");
   touch(other + "/zebra/a.png");
