@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ddp/io/checkpoint.h"
@@ -38,7 +39,7 @@ class Trainer {
   EpochMetrics fit();
   /// One pass over the test set, sharded across ranks (every sample counted
   /// once): the task's validation metrics.
-  Metrics validate() { return evaluate(); }
+  Metrics validate() { return *evaluate(-1, false); }
 
   const std::string& run_dir() const { return run_dir_; }
   torch::nn::Module& model() { return *model_; }
@@ -53,7 +54,8 @@ class Trainer {
   struct EpochFeed;
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
-  Metrics evaluate(int64_t max_batches = -1);
+  // nullopt: a stop signal was agreed on during it (`stoppable` only).
+  std::optional<Metrics> evaluate(int64_t max_batches, bool stoppable);
   void sanity_validation();
   void save(int64_t epoch, double monitored, bool periodic);
   void save_job_checkpoint(const std::string& path);
