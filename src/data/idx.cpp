@@ -110,11 +110,17 @@ IdxContent parse(const std::string& bytes, const std::string& path, int32_t magi
   check_user(bytes.size() >= header, path + ": truncated, only " + std::to_string(bytes.size()) +
                                          " bytes, too short for the IDX header.", hint);
   IdxContent out;
-  int64_t items = 1;  // at most three 32-bit sizes: no overflow in 64 bits
+  // Three 32-bit sizes can multiply past 64 bits (2^31 x 2^31 x 4 wraps to
+  // 0, which a 16-byte file would then match): the product is checked.
+  int64_t items = 1;
+  bool overflow = false;
+  std::string sizes;
   for (size_t d = 0; d < ndim; ++d) {
     out.dims.push_back(big_endian_u32(bytes, 4 + 4 * d));
-    items *= out.dims.back();
+    overflow = overflow || __builtin_mul_overflow(items, out.dims.back(), &items);
+    sizes += (d ? " x " : "") + std::to_string(out.dims.back());
   }
+  check_user(!overflow, path + ": the header's sizes " + sizes + " are too large for any file.", hint);
   const int64_t expected = static_cast<int64_t>(header) + items;
   const auto size = static_cast<int64_t>(bytes.size());
   check_user(size >= expected, path + ": truncated, " + std::to_string(size) +

@@ -556,6 +556,7 @@ class ZipArchive {
     if (dir_at > bytes_.size() || dir_size > bytes_.size() - dir_at) broken("the directory lies outside the file");
     if (count > dir_size / 46) broken("more records than the directory can hold");
     std::string prefix;
+    std::vector<Extent> extents;
     uint64_t p = dir_at;
     for (uint64_t k = 0; k < count; ++k) {
       if (!signature(p, 0x02014b50)) broken("a bad directory entry");
@@ -583,6 +584,7 @@ class ZipArchive {
       if (r.offset > bytes_.size() || size > bytes_.size() - r.offset)
         broken("record " + name + " declares " + std::to_string(size) + " bytes, more than the file holds");
       r.size = size;
+      extents.push_back({local, r.offset + size, name});
       // Records live in one folder, named after the archive; the rest of
       // the name is what PyTorch looks up.
       const auto slash = name.find('/');
@@ -590,6 +592,39 @@ class ZipArchive {
       if (name.rfind(prefix, 0) == 0) records_[name.substr(prefix.size())] = r;
       if (name.rfind("code/", prefix.size()) == prefix.size()) records_["code/"] = r;
       p += 46 + name_len + extra_len + comment_len;
+    }
+    check_records_apart(extents, dir_at);
+  }
+
+  // Where a record lies in the file: its local header, then its bytes.
+  struct Extent {
+    uint64_t begin = 0, end = 0;
+    std::string name;
+  };
+
+  // Every record is its own bytes, before the directory, under one name.
+  // Then the storages a file can make the reader allocate (each at most its
+  // record's size, each record read once) add up to at most the file's
+  // size: directory entries that share a record, or a record placed inside
+  // another, would each cost a full copy (issue 44: a 1.2 MB file asked for
+  // 3 GB).
+  void check_records_apart(std::vector<Extent>& extents, uint64_t dir_at) const {
+    const std::string hint = "the file is damaged or was crafted; save the weights again with "
+                             "torch.save(model.state_dict(), path) and use that file.";
+    std::stable_sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.name < b.name; });
+    for (size_t k = 1; k < extents.size(); ++k)
+      check_user(extents[k].name != extents[k - 1].name,
+                 "cannot read " + path_ + ": record " + extents[k].name + " is in the directory twice.", hint);
+    std::stable_sort(extents.begin(), extents.end(),
+                     [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+    for (size_t k = 0; k < extents.size(); ++k) {
+      if (k > 0)
+        check_user(extents[k].begin >= extents[k - 1].end,
+                   "cannot read " + path_ + ": records " + extents[k - 1].name + " and " + extents[k].name +
+                       " overlap (they share bytes of the file, which no zip writer does).",
+                   hint);
+      check_user(extents[k].end <= dir_at,
+                 "cannot read " + path_ + ": record " + extents[k].name + " overlaps the zip directory.", hint);
     }
   }
 
@@ -621,6 +656,7 @@ NamedTensors read_zip(const std::string& path, const std::function<bool(const st
     bool filled = false;
   };
   std::vector<Pending> storages;
+  std::unordered_map<const void*, size_t> storage_of;  // a storage's memory -> its entry in `storages`
   auto load_storage = [&](const std::string& key, c10::ScalarType dtype, int64_t numel) {
     const std::string record = "data/" + key;
     check_user(zip.has(record), "cannot read " + path + ": storage record " + record + " is missing.", kHint);
@@ -634,15 +670,19 @@ NamedTensors read_zip(const std::string& path, const std::function<bool(const st
                    std::to_string(numel) + " x " + c10::toString(dtype) + ".",
                "the file is damaged; save it again.");
     storages.push_back({record, torch::empty({numel}, torch::TensorOptions().dtype(dtype))});
+    if (numel > 0) storage_of[storages.back().storage.storage().data()] = storages.size() - 1;
     return storages.back().storage;
   };
+  // By the storage's memory, not a scan of all storages per tensor: a file
+  // of many small storages would otherwise take quadratic time.
   auto fill = [&](const torch::Tensor& t) {
-    for (auto& p : storages) {
-      if (p.filled || p.storage.storage().data() != t.storage().data()) continue;
-      const auto data = zip.get(p.record);
-      if (!data.empty()) std::memcpy(p.storage.data_ptr(), data.data(), data.size());
-      p.filled = true;
-    }
+    const auto it = storage_of.find(t.storage().data());
+    if (it == storage_of.end()) return;  // an empty storage: nothing to read
+    Pending& p = storages[it->second];
+    if (p.filled) return;
+    const auto data = zip.get(p.record);
+    std::memcpy(p.storage.data_ptr(), data.data(), data.size());
+    p.filled = true;
   };
   const auto pkl = zip.get("data.pkl");
   Unpickler unpickler(path, reinterpret_cast<const uint8_t*>(pkl.data()), pkl.size(), load_storage);

@@ -103,6 +103,43 @@ Totals reduce_totals(World& world, const Totals& local, const torch::Device& dev
   return out;
 }
 
+// How often the ranks agree on a stop (SIGTERM, SIGINT) at the latest, in
+// seconds of steps or validation batches: well inside Slurm's KillWait of
+// 30 s, and rare enough that the all-reduce costs nothing.
+constexpr double kStopCheckSeconds = 2.0;
+
+// One all-reduce of [a stop was asked on this rank, `seconds` of this
+// rank]: whether any rank asked, and the ranks' mean seconds, the same on
+// every rank (so every rank plans its next check alike).
+std::pair<bool, double> stop_agreed_by_ranks(World& world, double seconds, const char* what) {
+  auto t = torch::tensor({stop_requested() ? 1.0 : 0.0, seconds}, torch::kDouble).to(world.device());
+  world.all_reduce(t, what);
+  t = t.cpu();
+  return {t[0].item<double>() > 0, t[1].item<double>() / world.size()};
+}
+
+// The random generators as they were before a validation (the CPU's, and
+// the device's on CUDA), to put back: a validation_step that draws random
+// numbers must not change training, nor a validation cut short by a stop
+// what the resumed run's draws.
+struct GeneratorsBeforeValidation {
+  explicit GeneratorsBeforeValidation(const torch::Device& device)
+      : cpu(at::detail::getDefaultCPUGenerator()), cpu_state(cpu.get_state()) {
+    if (device.is_cuda()) {
+      gpu = at::globalContext().defaultGenerator(device);
+      gpu_state = gpu->get_state();
+    }
+  }
+  void restore() {
+    cpu.set_state(cpu_state);
+    if (gpu) gpu->set_state(gpu_state);
+  }
+  at::Generator cpu;
+  torch::Tensor cpu_state;
+  std::optional<at::Generator> gpu;
+  torch::Tensor gpu_state;
+};
+
 }  // namespace
 
 TrainStepOptions train_step_options(const Config& c, const torch::Device& device) {
@@ -462,17 +499,29 @@ EpochMetrics Trainer::fit() {
       train_loss = train_epoch(epoch, samples, logs);
     }
     const double train_seconds = seconds_since(t0);
+    // ---- a stop agreed at the epoch's last step saves it without waiting
+    // for its validation; the resumed run validates it ----
+    if (stop_after_epoch_) save_and_stop(run_dir_ + "/preempt.pt");
     // ---- the next epoch's first batches load (with GPU decoding, are
     // decoded) while this one validates and saves ----
-    if (epoch < config_.epochs && !stop_after_epoch_) {
+    if (epoch < config_.epochs) {
       next_feed_ = make_feed(epoch + 1, 0);
       next_feed_epoch_ = epoch + 1;
       next_feed_->feeder.start();
     }
-    // ---- validate ----
-    Metrics metrics = evaluate(choosing_split(), choosing_);
-    if (config_.test_every_epoch && data_.val)
-      for (const auto& [name, v] : evaluate(data_.test, kTestPrefix)) metrics[name] = v;
+    // ---- validate (a stop agreed during it saves as above) ----
+    GeneratorsBeforeValidation generators(world_.device());
+    std::optional<Metrics> validated = evaluate(choosing_split(), choosing_, -1, true);
+    if (validated && config_.test_every_epoch && data_.val) {
+      std::optional<Metrics> tested = evaluate(data_.test, kTestPrefix, -1, true);
+      if (tested) validated->insert(tested->begin(), tested->end());
+      else validated.reset();
+    }
+    if (!validated) {
+      generators.restore();
+      save_and_stop(run_dir_ + "/preempt.pt");
+    }
+    Metrics metrics = std::move(*validated);
     for (const auto& [name, v] : logs) metrics[name] = v;
     EpochEnd end{epoch, state_.step, metrics};
     task_.on_epoch_end(end);
@@ -489,6 +538,8 @@ EpochMetrics Trainer::fit() {
     last.epoch_seconds = seconds_since(t0);
     last.samples_per_second = static_cast<double>(samples) / std::max(train_seconds, 1e-9);
     state_.epoch = epoch;
+    state_.batch_in_epoch = 0;
+    state_.epoch_loss_sum = state_.epoch_loss_count = 0;
     metrics_->append(last);
     if (world_.is_main()) {
       std::string line = "epoch " + std::to_string(epoch) + "/" + std::to_string(config_.epochs) + "  " +
@@ -521,8 +572,8 @@ EpochMetrics Trainer::fit() {
     } catch (const UserError&) {
       stop_error = std::current_exception();
     }
-    save(epoch, value,
-         epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached || stop_error);
+    const bool periodic = epoch % config_.save_epoch == 0 || epoch == config_.epochs || reached || stop_error;
+    save(epoch, value, periodic);
     if (stop_error) {
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       std::rethrow_exception(stop_error);
@@ -531,7 +582,11 @@ EpochMetrics Trainer::fit() {
       DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
       break;
     }
-    if (stop_after_epoch_ && epoch < config_.epochs) {
+    // A stop that came during the epoch's end (its saves, most likely) stops
+    // here, not after one more step and a second save: with this epoch's
+    // checkpoint, written now if the epoch was not one to save.
+    if (epoch < config_.epochs && stop_agreed_by_ranks(world_, 0, "stop check after the epoch's checkpoint").first) {
+      if (!periodic) save(epoch, value, true);
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
                       ". Resume: " + command("--resume " + run_dir_));
@@ -666,7 +721,6 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   // 30 s: so there is one more at the first micro-batch, and then every
   // micro-batches that take about kStopCheckSeconds, by the time the last
   // all-reduce measured (the same number on every rank).
-  constexpr double kStopCheckSeconds = 2.0;
   int64_t next_stop_check = micro + 1;
   bool stop_agreed = false;
   int64_t samples_before_step = samples_seen;
@@ -747,6 +801,12 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   auto total = sums.clone();
   world_.all_reduce(total, "epoch train loss");
   const double count = std::max(1.0, total[1].item<double>());
+  // Until this epoch is validated, the point to resume from is its end:
+  // all its batches trained, its loss sums kept (a stop agreed during
+  // validation saves this; fit() moves on to the next epoch's start).
+  state_.batch_in_epoch = micro_batches;
+  state_.epoch_loss_sum = total[0].item<double>();
+  state_.epoch_loss_count = total[1].item<double>();
   for (size_t i = 0; i < log_names_.size(); ++i)
     logs[log_names_[i]] = total[kFirstLog + static_cast<int64_t>(i)].item<double>() / count;
   return total[0].item<double>() / count;
@@ -791,8 +851,9 @@ void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
                  static_cast<long long>(epoch), bad.c_str());
 }
 
-Metrics Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefix, int64_t max_batches) {
-  if (test->size() == 0) return {};
+std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefix, int64_t max_batches,
+                                         bool stoppable) {
+  if (test->size() == 0) return Metrics{};
   const std::string split = prefix == kValPrefix ? "validation" : "test";
   check_user(test->size() >= world_.size(), "the " + split + " set has " + std::to_string(test->size()) +
                                                 " samples, fewer than the " + std::to_string(world_.size()) + " ranks.",
@@ -808,6 +869,17 @@ Metrics Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefi
   const auto dev = world_.device();
   Totals totals;
   const auto stage = test->device_stage();
+  // `stoppable`: a stop signal is agreed on here too, as between training
+  // steps, or a long validation (a large test split, a slow model) holds it
+  // past the scheduler's kill grace. Checks come after the first batch and
+  // then every kStopCheckSeconds of batches, at batch counts that every rank
+  // reaches (shards differ by one sample at most); nullopt: stop, on every
+  // rank alike.
+  const int64_t eval_batch = config_.batch * 2;
+  int64_t checkable = (test->size() / world_.size() + eval_batch - 1) / eval_batch;
+  if (max_batches >= 0) checkable = std::min(checkable, max_batches);
+  int64_t next_check = stoppable ? 1 : checkable + 1;
+  const auto started = Clock::now();
   for (int64_t b = 0; max_batches < 0 || b < max_batches; ++b) {
     auto batch = loader.next();
     if (!batch) break;
@@ -824,6 +896,13 @@ Metrics Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefi
       auto it = totals.find(name);
       if (it == totals.end()) totals.emplace(name, d.clone());
       else it->second += d;
+    }
+    const int64_t done = b + 1;
+    if (done == next_check && done <= checkable) {
+      const auto [stop, seconds] = stop_agreed_by_ranks(world_, seconds_since(started), "stop check during validation");
+      if (stop) return std::nullopt;
+      const double per_batch = seconds / static_cast<double>(done);
+      next_check = done + std::clamp<int64_t>(std::llround(kStopCheckSeconds / std::max(per_batch, 1e-9)), 1, checkable);
     }
   }
   return with_split_prefix(task_.validation_metrics(reduce_totals(world_, totals, dev)), prefix);
@@ -901,19 +980,13 @@ int64_t Trainer::warmup_steps() const {
 // unknown name is a warning here; after the first epoch it is an error.
 void Trainer::sanity_validation() {
   if (config_.sanity_val_steps == 0 || choosing_split()->size() == 0) return;
-  // A validation_step that draws random numbers must not change training:
-  // the generators are as they were before (as Lightning restores them).
-  at::Generator cpu = at::detail::getDefaultCPUGenerator();
-  const torch::Tensor cpu_state = cpu.get_state();
-  std::optional<at::Generator> gpu;
-  torch::Tensor gpu_state;
-  if (world_.device().is_cuda()) {
-    gpu = at::globalContext().defaultGenerator(world_.device());
-    gpu_state = gpu->get_state();
-  }
-  const Metrics metrics = evaluate(choosing_split(), choosing_, config_.sanity_val_steps);
-  cpu.set_state(cpu_state);
-  if (gpu) gpu->set_state(gpu_state);
+  // As Lightning, the generators are put back afterwards: a validation_step
+  // that draws random numbers must not change training.
+  GeneratorsBeforeValidation generators(world_.device());
+  const std::optional<Metrics> validated = evaluate(choosing_split(), choosing_, config_.sanity_val_steps, true);
+  generators.restore();
+  if (!validated) save_and_stop(run_dir_ + "/preempt.pt");  // the run as it starts (or resumed)
+  const Metrics& metrics = *validated;
   const std::string name = stop_rule_.substr(0, stop_rule_.find_first_of("<>="));
   if (name.empty() || metrics.count(name)) return;
   std::string names;
@@ -1055,7 +1128,7 @@ void Trainer::test_best() {
     }
     for (auto t : model_->buffers()) world_.broadcast(t, 0, "best.pt's buffers");
   }
-  const Metrics metrics = evaluate(data_.test, kTestPrefix);
+  const Metrics metrics = *evaluate(data_.test, kTestPrefix, -1, false);
   if (!world_.is_main()) return;
   std::string line = best_epoch > 0 ? "test on best.pt (epoch " + std::to_string(best_epoch) + "):"
                                     : "test on the last weights (no best.pt: the monitor was never finite):";

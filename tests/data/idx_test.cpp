@@ -180,6 +180,16 @@ TEST(Idx, TruncatedImagesAreRejected) {
                   {fake.images("train"), "too short"});
 }
 
+// A header whose sizes multiply past 64 bits (2^31 x 2^31 x 4 = 2^64) once
+// wrapped to 0 and so matched a 16-byte file: the reader then asked LibTorch
+// for 2^64 pixels. The product is checked, and the error names the file.
+TEST(Idx, SizesWhoseProductOverflowsAreRejected) {
+  FakeMnist fake(false);
+  write_file(fake.images("train"), idx_bytes(2051, {1u << 31, 1u << 31, 4}, ""));
+  expect_contains(user_error([&] { load_mnist_like(fake.root); }),
+                  {fake.images("train"), "2147483648 x 2147483648 x 4"});
+}
+
 TEST(Idx, TruncatedGzipStreamIsRejected) {
   FakeMnist fake(true);
   const std::string gz = ddp::testing::read_file(fake.labels("train"));

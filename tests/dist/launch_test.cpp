@@ -13,6 +13,7 @@
 #include "ddp/dist/launch.h"
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
 #include "ddp/models/registry.h"
 #include "support/testing.h"
 
@@ -122,10 +123,11 @@ ddp::testing::ProcessResult sigterm_while_training(const std::string& dir, std::
   return ddp::testing::finish_process(child, 240);
 }
 
-// A stop agreed at an epoch's last step: the ranks stop after that epoch,
-// and its checkpoint is complete and loadable. Epochs of one step make every
-// stop land there (the first agreement is at the first micro-batch).
-TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
+// A stop near an epoch's end (agreed at its last step, during its
+// validation or after its checkpoint): the ranks stop with a checkpoint
+// that is complete and loadable, and that a resume finds. Epochs of one
+// step make every stop land there.
+TEST(Preempt, StopNearAnEpochsEndKeepsACompleteCheckpoint) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("epoch_stop");
   // resnet18 makes rank 0's save take long enough that a peer which does not
@@ -134,13 +136,16 @@ TEST(Preempt, StopAtEpochEndKeepsThatEpochsCheckpoint) {
                                         "16", "--train-samples", "32", "--test-samples", "32"},
                                   2);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  EXPECT_NE(r.output.find("stopped by a signal "), std::string::npos) << r.output;
+  const auto path = ddp::find_latest_checkpoint(dir);
+  ASSERT_FALSE(path.empty()) << r.output;
+  // After an epoch's end, that epoch's checkpoint; before, preempt.pt.
   const std::string said = "stopped by a signal after epoch ";
   const auto at = r.output.find(said);
-  ASSERT_NE(at, std::string::npos) << r.output;
-  const std::string epoch = std::to_string(std::stoi(r.output.substr(at + said.size())));
-  const auto path = find_file(dir, "epoch_" + epoch + ".pt");
-  ASSERT_FALSE(path.empty()) << r.output;
-  EXPECT_TRUE(find_file(dir, "preempt.pt").empty()) << r.output;
+  if (at != std::string::npos)
+    EXPECT_EQ(fs::path(path).filename().string(), "epoch_" + std::to_string(std::stoi(r.output.substr(at + said.size()))) + ".pt");
+  else
+    EXPECT_EQ(fs::path(path).filename().string(), "preempt.pt");
   ddp::models::ModelSpec spec;
   spec.name = "resnet18";
   spec.in_channels = 1;
@@ -186,6 +191,105 @@ TEST(Preempt, StopComesWithinSecondsBetweenDisplayPoints) {
   EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
   EXPECT_NE(r.output.find("stopped by a signal at step"), std::string::npos) << r.output;
   EXPECT_FALSE(find_file(dir, "preempt.pt").empty()) << r.output;
+}
+
+// ddp_testworker's slow_validation on 2 ranks: the built-in CNN on 32
+// synthetic samples, 2 epochs, and a test split of 320 (20 validation
+// batches a rank), whose validation_step sleeps `ms` a batch in the
+// validation before training ("sanity") or in the epochs' ("epoch").
+std::vector<std::string> slow_validation_args(const std::string& dir, int ms, const std::string& where,
+                                              std::vector<std::string> extra = {}) {
+  std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "slow_validation", dir, std::to_string(ms), where,
+                             "--dataset", "synthetic", "--model", "cnn", "--epochs", "2", "--batch", "4",
+                             "--train-samples", "32", "--test-samples", "320", "--workers", "0", "--timeout", "60",
+                             "--sanity-val-steps", where == "sanity" ? "20" : "0"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// Starts `args`, sends its launcher SIGTERM once a slow validation began,
+// and measures how long preempt.pt took to appear after the signal (-1:
+// never, before the job ended).
+std::pair<ddp::testing::ProcessResult, double> sigterm_during_slow_validation(const std::string& dir,
+                                                                              const std::vector<std::string>& args) {
+  auto child = ddp::testing::start_process(args);
+  if (!ddp::testing::wait_for_output(child, "slow validation begins")) ADD_FAILURE() << "validation never began";
+  const auto signalled = std::chrono::steady_clock::now();
+  kill(child.pid, SIGTERM);
+  double seconds = -1;
+  while (seconds < 0 && kill(child.pid, 0) == 0 &&
+         std::chrono::steady_clock::now() - signalled < std::chrono::seconds(120)) {
+    if (!find_file(dir, "preempt.pt").empty())
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+    else
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  auto r = ddp::testing::finish_process(child, 120);
+  if (seconds < 0 && !find_file(dir, "preempt.pt").empty()) seconds = r.seconds;  // written as the job ended
+  return {r, seconds};
+}
+
+// The model's tensors of a checkpoint.
+std::map<std::string, torch::Tensor> model_of(const std::string& checkpoint) {
+  std::map<std::string, torch::Tensor> out;
+  for (auto& [name, t] : ddp::read_state_dict(checkpoint, [](const std::string& n) { return n.rfind("model/", 0) == 0; }))
+    out[name] = t;
+  return out;
+}
+
+// A stop signal during validation (20 batches of 1 s a rank here, as a
+// large test split on a slow model would be) once waited for all of it, and
+// then for a training step: past Slurm's KillWait of 30 s on a real test
+// set. The ranks agree on it inside validation, save preempt.pt within
+// seconds and exit 75; the resumed run validates that epoch and ends where
+// a run without the stop does, bit for bit.
+TEST(Preempt, SignalDuringValidationSavesWithinSecondsAndResumesExactly) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto straight = ddp::testing::temp_dir("val_straight"), stopped = ddp::testing::temp_dir("val_stopped");
+  auto s = run_process(slow_validation_args(straight, 0, "epoch"), {}, 180);
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+
+  auto [r, seconds] = sigterm_during_slow_validation(stopped, slow_validation_args(stopped, 1000, "epoch"));
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  const auto preempt = find_file(stopped, "preempt.pt");
+  ASSERT_FALSE(preempt.empty()) << r.output;
+  EXPECT_GE(seconds, 0) << r.output;
+  EXPECT_LT(seconds, 6) << "preempt.pt came " << seconds << " s after the signal\n" << r.output;
+  const auto meta = ddp::read_checkpoint_meta(preempt);
+  EXPECT_EQ(meta.state.epoch, 0);  // epoch 1 trained, not yet validated
+  EXPECT_GT(meta.state.batch_in_epoch, 0);
+
+  const std::string run_dir = fs::path(preempt).parent_path().string();
+  auto resumed = run_process(slow_validation_args(stopped, 0, "epoch", {"--resume", run_dir}), {}, 180);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  const auto want = model_of(find_file(straight, "epoch_2.pt")), got = model_of(find_file(stopped, "epoch_2.pt"));
+  ASSERT_FALSE(want.empty());
+  ASSERT_EQ(want.size(), got.size());
+  for (const auto& [name, t] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_TRUE(torch::equal(t, got.at(name))) << name << " differs after the resume";
+  }
+  auto epochs = [](const std::string& dir) {
+    std::vector<std::string> out;  // train_loss and test_acc per epoch
+    for (const auto& m : ddp::testing::metrics_under(dir))
+      out.push_back(m.value("train_loss", nlohmann::json()).dump() + " " + m.value("test_acc", nlohmann::json()).dump());
+    return out;
+  };
+  EXPECT_EQ(epochs(straight), epochs(stopped));
+}
+
+// The same for the validation before training (--sanity-val-steps): the
+// stop saves the run as it starts, and exits 75.
+TEST(Preempt, SignalDuringSanityValidationSavesWithinSeconds) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto dir = ddp::testing::temp_dir("sanity_stopped");
+  auto [r, seconds] = sigterm_during_slow_validation(dir, slow_validation_args(dir, 1000, "sanity"));
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kPreempted) << r.output;
+  const auto preempt = find_file(dir, "preempt.pt");
+  ASSERT_FALSE(preempt.empty()) << r.output;
+  EXPECT_GE(seconds, 0) << r.output;
+  EXPECT_LT(seconds, 6) << "preempt.pt came " << seconds << " s after the signal\n" << r.output;
+  EXPECT_EQ(ddp::read_checkpoint_meta(preempt).state.step, 0);
 }
 
 // `pkill -TERM ddptrain`, `systemctl stop` or Slurm signal the launcher and

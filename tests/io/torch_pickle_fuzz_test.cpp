@@ -11,10 +11,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <zlib.h>
+
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
+#include <set>
 
 #include "ddp/error.h"
 #include "ddp/io/torch_pickle.h"
@@ -69,7 +75,16 @@ std::string in_capped_child(const std::function<std::string()>& body) {
 // that is not an allocation failure in disguise; else what went wrong.
 std::string read_outcome(const std::string& path) {
   try {
-    for (const auto& [name, t] : ddp::read_state_dict(path)) t.clone();  // touches every element
+    std::set<const void*> seen;
+    uint64_t storage_bytes = 0;
+    for (const auto& [name, t] : ddp::read_state_dict(path)) {
+      t.clone();  // touches every element
+      if (seen.insert(t.storage().data()).second) storage_bytes += t.storage().nbytes();
+    }
+    const uint64_t file_bytes = std::filesystem::file_size(path);
+    if (storage_bytes > file_bytes)
+      return "storages of " + std::to_string(storage_bytes) + " bytes from a " + std::to_string(file_bytes) +
+             "-byte file";
     return "";
   } catch (const ddp::UserError& e) {
     const std::string m = e.what();
@@ -130,7 +145,217 @@ std::string tensor_pickle(int64_t numel, int64_t offset, const std::vector<int64
   return p;
 }
 
+// ------------------------------------------------ hand-made zip files
+
+// A zip of stored (uncompressed) records, laid out by hand so that its
+// directory may say what no zip writer would: several entries for one
+// record, or a record inside another.
+struct ZipEntry {
+  std::string name;
+  uint64_t local = 0;  // where its local header starts
+  uint64_t size = 0;
+  uint32_t crc = 0;
+};
+
+uint32_t crc_of(const std::string& data) {
+  return static_cast<uint32_t>(::crc32_z(::crc32_z(0, nullptr, 0), reinterpret_cast<const Bytef*>(data.data()),
+                                         data.size()));
+}
+
+// Appends a local header and `data` to `zip`; the entry that points at them.
+ZipEntry add_local_record(std::string& zip, const std::string& name, const std::string& data) {
+  ZipEntry e{name, zip.size(), data.size(), crc_of(data)};
+  zip += "PK\x03\x04" + le(20, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(e.crc, 4) + le(e.size, 4) + le(e.size, 4) +
+         le(name.size(), 2) + le(0, 2) + name + data;
+  return e;
+}
+
+// Appends the central directory of `entries` and the end record.
+void add_directory(std::string& zip, const std::vector<ZipEntry>& entries) {
+  const size_t dir_at = zip.size();
+  for (const auto& e : entries)
+    zip += "PK\x01\x02" + le(20, 2) + le(20, 2) + le(0, 2) + le(0, 2) + le(0, 4) + le(e.crc, 4) + le(e.size, 4) +
+           le(e.size, 4) + le(e.name.size(), 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 2) + le(0, 4) +
+           le(e.local, 4) + e.name;
+  zip += "PK\x05\x06" + le(0, 2) + le(0, 2) + le(entries.size(), 2) + le(entries.size(), 2) +
+         le(zip.size() - dir_at, 4) + le(dir_at, 4) + le(0, 2);
+}
+
+// {'w0': <FloatStorage '0'>, 'w1': <FloatStorage '1'>, ...}: one tensor
+// of numels[k] floats in a storage of its own key k.
+std::string storages_pickle(const std::vector<int64_t>& numels) {
+  std::string p = "\x80\x02}(";
+  for (size_t k = 0; k < numels.size(); ++k) {
+    const std::string numel = "\x8a\x08" + le(static_cast<uint64_t>(numels[k]), 8);  // LONG1, 8 bytes
+    p += bin_unicode("w" + std::to_string(k)) + "ctorch._utils\n_rebuild_tensor_v2\n((" + bin_unicode("storage") +
+         "ctorch\nFloatStorage\n" + bin_unicode(std::to_string(k)) + bin_unicode("cpu") + numel + "tQ" + "K" +
+         le(0, 1) + "(" + numel + "t(K\x01t\x89}tR";
+  }
+  return p + "u.";
+}
+
+uint64_t status_kib(const char* field) {  // a "VmXXX:" line of /proc/self/status
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind(field, 0) == 0) return std::stoull(line.substr(std::strlen(field)));
+  return 0;
+}
+
+// Reads `path` in a capped child and measures how far the read raised the
+// child's peak resident memory (VmHWM, reset first). "" when the read gave
+// a UserError that names the file and says `expected`, and the peak grew by
+// no more than the file's size and a little; else what happened.
+std::string refused_within_file_size(const std::string& path, const std::string& expected) {
+  const uint64_t file_bytes = std::filesystem::file_size(path);
+  return in_capped_child([&]() -> std::string {
+    std::ofstream("/proc/self/clear_refs") << "5";  // the peak starts again from what is resident now
+    const uint64_t before = status_kib("VmRSS:");
+    if (status_kib("VmHWM:") > before + 1024) return "cannot measure: VmHWM was not reset";
+    const std::string m = user_error_of(path);
+    const uint64_t grown = (status_kib("VmHWM:") - before) * 1024;
+    std::string what;
+    if (grown > file_bytes + (16u << 20))  // the first reads of a process (thread pools, arenas) cost a few MB
+      what = "reading a " + std::to_string(file_bytes) + "-byte file raised peak memory by " + std::to_string(grown) +
+             " bytes; ";
+    if (m[0] == '!' || m.find(path) == std::string::npos || m.find(expected) == std::string::npos)
+      what += "the read gave: " + m.substr(0, 300);
+    return what;
+  });
+}
+
+// Where a zip's directory and end records are, as the directory mutations
+// of the fuzzer need them; nullopt if `b` is too damaged to tell.
+struct ZipLayout {
+  size_t eocd = 0, locator = std::string::npos, eocd64 = std::string::npos;
+  uint64_t dir_at = 0, dir_size = 0;
+  std::vector<size_t> entries;  // where each directory entry starts
+  std::vector<size_t> lengths;
+};
+
+uint64_t get_le(const std::string& s, size_t at, size_t n) {
+  uint64_t v = 0;
+  for (size_t k = n; k-- > 0;) v = v << 8 | static_cast<uint8_t>(s[at + k]);
+  return v;
+}
+
+std::optional<ZipLayout> layout_of(const std::string& b) {
+  ZipLayout z;
+  z.eocd = b.rfind("PK\x05\x06");
+  if (z.eocd == std::string::npos || z.eocd + 22 > b.size()) return std::nullopt;
+  uint64_t count = get_le(b, z.eocd + 10, 2);
+  z.dir_size = get_le(b, z.eocd + 12, 4);
+  z.dir_at = get_le(b, z.eocd + 16, 4);
+  if (z.eocd >= 20 && b.compare(z.eocd - 20, 4, "PK\x06\x07") == 0) {
+    z.locator = z.eocd - 20;
+    z.eocd64 = get_le(b, z.locator + 8, 8);
+    if (z.eocd64 > b.size() || b.size() - z.eocd64 < 56 || b.compare(z.eocd64, 4, "PK\x06\x06") != 0)
+      return std::nullopt;
+    count = get_le(b, z.eocd64 + 32, 8);
+    z.dir_size = get_le(b, z.eocd64 + 40, 8);
+    z.dir_at = get_le(b, z.eocd64 + 48, 8);
+  }
+  if (count > 64) return std::nullopt;
+  for (uint64_t p = z.dir_at, k = 0; k < count; ++k) {
+    if (p > b.size() || b.size() - p < 46 || b.compare(p, 4, "PK\x01\x02") != 0) return std::nullopt;
+    const size_t n = 46 + get_le(b, p + 28, 2) + get_le(b, p + 30, 2) + get_le(b, p + 32, 2);
+    if (n > b.size() - p) return std::nullopt;
+    z.entries.push_back(p);
+    z.lengths.push_back(n);
+    p += n;
+  }
+  const size_t tail = z.locator != std::string::npos ? z.eocd64 : z.eocd;  // the directory ends before it
+  if (z.entries.empty() || z.dir_at > tail || z.dir_size > tail - z.dir_at) return std::nullopt;
+  return z;
+}
+
+// Appends a copy of a directory entry to the directory (renamed, some of
+// the time, by its name's last character) and counts it in the end records.
+void duplicate_entry(std::string& b, std::mt19937_64& rng) {
+  const auto z = layout_of(b);
+  if (!z) return;
+  const size_t k = rng() % z->entries.size();
+  std::string entry = b.substr(z->entries[k], z->lengths[k]);
+  const size_t name_len = get_le(entry, 28, 2);
+  if (name_len > 0 && rng() % 2) entry[46 + name_len - 1] = static_cast<char>('0' + rng() % 10);
+  const size_t end = z->dir_at + z->dir_size, n = entry.size();
+  b.insert(end, entry);
+  const uint64_t count = z->entries.size() + 1;
+  put_le(b, z->eocd + n + 8, count, 2);
+  put_le(b, z->eocd + n + 10, count, 2);
+  put_le(b, z->eocd + n + 12, z->dir_size + n, 4);
+  if (z->locator != std::string::npos) {
+    put_le(b, z->locator + n + 8, z->eocd64 + n, 8);
+    put_le(b, z->eocd64 + n + 24, count, 8);
+    put_le(b, z->eocd64 + n + 32, count, 8);
+    put_le(b, z->eocd64 + n + 40, z->dir_size + n, 8);
+  }
+}
+
+// Points a directory entry at another entry's local record (so that two
+// names share its bytes), with the other's sizes some of the time.
+void share_record(std::string& b, std::mt19937_64& rng) {
+  const auto z = layout_of(b);
+  if (!z || z->entries.size() < 2) return;
+  const size_t from = z->entries[rng() % z->entries.size()], to = z->entries[rng() % z->entries.size()];
+  b.replace(to + 42, 4, b.substr(from + 42, 4));  // the local header's offset
+  if (rng() % 2) b.replace(to + 16, 12, b.substr(from + 16, 12));  // CRC, sizes
+}
+
 }  // namespace
+
+// 96 directory entries, data/0 ... data/95, all pointing at one local
+// record of 1 MB, and a pickle that names each as a storage: a file of
+// about 1 MB that made the reader allocate and copy 96 MB (issue 44: a
+// 1.2 MB file drove `export` to 3 GB). Records may not share bytes.
+TEST(TorchPickleLimits, ManyEntriesForOneRecordAreRefusedWithinTheFilesSize) {
+  const auto path = ddp::testing::temp_dir("limits") + "/shared_record.pt";
+  constexpr int kEntries = 96;
+  constexpr int64_t kFloats = 1 << 18;  // 1 MB
+  std::string zip;
+  std::vector<ZipEntry> entries{add_local_record(zip, "archive/data.pkl", storages_pickle(std::vector<int64_t>(kEntries, kFloats)))};
+  const ZipEntry storage = add_local_record(zip, "archive/data/0", std::string(kFloats * 4, '\x01'));
+  for (int k = 0; k < kEntries; ++k) {
+    ZipEntry e = storage;
+    e.name = "archive/data/" + std::to_string(k);
+    entries.push_back(e);
+  }
+  add_directory(zip, entries);
+  std::ofstream(path, std::ios::binary) << zip;
+  EXPECT_EQ(refused_within_file_size(path, "records archive/data/0 and archive/data/1 overlap"), "");
+}
+
+// A record whose local header lies inside another record's bytes: the
+// outer storage's bytes would be read twice, once as the inner one.
+TEST(TorchPickleLimits, ARecordInsideAnotherIsRefused) {
+  const auto path = ddp::testing::temp_dir("limits") + "/nested_record.pt";
+  std::string zip;
+  std::vector<ZipEntry> entries{add_local_record(zip, "archive/data.pkl", storages_pickle({128, 64}))};
+  // data/1 (64 floats) is the tail of data/0 (128 floats' worth of bytes).
+  std::string inner;
+  const ZipEntry inner_entry = add_local_record(inner, "archive/data/1", std::string(256, '\x02'));
+  const std::string outer_data = std::string(512 - inner.size(), '\x03') + inner;
+  const size_t outer_at = zip.size();
+  ZipEntry outer = add_local_record(zip, "archive/data/0", outer_data);
+  ZipEntry nested = inner_entry;
+  nested.local = outer_at + 30 + outer.name.size() + (512 - inner.size());
+  entries.push_back(outer);
+  entries.push_back(nested);
+  add_directory(zip, entries);
+  std::ofstream(path, std::ios::binary) << zip;
+  EXPECT_EQ(refused_within_file_size(path, "records archive/data/0 and archive/data/1 overlap"), "");
+}
+
+// Two directory entries of one name: which one is the storage?
+TEST(TorchPickleLimits, ARecordNamedTwiceIsRefused) {
+  const auto path = ddp::testing::temp_dir("limits") + "/twice.pt";
+  std::string zip;
+  std::vector<ZipEntry> entries{add_local_record(zip, "archive/data.pkl", storages_pickle({4}))};
+  entries.push_back(add_local_record(zip, "archive/data/0", std::string(16, '\x01')));
+  entries.push_back(add_local_record(zip, "archive/data/0", std::string(16, '\x02')));
+  add_directory(zip, entries);
+  std::ofstream(path, std::ios::binary) << zip;
+  EXPECT_EQ(refused_within_file_size(path, "archive/data/0 is in the directory twice"), "");
+}
 
 // Central directory entries that declare 4 GB records in a 3 KB file (the
 // sizes are zip64's "see the extra field" marker, with no extra field).
@@ -202,9 +427,11 @@ TEST(TorchPickleLimits, StorageElementCountIsCheckedAgainstTheRecord) {
 }
 
 // Seeded mutations of the committed .pt files: bit flips, random bytes,
-// truncation, splices, duplicated chunks and edits of length fields (the
-// zip's sizes and offsets, the pickle's string lengths). Each either loads
-// or throws a UserError, under the address-space cap. Fixed seed: the
+// truncation, splices, duplicated chunks, edits of length fields (the zip's
+// sizes and offsets, the pickle's string lengths), duplicated directory
+// entries and entries pointed at another's record. Each either loads, with
+// no more storage bytes than the file has, or throws a UserError, under the
+// address-space cap. Fixed seed: the
 // same 3000 inputs on every run; a failure names its iteration.
 TEST(TorchPickleFuzz, MutatedFilesLoadOrThrowUserError) {
   std::vector<std::string> seeds;
@@ -222,7 +449,7 @@ TEST(TorchPickleFuzz, MutatedFilesLoadOrThrowUserError) {
       std::string b = seeds[below(seeds.size())];
       const int edits = 1 + static_cast<int>(below(4));
       for (int e = 0; e < edits && !b.empty(); ++e) {
-        switch (below(7)) {
+        switch (below(9)) {
           case 0: b[below(b.size())] ^= static_cast<char>(1 << below(8)); break;  // bit flip
           case 1: b[below(b.size())] = static_cast<char>(rng()); break;
           case 2: b.resize(below(b.size())); break;  // truncation
@@ -237,6 +464,8 @@ TEST(TorchPickleFuzz, MutatedFilesLoadOrThrowUserError) {
             b.insert(below(b.size()), b.substr(from, n));
             break;
           }
+          case 7: duplicate_entry(b, rng); break;
+          case 8: share_record(b, rng); break;
           default: {  // a length field: a zip size/offset, or any 4 bytes
             size_t at = below(b.size());
             const size_t cd = b.find("PK\x01\x02", below(b.size()));

@@ -10,11 +10,14 @@
 #include <limits>
 #include <thread>
 
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
 #include "ddp/error.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/param_slots.h"
+#include "ddp/dist/signals.h"
 #include "ddp/dist/launch.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
@@ -353,6 +356,48 @@ void not_finite(World& world, const std::string& out, int argc, char** argv) {
   trainer.fit();
 }
 
+// The built-in classifier whose validation_step sleeps MS milliseconds a
+// batch: in the validation before training ("sanity") or in the epochs'
+// ("epoch"). Each rank says when a slow validation begins, so that a test
+// can signal during it. A stop signal must not wait for such a validation.
+// (ARGS: MS, sanity|epoch, then flags; MS 0: a straight run to compare.)
+class SlowValidationTask : public ClassificationTask {
+ public:
+  SlowValidationTask(int ms, bool in_sanity) : ms_(ms), in_sanity_(in_sanity) {}
+  TensorMap validation_step(const data::Batch& batch) override {
+    if (ms_ > 0 && (in_sanity_ ? steps_ == 0 : steps_ > 0)) {
+      if (!said_) std::printf("slow validation begins after step %lld\n", static_cast<long long>(steps_));
+      std::fflush(stdout);
+      said_ = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    }
+    return ClassificationTask::validation_step(batch);
+  }
+  void on_step_end(const StepEnd& step) override {
+    steps_ = step.step;
+    said_ = false;
+  }
+
+ private:
+  int ms_;
+  bool in_sanity_;
+  int64_t steps_ = 0;
+  bool said_ = false;
+};
+
+void slow_validation(World& world, const std::string& out, int argc, char** argv) {
+  if (argc < 2) throw std::runtime_error("slow_validation needs MS and sanity|epoch");
+  install_stop_handlers(std::getenv("RANK") ? getppid() : 0);  // as ddptrain's workers: SIGTERM checkpoints
+  SlowValidationTask task(std::atoi(argv[0]), std::string(argv[1]) == "sanity");
+  const std::string runs = out + "/runs";
+  std::vector<const char*> args = {"slow_validation", "--save_path", runs.c_str(), "--progress", "plain"};
+  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  Config c = parse_cli(static_cast<int>(args.size()), args.data(), Config());
+  torch::manual_seed(c.seed);
+  Trainer trainer(c, world, task);
+  trainer.fit();
+}
+
 // Eval mode with track_running_stats=false normalises each batch by its own
 // statistics and must not communicate: rank 0 runs 1 batch, rank 1 runs 3.
 void syncbn_eval(World& world, const std::string& out) {
@@ -564,6 +609,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     task_metric(world, out, argc, argv);
   } else if (scenario == "not_finite") {
     not_finite(world, out, argc, argv);
+  } else if (scenario == "slow_validation") {
+    slow_validation(world, out, argc, argv);
   } else if (scenario == "throw") {
     if (world.rank() == 1) throw std::runtime_error("injected failure on rank 1");
     auto t = torch::ones({1});

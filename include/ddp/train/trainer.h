@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ddp/io/checkpoint.h"
@@ -39,7 +40,7 @@ class Trainer {
   /// One pass over the choosing split (validation if there is one, else
   /// test), sharded across ranks (every sample counted once): the task's
   /// validation metrics, named val_* or test_*.
-  Metrics validate() { return evaluate(choosing_split(), choosing_); }
+  Metrics validate() { return *evaluate(choosing_split(), choosing_, -1, false); }
 
   const std::string& run_dir() const { return run_dir_; }
   torch::nn::Module& model() { return *model_; }
@@ -54,7 +55,9 @@ class Trainer {
   struct EpochFeed;
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
-  Metrics evaluate(const data::DatasetPtr& split, const std::string& prefix, int64_t max_batches = -1);
+  // nullopt: a stop signal was agreed on during it (`stoppable` only).
+  std::optional<Metrics> evaluate(const data::DatasetPtr& split, const std::string& prefix, int64_t max_batches,
+                                  bool stoppable);
   const data::DatasetPtr& choosing_split() const { return data_.val ? data_.val : data_.test; }
   void test_best();
   void print_choosing_split() const;
