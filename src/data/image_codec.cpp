@@ -202,6 +202,18 @@ torch::Tensor decode_png(const uint8_t* bytes, size_t size, const std::string& p
   }
   png_set_read_fn(png, &src, png_read_memory);
   png_read_info(png, info);
+  // Deflate packs at most about 1032 bytes into one, so the rows a header
+  // promises (a filter byte and the samples of each) must fit in that many
+  // times the file's size. libpng allows 1,000,000 x 1,000,000 pixels: a
+  // crafted header of a few hundred bytes would ask for 3 TB below.
+  const int64_t height = png_get_image_height(png, info), width = png_get_image_width(png, info);
+  const int64_t bits = int64_t{png_get_bit_depth(png, info)} * png_get_channels(png, info);
+  const double row_bytes = static_cast<double>((width * bits + 7) / 8 + 1);
+  if (row_bytes * static_cast<double>(height) > 1040.0 * static_cast<double>(size) + 4096) {
+    png_destroy_read_struct(&png, &info, nullptr);
+    throw CorruptImage(path, "a PNG header of " + std::to_string(width) + " x " + std::to_string(height) +
+                                 " pixels, more than its " + std::to_string(size) + " bytes can hold");
+  }
   // To 8-bit RGB whatever the colour type: palette and low-bit gray are
   // expanded, 16-bit samples keep their high byte, alpha is dropped.
   png_set_expand(png);

@@ -1,6 +1,7 @@
 // JPEG and PNG decoding: every PNG colour type to RGB, JPEG close to its
 // source, and damaged files refused with their path.
 #include <gtest/gtest.h>
+#include <zlib.h>
 
 #include <fstream>
 #include <string>
@@ -140,6 +141,26 @@ TEST(ImageCodec, TruncatedPngIsCorrupt) {
   const std::string bytes = bytes_of(dir + "/full.png");
   write_bytes(dir + "/cut.png", bytes.substr(0, bytes.size() - 30));
   EXPECT_NE(corrupt_reason(dir + "/cut.png").find("PNG"), std::string::npos);
+}
+
+// A PNG header may promise up to 1,000,000 x 1,000,000 pixels (libpng's
+// default limit): 3 TB asked of the allocator for a file of a few hundred
+// bytes. Deflate packs at most about 1032 bytes into one, so a file cannot
+// hold more; such a header is corrupt, said before anything is allocated.
+TEST(ImageCodec, PngThatPromisesMorePixelsThanItsFileCanHoldIsCorrupt) {
+  const auto dir = ddp::testing::temp_dir("codec");
+  ddp::data::write_png(dir + "/small.png", gradient_image(8, 8));
+  std::string bytes = bytes_of(dir + "/small.png");
+  const size_t ihdr = bytes.find("IHDR");
+  ASSERT_NE(ihdr, std::string::npos);
+  auto put_be32 = [&](size_t at, uint32_t v) {
+    for (int k = 0; k < 4; ++k) bytes[at + k] = static_cast<char>(v >> (24 - 8 * k));
+  };
+  put_be32(ihdr + 4, 1000000);  // width
+  put_be32(ihdr + 8, 1000000);  // height
+  put_be32(ihdr + 17, static_cast<uint32_t>(::crc32(0, reinterpret_cast<const Bytef*>(bytes.data() + ihdr), 17)));
+  write_bytes(dir + "/huge.png", bytes);
+  EXPECT_NE(corrupt_reason(dir + "/huge.png").find("1000000 x 1000000"), std::string::npos);
 }
 
 TEST(ImageCodec, GarbageAndEmptyAndMissingFilesAreCorrupt) {
