@@ -314,6 +314,77 @@ TEST(Task, NonFiniteValidationMetricIsSaidOnceWithItsSource) {
   }
 }
 
+
+// Issue 44 item 7: a stop mid-epoch kept the loss's sum and count in
+// preempt.pt but not the task's logged sums (StepOutput.logs), so the
+// resumed epoch divided the sums of its later steps alone by the whole
+// epoch's count. Stopped at step 3 of 8 and resumed, the epoch's logged mean
+// is the straight run's.
+TEST(Task, LoggedSumsSurviveAMidEpochStop) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::vector<std::string> flags{"--epochs", "2", "--train-samples", "512", "--test-samples", "64", "--batch", "32",
+                                       "--log-every", "1", "--sanity-val-steps", "0", "--workers", "0"};
+  auto run = [&](const std::string& dir, const std::string& mode, std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, mode};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  const auto straight = ddp::testing::temp_dir("logged_straight"), split = ddp::testing::temp_dir("logged_split");
+  auto a = run(straight, "logged", {});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b1 = run(split, "logged_stop", {});
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  const auto run_dir = run_dir_of(split + "/runs");
+  ASSERT_TRUE(fs::exists(run_dir + "/preempt.pt")) << b1.output;
+  const auto stopped = ddp::read_checkpoint_meta(run_dir + "/preempt.pt").state;
+  ASSERT_EQ(stopped.epoch, 0) << "the stop did not come mid-epoch 1";
+  ASSERT_GT(stopped.batch_in_epoch, 0);
+  auto b2 = run(split, "logged", {"--resume", run_dir});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  const auto ma = metrics_under(straight + "/runs"), mb = metrics_under(split + "/runs");
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t e = 0; e < 2; ++e) {
+    SCOPED_TRACE("epoch " + std::to_string(e + 1));
+    ASSERT_TRUE(ma[e].contains("train_target_abs")) << ma[e].dump();
+    ASSERT_TRUE(mb[e].contains("train_target_abs")) << mb[e].dump();
+    const double want = ma[e]["train_target_abs"].get<double>(), got = mb[e]["train_target_abs"].get<double>();
+    EXPECT_GT(want, 0.1);
+    EXPECT_NEAR(got, want, 1e-12 * want);
+    EXPECT_NEAR(mb[e]["train_loss"].get<double>(), ma[e]["train_loss"].get<double>(), 1e-9);
+  }
+}
+
+// Issue 43 item 10: preempt.pt stayed after the resumed run had passed it,
+// and `report` listed it. It goes once a later checkpoint of the run (an
+// epoch_N.pt past its step) supersedes it; until then it stays.
+TEST(Task, PreemptCheckpointGoesOnceALaterOneSupersedesIt) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("preempt_superseded");
+  const std::vector<std::string> flags{"--train-samples", "512", "--test-samples", "64", "--batch", "32",
+                                       "--sanity-val-steps", "0", "--workers", "0", "--save_epoch", "1"};
+  auto run = [&](const std::string& mode, std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, mode};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  auto b1 = run("logged_stop", {"--epochs", "2"});
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  const auto run_dir = run_dir_of(dir + "/runs");
+  ASSERT_TRUE(fs::exists(run_dir + "/preempt.pt")) << b1.output;
+  auto b2 = run("logged", {"--epochs", "2", "--resume", run_dir});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_1.pt")) << b2.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << b2.output;
+  EXPECT_FALSE(fs::exists(run_dir + "/preempt.pt")) << "epoch_1.pt superseded it";
+  auto report = run_process({DDPTRAIN_EXE, "report", run_dir});
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_NE(report.output.find("epoch_2.pt"), std::string::npos) << report.output;
+  EXPECT_EQ(report.output.find("preempt.pt"), std::string::npos) << report.output;
+}
+
 }  // namespace
 
 namespace {

@@ -16,6 +16,7 @@
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/param_slots.h"
 #include "ddp/dist/launch.h"
+#include "ddp/dist/signals.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
 #include "ddp/train/flat_optimizer.h"
@@ -307,9 +308,13 @@ class NotFiniteTask : public RegressionTask {
   }
   // "random": both steps draw from the global generator, so a draw made
   // elsewhere (by the validation before training) would change the run.
+  // "logged": a scalar logged every step (the batch's mean |target|, which
+  // differs from batch to batch); "logged_stop": that, and a stop asked for
+  // on rank 0 at step 3, mid-epoch, as a SIGTERM would.
   StepOutput training_step(const data::Batch& batch) override {
     auto out = RegressionTask::training_step(batch);
     if (mode_ == "random") out.loss = out.loss * (1 + torch::rand({}));
+    if (mode_.rfind("logged", 0) == 0) out.logs["train_target_abs"] = batch.target().abs().mean();
     return out;
   }
   TensorMap validation_step(const data::Batch& batch) override {
@@ -330,6 +335,8 @@ class NotFiniteTask : public RegressionTask {
   }
   void on_step_end(const StepEnd& step) override {
     if (scaled_ && step.step == 2) scaled_->scale.fill_(std::numeric_limits<double>::infinity());
+    if (mode_ == "logged_stop" && step.step == 3 && std::getenv("RANK") && std::string(std::getenv("RANK")) == "0")
+      request_stop();
   }
   void on_epoch_end(EpochEnd&) override { ++epochs_ended_; }
 
@@ -340,7 +347,8 @@ class NotFiniteTask : public RegressionTask {
 };
 
 void not_finite(World& world, const std::string& out, int argc, char** argv) {
-  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted, bad_validation or random)");
+  if (argc < 1)
+    throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted, bad_validation, random, logged or logged_stop)");
   NotFiniteTask task(argv[0]);
   Config defaults;
   task.add_flags(defaults);
