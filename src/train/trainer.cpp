@@ -368,6 +368,8 @@ void Trainer::open_run_dir(const std::string& resume_from) {
     dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
   run_dir_ = world_.share_string("run_dir", dir);
+  if (!resume_from.empty() && world_.is_main()) set_aside_abandoned_branch();
+  if (world_.is_main()) remove_stale_temp_files(run_dir_);  // what a kill mid-write left
   // The directory is this job's now: a restart finds it by this id.
   if (const std::string id = job_id(); world_.is_main() && !id.empty()) {
     // The checkpoint a restart would resume: the one this attempt resumed
@@ -383,6 +385,21 @@ void Trainer::open_run_dir(const std::string& resume_from) {
     write_file_atomic(run_dir_ + "/config.json", config_to_json(job_config()).dump(2) + "\n");
     write_file_atomic(run_dir_ + "/config.toml", config_to_toml(job_config()));  // --config repeats the run
   }
+}
+
+// A resume from an older checkpoint of the run directory (epoch 2 of 4)
+// starts a new branch of the run, as Lightning's ckpt_path does: the later
+// checkpoints are the work of the branch left, so they are moved aside, not
+// pruned by --keep-last nor found by --resume (set_aside_later_checkpoints).
+// best.pt goes with them when it is from past the resume point; the live
+// branch's best then starts again, so that its best.pt is its own. Rank 0.
+void Trainer::set_aside_abandoned_branch() {
+  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, timestamp());
+  if (aside.empty()) return;
+  if (!std::filesystem::exists(run_dir_ + "/best.pt")) state_.best = std::numeric_limits<double>::quiet_NaN();
+  std::printf("resume: the checkpoints past step %lld (another branch of this run) moved to %s\n",
+              static_cast<long long>(state_.step), aside.c_str());
+  std::fflush(stdout);
 }
 
 void Trainer::resume(const std::string& path) {
@@ -638,15 +655,23 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   // in for each all-reduce.
   constexpr int64_t kStop = 2, kSeconds = 3, kFirstLog = 4;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(dev);
+  // The saved logs' names fix their order on every rank (each loaded the same checkpoint).
+  if (log_names_.empty())
+    for (const auto& [name, sum] : state_.epoch_log_sums) log_names_.push_back(name);
   auto sums = torch::zeros({kFirstLog + static_cast<int64_t>(log_names_.size())}, f64);
   if (state_.batch_in_epoch > 0 && world_.is_main()) {
     sums[0] = state_.epoch_loss_sum;
     sums[1] = state_.epoch_loss_count;
+    for (size_t i = 0; i < log_names_.size(); ++i) {
+      auto it = state_.epoch_log_sums.find(log_names_[i]);
+      if (it != state_.epoch_log_sums.end()) sums[kFirstLog + static_cast<int64_t>(i)] = it->second;
+    }
   }
   int64_t micro = state_.batch_in_epoch;
   const int64_t first_micro = micro;
   state_.batch_in_epoch = 0;
   state_.epoch_loss_sum = state_.epoch_loss_count = 0;
+  state_.epoch_log_sums.clear();
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
   const int accum = config_.accum_steps;
@@ -726,6 +751,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
         state_.batch_in_epoch = micro;
         state_.epoch_loss_sum = mean[0].item<double>();
         state_.epoch_loss_count = mean[1].item<double>();
+        for (size_t i = 0; i < log_names_.size(); ++i)
+          state_.epoch_log_sums[log_names_[i]] = mean[kFirstLog + static_cast<int64_t>(i)].item<double>();
         state_.epoch = epoch - 1;
         save_and_stop(run_dir_ + "/preempt.pt");
       }
@@ -979,7 +1006,8 @@ void Trainer::save(int64_t epoch, double monitored, bool periodic) {
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   save_job_checkpoint(path);
   std::printf("saved %s\n", path.c_str());
-  if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last);
+  remove_superseded_preempt(run_dir_, state_.step);
+  if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last, epoch);
 }
 
 // Saves a checkpoint to resume from (epoch_N.pt, preempt.pt) and records
