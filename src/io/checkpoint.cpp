@@ -104,7 +104,10 @@ nlohmann::json state_to_json(const TrainState& s) {
           {"batch_in_epoch", s.batch_in_epoch},
           {"epoch_loss_sum", s.epoch_loss_sum},
           {"epoch_loss_count", s.epoch_loss_count},
-          {"epoch_log_sums", s.epoch_log_sums}};
+          {"epoch_log_sums", s.epoch_log_sums},
+          {"patience_best", std::isnan(s.patience_best) ? nlohmann::json() : nlohmann::json(s.patience_best)},
+          {"patience_wait", s.patience_wait},
+          {"monitored", std::isnan(s.monitored) ? nlohmann::json() : nlohmann::json(s.monitored)}};
 }
 
 TrainState state_from_json(const nlohmann::json& j) {
@@ -113,6 +116,9 @@ TrainState state_from_json(const nlohmann::json& j) {
   s.step = j.value("step", s.step);
   const auto best = j.contains("best") ? j["best"] : nlohmann::json();
   if (best.is_number()) s.best = best.get<double>();
+  if (j.contains("patience_best") && j["patience_best"].is_number()) s.patience_best = j["patience_best"].get<double>();
+  s.patience_wait = j.value("patience_wait", s.patience_wait);
+  if (j.contains("monitored") && j["monitored"].is_number()) s.monitored = j["monitored"].get<double>();
   s.batch_in_epoch = j.value("batch_in_epoch", s.batch_in_epoch);
   s.epoch_loss_sum = j.value("epoch_loss_sum", s.epoch_loss_sum);
   s.epoch_loss_count = j.value("epoch_loss_count", s.epoch_loss_count);

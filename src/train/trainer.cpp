@@ -34,6 +34,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
+#include "ddp/train/early_stopping.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/fused_linear.h"
@@ -453,6 +454,14 @@ EpochMetrics Trainer::fit() {
                run_dir_.c_str(), config_.epochs, config_.epochs);
     return {};
   }
+  if (config_.patience > 0 && state_.patience_wait >= config_.patience) {
+    // As for a finished run: a job script that always resumes ends cleanly.
+    DDP_PRINT0(world_,
+               "resume: the run in %s stopped early after epoch %lld (--patience %d ran out); nothing to do. To "
+               "train on, resume it with a larger --patience.\n",
+               run_dir_.c_str(), static_cast<long long>(state_.epoch), config_.patience);
+    return {};
+  }
   set_stop_can_checkpoint(true);  // a stop signal now checkpoints (signals.h); before "world: " is printed
   print_start();
   sanity_validation();
@@ -529,14 +538,22 @@ EpochMetrics Trainer::fit() {
     } catch (const UserError&) {
       stop_error = std::current_exception();
     }
+    const bool out_of_patience = patience_run_out_on_rank_0(value);
     save(epoch, value,
-         epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached || stop_error);
+         epoch % config_.save_epoch == 0 || epoch == config_.epochs || stop_after_epoch_ || reached ||
+             out_of_patience || stop_error);
     if (stop_error) {
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       std::rethrow_exception(stop_error);
     }
     if (reached) {
       DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
+      break;
+    }
+    if (out_of_patience) {
+      DDP_PRINT0(world_, "early stopping: %s has not improved by more than %g for %d validation(s) (best %s); "
+                 "stopping after epoch %lld.\n", monitor_.metric.c_str(), config_.min_delta, config_.patience,
+                 format_value(monitor_.metric, state_.patience_best).c_str(), static_cast<long long>(epoch));
       break;
     }
     if (stop_after_epoch_ && epoch < config_.epochs) {
@@ -862,7 +879,10 @@ void Trainer::check_flags_match_rank_0() {
     const std::string key = f.key();
     if (key == "data_root" || key == "val-root") continue;
     // --sanity-val-steps too: it decides whether collectives run before training.
-    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps") continue;
+    // --patience too: it decides whether each validation ends in a collective.
+    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps" &&
+        key != "patience")
+      continue;
     keys.push_back(key);
     mine[key] = all[key];
   }
@@ -1002,12 +1022,36 @@ void Trainer::save(int64_t epoch, double monitored, bool periodic) {
     save_checkpoint(run_dir_ + "/best.pt", *model_, step_.get(), meta);
     if (!periodic) std::printf("saved %s/best.pt (%s)\n", run_dir_.c_str(), format_metric(monitor_.metric, monitored).c_str());
   }
+  save_top_k(epoch, monitored);
   if (!periodic) return;
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   save_job_checkpoint(path);
   std::printf("saved %s\n", path.c_str());
   remove_superseded_preempt(run_dir_, state_.step);
   if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last, epoch);
+}
+
+// --patience, decided by rank 0 (early_stopping.h says why) and shared in one
+// all-reduce that every rank makes while --patience is on.
+bool Trainer::patience_run_out_on_rank_0(double monitored) {
+  if (config_.patience == 0) return false;
+  const bool run_out = patience_run_out(monitor_, monitored, config_.min_delta, config_.patience, state_);
+  auto decision = torch::full({1}, world_.is_main() && run_out ? 1.0 : 0.0,
+                              torch::TensorOptions().dtype(torch::kDouble).device(world_.device()));
+  world_.all_reduce(decision, "early stopping (--patience)");
+  return decision.item<double>() > 0;
+}
+
+// --save-top-k: this validation's checkpoint, if it is among the best K of
+// the run directory, then the one it pushed out removed. Rank 0.
+void Trainer::save_top_k(int64_t epoch, double monitored) {
+  if (config_.save_top_k == 0 || !enters_top_k(run_dir_, monitor_, config_.save_top_k, monitored)) return;
+  CheckpointMeta meta = this->meta();
+  meta.state.monitored = monitored;
+  const std::string path = run_dir_ + "/" + top_k_name(epoch, monitor_.metric, monitored);
+  save_checkpoint(path, *model_, step_.get(), meta);
+  prune_top_k(run_dir_, monitor_, config_.save_top_k);
+  std::printf("saved %s (top %d)\n", path.c_str(), config_.save_top_k);
 }
 
 // Saves a checkpoint to resume from (epoch_N.pt, preempt.pt) and records

@@ -43,6 +43,13 @@ struct TrainState {
   // The task's logged sums (StepOutput.logs) over all ranks so far in an
   // interrupted epoch, by name, for the same reason.
   std::map<std::string, double> epoch_log_sums;
+  // --patience: the best monitor value by its rule (--min-delta), and the
+  // validations since it improved (early_stopping.h).
+  double patience_best = std::numeric_limits<double>::quiet_NaN();
+  int64_t patience_wait = 0;
+  // The monitor's value at the validation a top-k checkpoint was saved
+  // after (NaN in the others): what ranks it among the best K.
+  double monitored = std::numeric_limits<double>::quiet_NaN();
 };
 
 struct CheckpointMeta {
