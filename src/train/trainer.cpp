@@ -879,9 +879,11 @@ void Trainer::check_flags_match_rank_0() {
     const std::string key = f.key();
     if (key == "data_root" || key == "val-root") continue;
     // --sanity-val-steps too: it decides whether collectives run before training.
-    // --patience too: it decides whether each validation ends in a collective.
+    // --patience too: it decides whether each validation ends in a collective;
+    // and --min-delta, --save-top-k, whose rank 0's value alone acts: a node
+    // given another would be told nothing of it.
     if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps" &&
-        key != "patience")
+        key != "patience" && key != "min-delta" && key != "save-top-k")
       continue;
     keys.push_back(key);
     mine[key] = all[key];
