@@ -94,6 +94,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--side-stream", "--task lm's GPT on CUDA under --amp bf16: the backward's weight-gradient matmuls on a second CUDA stream, beside the chain of input gradients, the same gradients to the bit (auto: for ddptrain's GPT trained by one process; on: also for other models built from ddptrain's GPT layers, each of whose weights must get its gradient from those layers alone; off)", &c.side_stream, {"auto", "on", "off"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC>=V or METRIC<=V, or MONITOR=V for the task's monitor (reached in the direction it prefers)", &c.stop_at, {}, "train", kMayChange},
+      {"--patience", "early stopping: stop after N validations in a row in which the task's monitor did not improve on its best by more than --min-delta (0: off); that epoch is saved", &c.patience, {}, "train", kMayChange},
+      {"--min-delta", "with --patience: the least change of the monitor, in its direction, that counts as an improvement", &c.min_delta, {}, "train", kMayChange},
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
@@ -101,6 +103,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
       {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output", kMayChange},
+      {"--save-top-k", "also keep the best K checkpoints by the task's monitor, as epoch=E-METRIC=VALUE.pt beside best.pt (0: off); --keep-last does not prune them", &c.save_top_k, {}, "output", kMayChange},
       {"--resume", "continue a run with its saved flags: auto (the newest checkpoint under --save_path), a run directory or a checkpoint file", &c.resume, {}, "output", kMayChange},
       {"--reschedule", "with --resume and another --epochs: recompute a schedule that depends on the run's length (step, cosine, onecycle) for the new length", &c.reschedule, {}, "output", kMayChange},
       {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output", kMayChange},
@@ -173,6 +176,13 @@ void validate(const Config& c) {
   check_user(c.clip_grad_norm >= 0, "--clip-grad-norm must be 0 (off) or positive.");
   check_user(c.warmup_epochs >= 0, "--warmup-epochs must not be negative.");
   check_user(c.keep_last >= 0, "--keep-last must be 0 (keep all) or positive.");
+  check_user(c.save_top_k >= 0, "--save-top-k must be 0 (off) or positive, got " + std::to_string(c.save_top_k) + ".",
+             "e.g. --save-top-k 3 keeps the three best checkpoints.");
+  check_user(c.patience >= 0, "--patience must be 0 (off) or positive, got " + std::to_string(c.patience) + ".",
+             "e.g. --patience 5 stops after five validations without improvement.");
+  finite("--min-delta", c.min_delta, "e.g. --min-delta 0.001, or 0.");
+  check_user(c.min_delta >= 0, "--min-delta must be 0 or positive, got " + std::to_string(c.min_delta) + ".",
+             "give the least improvement that counts, e.g. --min-delta 0.001; the monitor's direction applies it.");
   check_user(c.max_restarts >= 0, "--max-restarts must be 0 or positive.");
   check_user(c.sanity_val_steps >= 0, "--sanity-val-steps must be 0 (off) or positive, got " +
                                           std::to_string(c.sanity_val_steps) + ".");

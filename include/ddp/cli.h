@@ -79,6 +79,7 @@ struct Config {
   std::string progress = "auto";    // auto | bar | plain | none
   int log_every = 50;
   int keep_last = 3;
+  int save_top_k = 0;               // keep the best K checkpoints by the monitor (0: off)
   std::string resume;               // "" | auto | a checkpoint | a run directory
   bool reschedule = false;          // --resume with another --epochs: recompute a length-dependent schedule
   int max_restarts = 0;
@@ -95,6 +96,8 @@ struct Config {
   std::string ce_kernel = "auto";      // auto: ddptrain's fused cross-entropy kernels (--task lm, CUDA)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
+  int patience = 0;                 // stop after N validations without improvement of the monitor (0: off)
+  double min_delta = 0;             // what counts as an improvement for --patience
   int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's
   int bench_steps = 100;            // `ddptrain bench`
   std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps

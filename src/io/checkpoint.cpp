@@ -2,6 +2,7 @@
 #include "ddp/io/checkpoint.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <fnmatch.h>
 #include <unistd.h>
@@ -28,7 +29,18 @@ namespace fs = std::filesystem;
 namespace ddp {
 namespace {
 
-std::string tmp_name(const std::string& path) { return path + ".tmp." + std::to_string(::getpid()); }
+std::string host_name() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "";
+  return host;
+}
+
+// <path>.tmp.<pid>.<host>: the host says whose pid it is, so that a start
+// cleans only what a dead process of its own host left (remove_stale_temp_files).
+std::string tmp_name(const std::string& path) {
+  static const std::string host = host_name();
+  return path + ".tmp." + std::to_string(::getpid()) + (host.empty() ? "" : "." + host);
+}
 
 // Every step of a write can fail with a full or broken disk (ENOSPC, EFBIG,
 // EIO), at write() or only at fsync() or close(): each one is checked, so
@@ -91,7 +103,11 @@ nlohmann::json state_to_json(const TrainState& s) {
           {"best", std::isnan(s.best) ? nlohmann::json() : nlohmann::json(s.best)},  // JSON has no NaN
           {"batch_in_epoch", s.batch_in_epoch},
           {"epoch_loss_sum", s.epoch_loss_sum},
-          {"epoch_loss_count", s.epoch_loss_count}};
+          {"epoch_loss_count", s.epoch_loss_count},
+          {"epoch_log_sums", s.epoch_log_sums},
+          {"patience_best", std::isnan(s.patience_best) ? nlohmann::json() : nlohmann::json(s.patience_best)},
+          {"patience_wait", s.patience_wait},
+          {"monitored", std::isnan(s.monitored) ? nlohmann::json() : nlohmann::json(s.monitored)}};
 }
 
 TrainState state_from_json(const nlohmann::json& j) {
@@ -100,9 +116,15 @@ TrainState state_from_json(const nlohmann::json& j) {
   s.step = j.value("step", s.step);
   const auto best = j.contains("best") ? j["best"] : nlohmann::json();
   if (best.is_number()) s.best = best.get<double>();
+  if (j.contains("patience_best") && j["patience_best"].is_number()) s.patience_best = j["patience_best"].get<double>();
+  s.patience_wait = j.value("patience_wait", s.patience_wait);
+  if (j.contains("monitored") && j["monitored"].is_number()) s.monitored = j["monitored"].get<double>();
   s.batch_in_epoch = j.value("batch_in_epoch", s.batch_in_epoch);
   s.epoch_loss_sum = j.value("epoch_loss_sum", s.epoch_loss_sum);
   s.epoch_loss_count = j.value("epoch_loss_count", s.epoch_loss_count);
+  if (j.contains("epoch_log_sums") && j["epoch_log_sums"].is_object())
+    for (const auto& [name, v] : j["epoch_log_sums"].items())
+      if (v.is_number()) s.epoch_log_sums[name] = v.get<double>();
   return s;
 }
 
@@ -426,12 +448,68 @@ std::optional<int64_t> epoch_of(const std::string& name) {
   return std::stoll(m[1]);
 }
 
-void remove_old_checkpoints(const std::string& dir, int64_t keep) {
+void remove_old_checkpoints(const std::string& dir, int64_t keep, int64_t up_to_epoch) {
   std::vector<std::pair<int64_t, std::string>> found;
   for (const auto& e : fs::directory_iterator(dir))
-    if (auto epoch = epoch_of(e.path().filename().string())) found.emplace_back(*epoch, e.path().string());
+    if (auto epoch = epoch_of(e.path().filename().string()); epoch && *epoch <= up_to_epoch)
+      found.emplace_back(*epoch, e.path().string());
   std::sort(found.begin(), found.end());
   for (size_t i = 0; i + static_cast<size_t>(keep) < found.size(); ++i) fs::remove(found[i].second);
+}
+
+std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, const std::string& stamp) {
+  std::vector<fs::path> later;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_regular_file() || e.path().extension() != ".pt") continue;
+    try {
+      if (read_checkpoint_meta(e.path().string()).state.step > step) later.push_back(e.path());
+    } catch (const std::exception&) {
+      // not a checkpoint (an exported weights.pt) or a damaged one: not a branch's
+    }
+  }
+  if (later.empty()) return "";
+  const std::string aside = make_run_dir(dir, kAbandonedPrefix + stamp);
+  // The logs first: the resumed run cuts its copy back to the resume point.
+  for (const char* log : {"metrics.jsonl", "metrics.csv"}) {
+    std::error_code ec;
+    if (fs::exists(fs::path(dir) / log, ec)) fs::copy_file(fs::path(dir) / log, fs::path(aside) / log, ec);
+  }
+  for (const auto& p : later) {
+    std::error_code ec;
+    fs::rename(p, fs::path(aside) / p.filename(), ec);  // the same file system: a rename, never a copy
+    check_user(!ec, "cannot move " + p.string() + " into " + aside + ": " + ec.message() + ".",
+               "make the run directory writable, or resume from its newest checkpoint.");
+  }
+  fsync_dir(aside + "/x");
+  fsync_dir(dir + "/x");
+  return aside;
+}
+
+void remove_superseded_preempt(const std::string& dir, int64_t step) {
+  const std::string path = dir + "/preempt.pt";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return;
+  try {
+    if (read_checkpoint_meta(path).state.step > step) return;  // further along: still the place to resume
+  } catch (const std::exception&) {
+    return;  // damaged: left for the user to look at
+  }
+  fs::remove(path, ec);
+}
+
+void remove_stale_temp_files(const std::string& dir) {
+  static const std::regex pattern(R"(.+\.tmp\.(\d{1,9})(\.(.+))?)");
+  const std::string here = host_name();
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::smatch m;
+    if (!e.is_regular_file() || !std::regex_match(name, m, pattern)) continue;
+    if (m[2].matched && m[3].str() != here) continue;  // another host's pid
+    const auto pid = static_cast<pid_t>(std::stol(m[1]));
+    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to ask: EPERM)
+    fs::remove(e.path(), ec);
+  }
 }
 
 std::string find_latest_checkpoint(const std::string& dir) {
@@ -442,7 +520,14 @@ std::string find_latest_checkpoint(const std::string& dir) {
     int64_t step, epoch;
   };
   std::vector<Found> found;
-  for (const auto& e : fs::recursive_directory_iterator(dir, fs::directory_options::skip_permission_denied)) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec), end;
+       !ec && it != end; it.increment(ec)) {
+    const auto& e = *it;
+    if (e.is_directory() && e.path().filename().string().rfind(kAbandonedPrefix, 0) == 0) {
+      it.disable_recursion_pending();  // a branch given up: never where a run goes on
+      continue;
+    }
     if (!e.is_regular_file()) continue;
     const std::string fname = e.path().filename().string();
     const auto epoch = epoch_of(fname);

@@ -34,6 +34,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
+#include "ddp/train/early_stopping.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/train/validation.h"
 #include "ddp/models/fused_layer_norm.h"
@@ -411,6 +412,8 @@ void Trainer::open_run_dir(const std::string& resume_from) {
     dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
   run_dir_ = world_.share_string("run_dir", dir);
+  if (!resume_from.empty() && world_.is_main()) set_aside_abandoned_branch();
+  if (world_.is_main()) remove_stale_temp_files(run_dir_);  // what a kill mid-write left
   // The directory is this job's now: a restart finds it by this id.
   if (const std::string id = job_id(); world_.is_main() && !id.empty()) {
     // The checkpoint a restart would resume: the one this attempt resumed
@@ -426,6 +429,21 @@ void Trainer::open_run_dir(const std::string& resume_from) {
     write_file_atomic(run_dir_ + "/config.json", config_to_json(job_config()).dump(2) + "\n");
     write_file_atomic(run_dir_ + "/config.toml", config_to_toml(job_config()));  // --config repeats the run
   }
+}
+
+// A resume from an older checkpoint of the run directory (epoch 2 of 4)
+// starts a new branch of the run, as Lightning's ckpt_path does: the later
+// checkpoints are the work of the branch left, so they are moved aside, not
+// pruned by --keep-last nor found by --resume (set_aside_later_checkpoints).
+// best.pt goes with them when it is from past the resume point; the live
+// branch's best then starts again, so that its best.pt is its own. Rank 0.
+void Trainer::set_aside_abandoned_branch() {
+  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, timestamp());
+  if (aside.empty()) return;
+  if (!std::filesystem::exists(run_dir_ + "/best.pt")) state_.best = std::numeric_limits<double>::quiet_NaN();
+  std::printf("resume: the checkpoints past step %lld (another branch of this run) moved to %s\n",
+              static_cast<long long>(state_.step), aside.c_str());
+  std::fflush(stdout);
 }
 
 void Trainer::resume(const std::string& path) {
@@ -477,6 +495,14 @@ EpochMetrics Trainer::fit() {
                "resume: the run in %s already trained all its %d epoch(s); nothing to do. To train on, resume it with "
                "--epochs N (more than %d) --reschedule.\n",
                run_dir_.c_str(), config_.epochs, config_.epochs);
+    return {};
+  }
+  if (config_.patience > 0 && state_.patience_wait >= config_.patience) {
+    // As for a finished run: a job script that always resumes ends cleanly.
+    DDP_PRINT0(world_,
+               "resume: the run in %s stopped early after epoch %lld (--patience %d ran out); nothing to do. To "
+               "train on, resume it with a larger --patience.\n",
+               run_dir_.c_str(), static_cast<long long>(state_.epoch), config_.patience);
     return {};
   }
   set_stop_can_checkpoint(true);  // a stop signal now checkpoints (signals.h); before "world: " is printed
@@ -572,7 +598,9 @@ EpochMetrics Trainer::fit() {
     } catch (const UserError&) {
       stop_error = std::current_exception();
     }
-    const bool periodic = epoch % config_.save_epoch == 0 || epoch == config_.epochs || reached || stop_error;
+    const bool out_of_patience = patience_run_out_on_rank_0(value);
+    const bool periodic = epoch % config_.save_epoch == 0 || epoch == config_.epochs || reached || out_of_patience ||
+                          stop_error;
     save(epoch, value, periodic);
     if (stop_error) {
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
@@ -580,6 +608,12 @@ EpochMetrics Trainer::fit() {
     }
     if (reached) {
       DDP_PRINT0(world_, "reached --stop-at at epoch %lld; stopping.\n", static_cast<long long>(epoch));
+      break;
+    }
+    if (out_of_patience) {
+      DDP_PRINT0(world_, "early stopping: %s has not improved by more than %g for %d validation(s) (best %s); "
+                 "stopping after epoch %lld.\n", monitor_.metric.c_str(), config_.min_delta, config_.patience,
+                 format_value(monitor_.metric, state_.patience_best).c_str(), static_cast<long long>(epoch));
       break;
     }
     // A stop that came during the epoch's end (its saves, most likely) stops
@@ -703,15 +737,23 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
   // in for each all-reduce.
   constexpr int64_t kStop = 2, kSeconds = 3, kFirstLog = 4;
   const auto f64 = torch::TensorOptions().dtype(torch::kDouble).device(dev);
+  // The saved logs' names fix their order on every rank (each loaded the same checkpoint).
+  if (log_names_.empty())
+    for (const auto& [name, sum] : state_.epoch_log_sums) log_names_.push_back(name);
   auto sums = torch::zeros({kFirstLog + static_cast<int64_t>(log_names_.size())}, f64);
   if (state_.batch_in_epoch > 0 && world_.is_main()) {
     sums[0] = state_.epoch_loss_sum;
     sums[1] = state_.epoch_loss_count;
+    for (size_t i = 0; i < log_names_.size(); ++i) {
+      auto it = state_.epoch_log_sums.find(log_names_[i]);
+      if (it != state_.epoch_log_sums.end()) sums[kFirstLog + static_cast<int64_t>(i)] = it->second;
+    }
   }
   int64_t micro = state_.batch_in_epoch;
   const int64_t first_micro = micro;
   state_.batch_in_epoch = 0;
   state_.epoch_loss_sum = state_.epoch_loss_count = 0;
+  state_.epoch_log_sums.clear();
   auto t0 = Clock::now();
   double lr = schedule_->at(state_.step);
   const int accum = config_.accum_steps;
@@ -790,6 +832,8 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
         state_.batch_in_epoch = micro;
         state_.epoch_loss_sum = mean[0].item<double>();
         state_.epoch_loss_count = mean[1].item<double>();
+        for (size_t i = 0; i < log_names_.size(); ++i)
+          state_.epoch_log_sums[log_names_[i]] = mean[kFirstLog + static_cast<int64_t>(i)].item<double>();
         state_.epoch = epoch - 1;
         save_and_stop(run_dir_ + "/preempt.pt");
       }
@@ -923,9 +967,12 @@ void Trainer::check_flags_match_rank_0() {
   for (const auto& f : flag_table(copy)) {
     const std::string key = f.key();
     if (key == "data_root" || key == "val-root") continue;
-    // --sanity-val-steps and --test-every-epoch too: they decide whether collectives run.
+    // --sanity-val-steps and --test-every-epoch too: they decide whether
+    // collectives run. --patience too: it decides whether each validation
+    // ends in a collective; and --min-delta, --save-top-k, whose rank 0's
+    // value alone acts: a node given another would be told nothing of it.
     if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps" &&
-        key != "test-every-epoch")
+        key != "test-every-epoch" && key != "patience" && key != "min-delta" && key != "save-top-k")
       continue;
     keys.push_back(key);
     mine[key] = all[key];
@@ -1057,11 +1104,36 @@ void Trainer::save(int64_t epoch, double monitored, bool periodic) {
     save_checkpoint(run_dir_ + "/best.pt", *model_, step_.get(), meta);
     if (!periodic) std::printf("saved %s/best.pt (%s)\n", run_dir_.c_str(), format_metric(monitor_.metric, monitored).c_str());
   }
+  save_top_k(epoch, monitored);
   if (!periodic) return;
   const std::string path = run_dir_ + "/epoch_" + std::to_string(epoch) + ".pt";
   save_job_checkpoint(path);
   std::printf("saved %s\n", path.c_str());
-  if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last);
+  remove_superseded_preempt(run_dir_, state_.step);
+  if (config_.keep_last > 0) remove_old_checkpoints(run_dir_, config_.keep_last, epoch);
+}
+
+// --patience, decided by rank 0 (early_stopping.h says why) and shared in one
+// all-reduce that every rank makes while --patience is on.
+bool Trainer::patience_run_out_on_rank_0(double monitored) {
+  if (config_.patience == 0) return false;
+  const bool run_out = patience_run_out(monitor_, monitored, config_.min_delta, config_.patience, state_);
+  auto decision = torch::full({1}, world_.is_main() && run_out ? 1.0 : 0.0,
+                              torch::TensorOptions().dtype(torch::kDouble).device(world_.device()));
+  world_.all_reduce(decision, "early stopping (--patience)");
+  return decision.item<double>() > 0;
+}
+
+// --save-top-k: this validation's checkpoint, if it is among the best K of
+// the run directory, then the one it pushed out removed. Rank 0.
+void Trainer::save_top_k(int64_t epoch, double monitored) {
+  if (config_.save_top_k == 0 || !enters_top_k(run_dir_, monitor_, config_.save_top_k, monitored)) return;
+  CheckpointMeta meta = this->meta();
+  meta.state.monitored = monitored;
+  const std::string path = run_dir_ + "/" + top_k_name(epoch, monitor_.metric, monitored);
+  save_checkpoint(path, *model_, step_.get(), meta);
+  prune_top_k(run_dir_, monitor_, config_.save_top_k);
+  std::printf("saved %s (top %d)\n", path.c_str(), config_.save_top_k);
 }
 
 // Saves a checkpoint to resume from (epoch_N.pt, preempt.pt) and records

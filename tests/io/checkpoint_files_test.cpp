@@ -336,3 +336,74 @@ TEST(RunDir, ResumePicksTheFurthestStepNotTheNewestFile) {
   save(b + "/preempt.pt", 1, 7, 20);
   EXPECT_EQ(ddp::resume_checkpoint("auto", save_path), b + "/preempt.pt");
 }
+
+// Issue 44 item 1: a run resumed from an older checkpoint of its run
+// directory (epoch 2 of 4) once had --keep-last 1 delete the epoch_3.pt it
+// had just written (pruning kept the highest epoch numbers, the abandoned
+// epoch_4.pt among them), and the printed resume command then loaded that old
+// epoch 4. The resumed run is a new branch: the later files move aside into
+// abandoned-<time>/, nothing of either branch is deleted that the live
+// branch does not supersede, and the newest checkpoint is the live branch's.
+TEST(RunDir, ResumeFromAnOlderCheckpointSetsTheLaterOnesAsideAndKeepsItsOwn) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto save_path = ddp::testing::temp_dir("older_resume");
+  auto first = ddp::testing::run_process(quick_run(save_path, {"--epochs", "4", "--save_epoch", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run_dir = only_run_dir(save_path);
+  const std::string epoch4 = ddp::testing::read_file(run_dir + "/epoch_4.pt");
+  ASSERT_FALSE(epoch4.empty()) << first.output;
+  auto second = ddp::testing::run_process(
+      {DDPTRAIN_EXE, "--resume", run_dir + "/epoch_2.pt", "--epochs", "3", "--reschedule", "--keep-last", "1"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  // What this run wrote survives, and is what a resume of the run finds.
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_3.pt")) << second.output;
+  EXPECT_FALSE(fs::exists(run_dir + "/epoch_4.pt"));
+  EXPECT_FALSE(fs::exists(run_dir + "/epoch_2.pt"));  // the live branch's older file: --keep-last 1
+  EXPECT_EQ(ddp::find_latest_checkpoint(run_dir), run_dir + "/epoch_3.pt");
+  EXPECT_EQ(ddp::resume_checkpoint(run_dir, save_path), run_dir + "/epoch_3.pt");
+  EXPECT_EQ(ddp::resume_checkpoint("auto", save_path), run_dir + "/epoch_3.pt");
+  EXPECT_NE(second.output.find("--resume " + run_dir + "\n"), std::string::npos) << second.output;
+  // The abandoned branch's later work is kept, byte for byte, with its log.
+  std::string aside;
+  for (const auto& e : fs::directory_iterator(run_dir))
+    if (e.is_directory() && e.path().filename().string().rfind("abandoned-", 0) == 0) aside = e.path().string();
+  ASSERT_FALSE(aside.empty()) << second.output;
+  EXPECT_EQ(ddp::testing::read_file(aside + "/epoch_4.pt"), epoch4);
+  EXPECT_TRUE(fs::exists(aside + "/epoch_3.pt"));
+  EXPECT_NE(ddp::testing::read_file(aside + "/metrics.jsonl").find("\"epoch\":4"), std::string::npos);
+  EXPECT_NE(second.output.find(aside), std::string::npos) << "the run says where the later files went";
+  // The live branch's log: epochs 1-3, the third from this run.
+  const auto rows = ddp::testing::metrics_jsonl(run_dir);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows.back()["epoch"], 3);
+}
+
+// Issue 44 item 10: a SIGKILL during a checkpoint write leaves a
+// checkpoint-sized <name>.tmp.<pid> that nothing removed. A run that starts
+// in the directory removes those of processes that are dead on this host,
+// and only those: never a live process's, nor one another host wrote (whose
+// pid says nothing here), nor a file that merely has ".tmp." in its name.
+TEST(RunDir, StaleTempFilesOfDeadProcessesGoAtStart) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto save_path = ddp::testing::temp_dir("stale_tmp");
+  auto first = ddp::testing::run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run_dir = only_run_dir(save_path);
+  const pid_t dead = fork();
+  if (dead == 0) _exit(0);
+  ASSERT_GT(dead, 0);
+  ASSERT_EQ(waitpid(dead, nullptr, 0), dead);
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  const std::string d = std::to_string(dead), live = std::to_string(getpid());
+  const std::vector<std::string> stale{"epoch_2.pt.tmp." + d, "epoch_2.pt.tmp." + d + "." + host};
+  const std::vector<std::string> kept{"epoch_3.pt.tmp." + live, "epoch_3.pt.tmp." + live + "." + host,
+                                      "epoch_4.pt.tmp." + d + ".another-host.example", "notes.tmp.txt"};
+  for (const auto& name : stale) fs::copy_file(run_dir + "/epoch_1.pt", run_dir + "/" + name);
+  for (const auto& name : kept) fs::copy_file(run_dir + "/epoch_1.pt", run_dir + "/" + name);
+  auto second = ddp::testing::run_process({DDPTRAIN_EXE, "--resume", run_dir, "--epochs", "2", "--reschedule"});
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << second.output;
+  for (const auto& name : stale) EXPECT_FALSE(fs::exists(run_dir + "/" + name)) << name << " (a dead process's) is left";
+  for (const auto& name : kept) EXPECT_TRUE(fs::exists(run_dir + "/" + name)) << name << " was removed";
+}

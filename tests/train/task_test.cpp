@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -443,6 +444,161 @@ TEST(Task, NonFiniteValidationMetricIsSaidOnceWithItsSource) {
       EXPECT_EQ(line.find("test_loss"), std::string::npos) << line;  // the loss itself is finite
       EXPECT_NE(line.find("parameters and buffers are all finite"), std::string::npos) << line;
     }
+  }
+}
+
+
+// Issue 44 item 7: a stop mid-epoch kept the loss's sum and count in
+// preempt.pt but not the task's logged sums (StepOutput.logs), so the
+// resumed epoch divided the sums of its later steps alone by the whole
+// epoch's count. Stopped at step 3 of 8 and resumed, the epoch's logged mean
+// is the straight run's.
+TEST(Task, LoggedSumsSurviveAMidEpochStop) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::vector<std::string> flags{"--epochs", "2", "--train-samples", "512", "--test-samples", "64", "--batch", "32",
+                                       "--log-every", "1", "--sanity-val-steps", "0", "--workers", "0"};
+  auto run = [&](const std::string& dir, const std::string& mode, std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, mode};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  const auto straight = ddp::testing::temp_dir("logged_straight"), split = ddp::testing::temp_dir("logged_split");
+  auto a = run(straight, "logged", {});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b1 = run(split, "logged_stop", {});
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  const auto run_dir = run_dir_of(split + "/runs");
+  ASSERT_TRUE(fs::exists(run_dir + "/preempt.pt")) << b1.output;
+  const auto stopped = ddp::read_checkpoint_meta(run_dir + "/preempt.pt").state;
+  ASSERT_EQ(stopped.epoch, 0) << "the stop did not come mid-epoch 1";
+  ASSERT_GT(stopped.batch_in_epoch, 0);
+  auto b2 = run(split, "logged", {"--resume", run_dir});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  const auto ma = metrics_under(straight + "/runs"), mb = metrics_under(split + "/runs");
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t e = 0; e < 2; ++e) {
+    SCOPED_TRACE("epoch " + std::to_string(e + 1));
+    ASSERT_TRUE(ma[e].contains("train_target_abs")) << ma[e].dump();
+    ASSERT_TRUE(mb[e].contains("train_target_abs")) << mb[e].dump();
+    const double want = ma[e]["train_target_abs"].get<double>(), got = mb[e]["train_target_abs"].get<double>();
+    EXPECT_GT(want, 0.1);
+    EXPECT_NEAR(got, want, 1e-12 * want);
+    EXPECT_NEAR(mb[e]["train_loss"].get<double>(), ma[e]["train_loss"].get<double>(), 1e-9);
+  }
+}
+
+// Issue 43 item 10: preempt.pt stayed after the resumed run had passed it,
+// and `report` listed it. It goes once a later checkpoint of the run (an
+// epoch_N.pt past its step) supersedes it; until then it stays.
+TEST(Task, PreemptCheckpointGoesOnceALaterOneSupersedesIt) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("preempt_superseded");
+  const std::vector<std::string> flags{"--train-samples", "512", "--test-samples", "64", "--batch", "32",
+                                       "--sanity-val-steps", "0", "--workers", "0", "--save_epoch", "1"};
+  auto run = [&](const std::string& mode, std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, mode};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  auto b1 = run("logged_stop", {"--epochs", "2"});
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  const auto run_dir = run_dir_of(dir + "/runs");
+  ASSERT_TRUE(fs::exists(run_dir + "/preempt.pt")) << b1.output;
+  auto b2 = run("logged", {"--epochs", "2", "--resume", run_dir});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_1.pt")) << b2.output;
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << b2.output;
+  EXPECT_FALSE(fs::exists(run_dir + "/preempt.pt")) << "epoch_1.pt superseded it";
+  auto report = run_process({DDPTRAIN_EXE, "report", run_dir});
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_NE(report.output.find("epoch_2.pt"), std::string::npos) << report.output;
+  EXPECT_EQ(report.output.find("preempt.pt"), std::string::npos) << report.output;
+}
+
+// Issue 43 item 4: --patience stops a 2-rank run once the monitor has not
+// improved by more than --min-delta for N validations, every rank at the
+// same epoch (the job ends 0: no rank waits in a collective another
+// skipped), and the counter survives a resume. The scripted test_loss by
+// epoch: 1.0, 0.5, 2.0, 0.8, 0.45, 0.9, 3.0, 3.0...
+TEST(Task, PatienceStopsEveryRankAtTheSameEpochAndSurvivesResume) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto run = [&](const std::string& dir, std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, "scripted", "--train-samples",
+                               "256", "--test-samples", "64", "--batch", "32", "--sanity-val-steps", "0",
+                               "--workers", "0", "--save_epoch", "1", "--patience", "3"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  // min-delta 0: epoch 5's 0.45 improves on 0.5; three epochs without
+  // improvement follow (6, 7, 8), and the run stops after epoch 8 of 10.
+  const auto plain = ddp::testing::temp_dir("patience_plain");
+  auto a = run(plain, {"--epochs", "10"});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(metrics_under(plain + "/runs").size(), 8u) << a.output;
+  EXPECT_NE(a.output.find("early stopping: test_loss has not improved"), std::string::npos) << a.output;
+  EXPECT_TRUE(fs::exists(run_dir_of(plain + "/runs") + "/epoch_8.pt")) << "the epoch it stops at is saved";
+  // min-delta 0.1: 0.45 is no improvement on 0.5, so epochs 3, 4 and 5 run
+  // patience out: stopped after epoch 5, here across a resume after epoch 4
+  // (a counter that started again would stop after epoch 7).
+  const auto split = ddp::testing::temp_dir("patience_split");
+  auto b1 = run(split, {"--epochs", "4", "--min-delta", "0.1"});
+  ASSERT_EQ(b1.exit_code, 0) << b1.output;
+  EXPECT_EQ(b1.output.find("early stopping"), std::string::npos) << b1.output;
+  const auto run_dir = run_dir_of(split + "/runs");
+  EXPECT_EQ(ddp::read_checkpoint_meta(run_dir + "/epoch_4.pt").state.patience_wait, 2);
+  auto b2 = run(split, {"--epochs", "10", "--min-delta", "0.1", "--resume", run_dir, "--reschedule"});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_EQ(metrics_under(split + "/runs").size(), 5u) << b2.output;
+  EXPECT_NE(b2.output.find("stopping after epoch 5"), std::string::npos) << b2.output;
+  // Resumed once more with the same patience: nothing to train, said so.
+  auto b3 = run(split, {"--epochs", "10", "--min-delta", "0.1", "--resume", run_dir, "--reschedule"});
+  ASSERT_EQ(b3.exit_code, 0) << b3.output;
+  EXPECT_EQ(metrics_under(split + "/runs").size(), 5u) << b3.output;
+  EXPECT_NE(b3.output.find("stopped early"), std::string::npos) << b3.output;
+}
+
+// Issue 43 item 4: --save-top-k 2 keeps exactly the two best checkpoints
+// by the monitor, named by epoch and value, beside best.pt, across a resume
+// (the list is re-derived from the run directory), and --keep-last goes on
+// pruning epoch_N.pt as before.
+TEST(Task, SaveTopKKeepsExactlyTheKBestAcrossResume) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("top_k");
+  auto run = [&](std::vector<std::string> extra) {
+    std::vector<std::string> a{DDP_TESTWORKER, "--launch", "2", "not_finite", dir, "scripted", "--train-samples",
+                               "256", "--test-samples", "64", "--batch", "32", "--sanity-val-steps", "0",
+                               "--workers", "0", "--save_epoch", "1", "--save-top-k", "2", "--keep-last", "2"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_process(a);
+  };
+  auto top_k = [&](const std::string& run_dir) {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(run_dir))
+      if (e.path().filename().string().rfind("epoch=", 0) == 0) names.insert(e.path().filename().string());
+    return names;
+  };
+  auto a = run({"--epochs", "4"});
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto run_dir = run_dir_of(dir + "/runs");
+  EXPECT_EQ(top_k(run_dir), (std::set<std::string>{"epoch=2-test_loss=0.5.pt", "epoch=4-test_loss=0.8.pt"}));
+  auto b = run({"--epochs", "6", "--resume", run_dir, "--reschedule"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(top_k(run_dir), (std::set<std::string>{"epoch=2-test_loss=0.5.pt", "epoch=5-test_loss=0.45.pt"}));
+  EXPECT_EQ(ddp::read_checkpoint_meta(run_dir + "/epoch=5-test_loss=0.45.pt").state.monitored, 0.45);
+  EXPECT_EQ(ddp::read_checkpoint_meta(run_dir + "/best.pt").state.epoch, 5);
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_5.pt"));
+  EXPECT_TRUE(fs::exists(run_dir + "/epoch_6.pt"));
+  EXPECT_FALSE(fs::exists(run_dir + "/epoch_4.pt")) << "--keep-last 2 as before";
+}
+
+// The flags are checked: negative values name the flag and a fix.
+TEST(Task, PatienceAndTopKFlagsRefuseNegativeValues) {
+  for (const char* flag : {"--patience", "--save-top-k", "--min-delta"}) {
+    const auto msg = ddp::testing::user_error([&] { ddp::testing::parse_args({flag, "-1"}); });
+    EXPECT_NE(msg.find(flag), std::string::npos) << msg;
   }
 }
 

@@ -19,6 +19,7 @@
 #include "ddp/dist/param_slots.h"
 #include "ddp/dist/signals.h"
 #include "ddp/dist/launch.h"
+#include "ddp/dist/signals.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
 #include "ddp/train/flat_optimizer.h"
@@ -310,9 +311,13 @@ class NotFiniteTask : public RegressionTask {
   }
   // "random": both steps draw from the global generator, so a draw made
   // elsewhere (by the validation before training) would change the run.
+  // "logged": a scalar logged every step (the batch's mean |target|, which
+  // differs from batch to batch); "logged_stop": that, and a stop asked for
+  // on rank 0 at step 3, mid-epoch, as a SIGTERM would.
   StepOutput training_step(const data::Batch& batch) override {
     auto out = RegressionTask::training_step(batch);
     if (mode_ == "random") out.loss = out.loss * (1 + torch::rand({}));
+    if (mode_.rfind("logged", 0) == 0) out.logs["train_target_abs"] = batch.target().abs().mean();
     return out;
   }
   TensorMap validation_step(const data::Batch& batch) override {
@@ -325,25 +330,29 @@ class NotFiniteTask : public RegressionTask {
   Metrics validation_metrics(const Totals& totals) override {
     auto m = RegressionTask::validation_metrics(totals);
     if (mode_ == "metric") m["test_huge_share"] = totals.at("huge").item<double>() / totals.at("huge").item<double>();
-    if (mode_ == "scripted") {  // by epoch: the validation before training (--sanity-val-steps) counts no epoch
-      const double losses[] = {1.0, 0.5, 2.0};
-      m["test_loss"] = losses[std::min<size_t>(epochs_ended_, 2)];
+    if (mode_ == "scripted") {  // by epoch (the steps say which: it survives a resume); the validation
+                                // before training (--sanity-val-steps) reads epoch 1's
+      const double losses[] = {1.0, 0.5, 2.0, 0.8, 0.45, 0.9, 3.0};
+      m["test_loss"] = losses[std::min<int64_t>(std::max<int64_t>(epoch_, 1), 7) - 1];
     }
     return m;
   }
   void on_step_end(const StepEnd& step) override {
     if (scaled_ && step.step == 2) scaled_->scale.fill_(std::numeric_limits<double>::infinity());
+    epoch_ = step.epoch;
+    if (mode_ == "logged_stop" && step.step == 3 && std::getenv("RANK") && std::string(std::getenv("RANK")) == "0")
+      request_stop();
   }
-  void on_epoch_end(EpochEnd&) override { ++epochs_ended_; }
 
  private:
   std::string mode_;
   std::shared_ptr<ScaledNetImpl> scaled_;
-  size_t epochs_ended_ = 0;
+  int64_t epoch_ = 0;  // of the last training step
 };
 
 void not_finite(World& world, const std::string& out, int argc, char** argv) {
-  if (argc < 1) throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted, bad_validation or random)");
+  if (argc < 1)
+    throw std::runtime_error("not_finite needs MODE (metric, buffer, scripted, bad_validation, random, logged or logged_stop)");
   NotFiniteTask task(argv[0]);
   Config defaults;
   task.add_flags(defaults);

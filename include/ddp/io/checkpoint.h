@@ -40,6 +40,16 @@ struct TrainState {
   int64_t batch_in_epoch = 0;
   double epoch_loss_sum = 0;
   double epoch_loss_count = 0;
+  // The task's logged sums (StepOutput.logs) over all ranks so far in an
+  // interrupted epoch, by name, for the same reason.
+  std::map<std::string, double> epoch_log_sums;
+  // --patience: the best monitor value by its rule (--min-delta), and the
+  // validations since it improved (early_stopping.h).
+  double patience_best = std::numeric_limits<double>::quiet_NaN();
+  int64_t patience_wait = 0;
+  // The monitor's value at the validation a top-k checkpoint was saved
+  // after (NaN in the others): what ranks it among the best K.
+  double monitored = std::numeric_limits<double>::quiet_NaN();
 };
 
 struct CheckpointMeta {
@@ -126,9 +136,23 @@ void check_output_is_no_checkpoint(const std::string& out, const std::string& in
 /// record whole (its CRC checked). read_checkpoint_meta reads the header only.
 bool is_checkpoint(const std::string& path);
 
-/// The newest complete checkpoint (epoch_*.pt) under `dir` and its run
-/// subdirectories, or "" when there is none.
+/// The newest complete checkpoint (epoch_*.pt, preempt.pt) under `dir` and
+/// its run subdirectories, or "" when there is none. Folders of abandoned
+/// branches (abandoned-*, see set_aside_later_checkpoints) are not searched.
 std::string find_latest_checkpoint(const std::string& dir);
+
+/// The prefix of the folder in a run directory that holds an abandoned
+/// branch's checkpoints.
+constexpr const char* kAbandonedPrefix = "abandoned-";
+
+/// A run resumed from an older checkpoint of its directory starts a new
+/// branch there. The checkpoints (any *.pt with a ddptrain header) directly in
+/// `dir` that are further along than `step` belong to the branch it leaves:
+/// they move into a new folder `dir`/abandoned-`stamp`, with a copy of the
+/// metrics logs as they were, so that nothing of that branch is lost and
+/// neither --keep-last nor --resume confuses it with the live one. Returns
+/// the folder, or "" when nothing was further along (the usual resume).
+std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, const std::string& stamp);
 
 /// Creates a new run directory `save_path`/`stem` (`stem`_1, `stem`_2...
 /// when that exists, e.g. another job started in the same second) and
@@ -143,8 +167,22 @@ std::string run_dir_of(const std::string& checkpoint);
 /// name, so that stray files never stop a run.
 std::optional<int64_t> epoch_of(const std::string& filename);
 
-/// Removes all but the newest `keep` epoch_N.pt files in `dir` (--keep-last).
-void remove_old_checkpoints(const std::string& dir, int64_t keep);
+/// Removes all but the newest `keep` epoch_N.pt files in `dir` (--keep-last)
+/// among those of epochs up to `up_to_epoch`, the one just saved: a file of a
+/// later epoch is never this branch's to prune (set_aside_later_checkpoints).
+void remove_old_checkpoints(const std::string& dir, int64_t keep,
+                            int64_t up_to_epoch = std::numeric_limits<int64_t>::max());
+
+/// Removes `dir`/preempt.pt once a checkpoint at `step` supersedes it (its
+/// own step is not past `step`): a resume goes on from the later one, and the
+/// stop's file would only mislead (report, a reader of the directory).
+void remove_superseded_preempt(const std::string& dir, int64_t step);
+
+/// Removes the temporary files (<name>.tmp.<pid>.<host>, and older builds'
+/// <name>.tmp.<pid>) in `dir` that a writer killed mid-write left: only those
+/// whose process is dead on this host. A live process's, or one of another
+/// host (whose pid says nothing here), stays.
+void remove_stale_temp_files(const std::string& dir);
 
 /// Writes `text` to `path` atomically (temp file, fsync, rename).
 void write_file_atomic(const std::string& path, const std::string& text);

@@ -75,6 +75,9 @@ class Trainer {
   std::string find_resume_checkpoint();
   void open_run_dir(const std::string& resume_from);
   void resume(const std::string& path);
+  void set_aside_abandoned_branch();
+  bool patience_run_out_on_rank_0(double monitored);
+  void save_top_k(int64_t epoch, double monitored);
   void keep_global_batch(const CheckpointMeta& saved);
   void hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, double seconds);
   void hint_if_data_bound(int64_t epoch, double wait_share, int64_t samples);
