@@ -132,6 +132,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
       .channels_last(c.channels_last == "on" || (c.channels_last == "auto" && cuda))
       .accum_steps(c.accum_steps)
       .clip_grad_norm(c.clip_grad_norm)
+      .ema(c.ema)
       .bucket_cap_mb(c.bucket_cap_mb)
       .optimizer(FlatOptimizerOptions().name(c.optimizer).lr(c.lr).weight_decay(c.weight_decay).momentum(c.momentum))
       .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
@@ -790,6 +791,7 @@ Metrics Trainer::evaluate(int64_t max_batches) {
   auto& model = *model_;
   // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
   step_->sync().broadcast_buffers();
+  const auto averaged = step_->averaged_weights();  // --ema: validation judges the average
   model.eval();
   torch::NoGradGuard no_grad;
   // Each test sample is seen by exactly one rank: no padding duplicates.
