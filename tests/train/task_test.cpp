@@ -185,9 +185,10 @@ TEST(Task, RegressionExampleReachesStatedR2) {
 }
 
 // --ema on the regression example, 2 CPU ranks: a short run and its flags.
-std::vector<std::string> ema_run(const std::string& dir, const std::string& decay, std::vector<std::string> extra = {}) {
-  auto a = cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "2", "--train-samples", "640", "--test-samples",
-                                             "128", "--batch", "32", "--log-every", "2", "--ema", decay});
+std::vector<std::string> ema_run(const std::string& dir, const std::string& decay,
+                                 std::vector<std::string> extra = {"--train-samples", "640", "--batch", "32"}) {
+  auto a = cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "2", "--test-samples", "128", "--log-every",
+                                             "2", "--ema", decay});
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -228,6 +229,17 @@ TEST(Task, EmaChangesWhatIsValidatedAndExportedNotWhatIsTrained) {
   const auto live = entry(best, "model/head.weight"), average = entry(best, "optimizer/ema/head.weight");
   ASSERT_TRUE(live.defined() && average.defined());
   EXPECT_FALSE(torch::equal(live, average));
+  // PyTorch reads the averages and their count from the checkpoint.
+  const std::string python = "/usr/bin/python3";
+  if (run_process({python, "-c", "import torch"}, {}, 120).exit_code == 0) {
+    auto py = run_process({python, "-c",
+                           "import sys, torch\n"
+                           "ck = torch.load(sys.argv[1], weights_only=True)\n"
+                           "assert ck['optimizer/ema_updates'].item() == 20, ck['optimizer/ema_updates']\n"
+                           "assert ck['optimizer/ema/head.weight'].shape == ck['model/head.weight'].shape\n",
+                           run + "/best.pt"});
+    EXPECT_EQ(py.exit_code, 0) << py.output;
+  }
   auto ex = run_process({EXAMPLE_regression, "export", run + "/best.pt", averaged + "/weights.pt"});
   ASSERT_EQ(ex.exit_code, 0) << ex.output;
   const auto exported = ddp::read_state_dict(averaged + "/weights.pt");
@@ -246,16 +258,18 @@ TEST(Task, EmaChangesWhatIsValidatedAndExportedNotWhatIsTrained) {
 TEST(Task, EmaRunInterruptedAndResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_GLOO();
   const auto straight = ddp::testing::temp_dir("ema_straight"), split = ddp::testing::temp_dir("ema_split");
-  auto a = run_process(ema_run(straight, "0.9"));
+  // 80 steps an epoch, so that the stop lands inside the first.
+  const std::vector<std::string> longer{"--train-samples", "2560", "--batch", "16"};
+  auto a = run_process(ema_run(straight, "0.9", longer));
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto child = ddp::testing::start_process(ema_run(split, "0.9"));
+  auto child = ddp::testing::start_process(ema_run(split, "0.9", longer));
   ASSERT_TRUE(ddp::testing::wait_for_output(child, "epoch 1/2 step 4/")) << "training never started";
   kill(child.pid, SIGTERM);
   auto b1 = ddp::testing::finish_process(child, 60);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   const auto run = run_dir_of(split);
   ASSERT_TRUE(fs::exists(run + "/preempt.pt"));
-  ASSERT_LT(ddp::read_checkpoint_meta(run + "/preempt.pt").state.step, 20) << "stopped after the run's end";
+  ASSERT_LT(ddp::read_checkpoint_meta(run + "/preempt.pt").state.step, 80) << "stopped after the first epoch";
   auto b2 = run_process({EXAMPLE_regression, "--resume", run});
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   const auto ta = ddp::read_state_dict(run_dir_of(straight) + "/epoch_2.pt"), tb = ddp::read_state_dict(run + "/epoch_2.pt");
