@@ -11,7 +11,9 @@
 // Warm-up: update n (from 0) uses the decay min(DECAY, (1 + n) / (10 + n)),
 // so the first updates follow the weights closely (0.1, 0.18, ...) and the
 // average does not hold on to the random initialisation for the thousands
-// of steps that 0.999 would take.
+// of steps that 0.999 would take. A step that fp16 loss scaling skips
+// still counts (the weights it averages in are the previous step's), as
+// with timm's: the update stays free of host decisions, so it is captured.
 //
 // Buffers (batch norm's running statistics) are not averaged: the averaged
 // model runs with the live buffers, as timm's ModelEmaV3 with
