@@ -23,6 +23,7 @@
 #include "ddp/data/image_folder.h"
 #include "ddp/cmd/doctor.h"
 #include "ddp/cmd/generate.h"
+#include "ddp/cmd/predict.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
 #include "ddp/dist/launch.h"
@@ -171,6 +172,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   }
   if (command == "doctor") return run_doctor(world);
   if (command == "bench") return run_bench(c, world);
+  if (command == "predict") return run_predict(c, world, task);
   DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
@@ -375,6 +377,11 @@ std::string builtin_task_of(std::vector<char*>& args) {
   }
   if (help) return named.empty() ? "classification" : named;
   const Config c = parse_cli(static_cast<int>(args.size()), args.data(), builtin_task_flags());
+  if (named.empty() && !c.checkpoint.empty() && fs::is_regular_file(c.checkpoint)) {
+    // predict --checkpoint without --task: the run's own task.
+    const auto saved = read_checkpoint_meta(c.checkpoint).config;
+    if (saved.contains("task") && saved["task"].is_string()) return saved["task"].get<std::string>();
+  }
   if (named.empty() && !c.resume.empty()) {
     // --resume without --task: the run's own task, from its checkpoint, as
     // with_saved_flags restores the rest of its flags.
@@ -401,7 +408,8 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     if (argc > 1 && std::string(argv[1]) == "generate") return generate_command({argv + 2, argv + argc});
     std::vector<char*> args(argv, argv + argc);
     std::string command;
-    if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench")) {
+    if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench" ||
+                     std::string(argv[1]) == "predict")) {
       command = argv[1];
       args.erase(args.begin() + 1);
     }
@@ -421,6 +429,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     Placement where = placement_from_env();
     refuse_launcher_flags_under(where, c);
     if (command.empty()) c = with_saved_flags(c);
+    if (command == "predict") c = predict_config(c);  // the flags of the run that wrote --checkpoint
     // Restarts live in the launcher, so --max-restarts starts one even for
     // a single process.
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty() || c.max_restarts > 0))

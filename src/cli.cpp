@@ -79,6 +79,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--loss", "loss of the built-in tasks; mse, l1 and huber need targets shaped like the outputs", &c.loss, {"cross-entropy", "mse", "l1", "huber"}, "train"},
       {"--label-smoothing", "label smoothing for cross-entropy", &c.label_smoothing, {}, "train"},
       {"--clip-grad-norm", "clip the global gradient norm to this value (0: off)", &c.clip_grad_norm, {}, "train"},
+      {"--ema", "decay of an exponential moving average of the weights, updated after every optimizer step with a warm-up (decay min(DECAY, (1+n)/(10+n)) at update n); validation, best.pt, export and predict use the average (0: off)", &c.ema, {}, "train"},
       {"--accum-steps", "micro-batches per optimizer step (gradient accumulation)", &c.accum_steps, {}, "train"},
       {"--seed", "seed for initialisation, shuffling and augmentation", &c.seed, {}, "train"},
       {"--bucket-cap-mb", "gradient all-reduce bucket size in MiB", &c.bucket_cap_mb, {}, "train"},
@@ -99,6 +100,10 @@ std::vector<Flag> flag_table(Config& c) {
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
+
+      {"--checkpoint", "predict: the checkpoint whose weights predict, e.g. RUN/best.pt (with --ema, the average's)", &c.checkpoint, {}, "predict", kMayChange},
+      {"--split", "predict: the data to predict, in its order: test, train, or a file or folder of the kind --data_root takes (the task's make_predict_data reads it)", &c.split, {}, "predict", kMayChange},
+      {"--out", "predict: the file to write, .csv (a header of the names predict_step returns) or .npy (NumPy's format, for one name)", &c.out, {}, "predict", kMayChange},
 
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
@@ -174,6 +179,11 @@ void validate(const Config& c) {
   check_user(c.label_smoothing >= 0 && c.label_smoothing < 1,
              "--label-smoothing must be in [0, 1), got " + std::to_string(c.label_smoothing) + ".");
   check_user(c.clip_grad_norm >= 0, "--clip-grad-norm must be 0 (off) or positive.");
+  if (c.ema != 0) {
+    std::ostringstream os;
+    os << "--ema must be a decay in (0, 1), or 0 for none; got " << c.ema << ".";
+    check_user(c.ema > 0 && c.ema < 1, os.str(), "e.g. --ema 0.999 averages over about the last 1000 steps.");
+  }
   check_user(c.warmup_epochs >= 0, "--warmup-epochs must not be negative.");
   check_user(c.keep_last >= 0, "--keep-last must be 0 (keep all) or positive.");
   check_user(c.save_top_k >= 0, "--save-top-k must be 0 (off) or positive, got " + std::to_string(c.save_top_k) + ".",

@@ -118,6 +118,15 @@ struct MyTask : ddp::Task {
 
   // The metric that picks best.pt and that --stop-at compares against.
   ddp::Monitor monitor() const override { return {"test_acc", ddp::Goal::kMax}; }
+
+  // What `./train predict --checkpoint RUN/best.pt --out preds.csv` writes
+  // for each sample (the default suits a ddp::Net: its output for "input").
+  // In plain C++: MyModel m(3, MyDataset::kClasses);
+  // ddp::load_model_weights("RUN/best.pt", *m, torch::kCPU); m->eval();
+  ddp::TensorMap predict_step(const ddp::data::Batch& batch) override {
+    auto logits = model(batch.input());
+    return {{"class", logits.argmax(1)}, {"prob", torch::softmax(logits, 1)}};
+  }
 };
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // The installed package: `cmake --install` into a fresh prefix, then the
 // template, copied out of the source tree, is configured and built against
 // that prefix alone (find_package(ddptrain) + ddp::ddp) and trains.
+#include <algorithm>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
@@ -113,7 +114,8 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
 
   const std::string out = root + "/runs";
   auto r = run_process({build + "/train", "--size", "1", "--backend", "gloo", "--epochs", "1", "--train-samples",
-                        "2000", "--test-samples", "500", "--val-split", "0.2", "--save_path", out, "--progress", "plain"},
+                        "2000", "--test-samples", "500", "--val-split", "0.2", "--save_path", out, "--progress", "plain",
+                        "--ema", "0.9"},
                        {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("data: my-dataset"), std::string::npos) << r.output;
@@ -131,6 +133,19 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
   EXPECT_EQ(metrics[0]["monitor"], "val_acc") << r.output;
   const auto test = nlohmann::json::parse(ddp::testing::read_file(ddp::testing::find_file(out, "test.json")));
   EXPECT_GT(test["test_acc"].get<double>(), 0.5) << r.output;
+  // predict through the template's own predict_step, on 2 ranks, with the
+  // weights' average (--ema): every test sample once, the columns named.
+  std::string best;
+  for (const auto& e : fs::recursive_directory_iterator(out))
+    if (e.path().filename() == "best.pt") best = e.path().string();
+  auto pr = run_process({build + "/train", "predict", "--checkpoint", best, "--out", root + "/preds.csv", "--size", "2",
+                         "--backend", "gloo"},
+                        {}, 300);
+  ASSERT_EQ(pr.exit_code, 0) << pr.output;
+  const std::string preds = read_file(root + "/preds.csv");
+  EXPECT_EQ(preds.substr(0, preds.find('\n')),
+            "class,prob_0,prob_1,prob_2,prob_3,prob_4,prob_5,prob_6,prob_7,prob_8,prob_9");
+  EXPECT_EQ(std::count(preds.begin(), preds.end(), '\n'), 501) << "a header and the 500 test samples";
   // The examples, built against the same prefix, each train one short epoch.
   const std::string ex_build = root + "/examples_build";
   std::vector<std::string> ex_configure{"cmake", "-S", std::string(DDP_SOURCE_DIR) + "/examples", "-B", ex_build,

@@ -15,6 +15,9 @@
 //   ./build/regression --loss huber --epochs 5
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddp/app.h>
+#include <ddp/io/checkpoint.h>
+
+#include <cstdio>
 
 // Images of 1 to 4 horizontal bars of random length; target: their area.
 class BarsDataset : public ddp::data::Dataset {
@@ -70,4 +73,28 @@ struct AreaTask : ddp::RegressionTask {
   }
 };
 
-int main(int argc, char** argv) { return ddp::main(argc, argv, std::make_shared<AreaTask>()); }
+// Inference in plain C++, without ddp::main: the model as training built it,
+// with a checkpoint's weights (a run with --ema gives their average, as
+// export does). `predict --checkpoint RUN/best.pt --out areas.csv` does the
+// same over a whole split, on every rank.
+torch::Tensor predict_areas(const std::string& checkpoint, const torch::Tensor& images) {
+  AreaNet net;
+  ddp::load_model_weights(checkpoint, *net, torch::kCPU);
+  net->eval();
+  torch::NoGradGuard no_grad;
+  return net->forward(images);
+}
+
+int main(int argc, char** argv) {
+  // `regression areas CHECKPOINT N`: the areas predicted for the first N
+  // test images, one per line.
+  if (argc == 4 && std::string(argv[1]) == "areas") {
+    const BarsDataset test(std::stoll(argv[3]), 2);
+    std::vector<torch::Tensor> images;
+    for (int64_t i = 0; i < test.size(); ++i) images.push_back(test.get(i).at("input"));
+    const auto areas = predict_areas(argv[2], torch::stack(images)).reshape(-1);
+    for (int64_t i = 0; i < areas.size(0); ++i) std::printf("%.9g\n", areas[i].item<float>());
+    return 0;
+  }
+  return ddp::main(argc, argv, std::make_shared<AreaTask>());
+}

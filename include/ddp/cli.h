@@ -66,6 +66,7 @@ struct Config {
   std::string loss = "cross-entropy";
   double label_smoothing = 0.0;
   double clip_grad_norm = 0.0;      // 0: off
+  double ema = 0;                   // decay of the weights' moving average (train/ema.h); 0: off
   int accum_steps = 1;
   int seed = 0;
   std::string sync_bn = "auto";     // auto | on | off
@@ -101,6 +102,9 @@ struct Config {
   int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's
   int bench_steps = 100;            // `ddptrain bench`
   std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps
+  std::string checkpoint;           // `predict`: the checkpoint whose weights predict (e.g. RUN/best.pt)
+  std::string split = "test";       // `predict`: train, test, or data of the kind --data_root takes
+  std::string out;                  // `predict`: the file written, .csv or .npy
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;

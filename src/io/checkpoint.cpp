@@ -191,7 +191,8 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
   // One flat state_dict in torch.save's format (torch_pickle.h), so that
   // the same bounded reader opens it and Python's torch.load(path,
   // weights_only=True) does too: "ddptrain" (the JSON header as bytes),
-  // "model/<name>", "optimizer/<name>", "rng/cpu" and "rng/cuda".
+  // "model/<name>", "optimizer/<name>" (with --ema also the weights' average,
+  // "optimizer/ema/<name>"), "rng/cpu" and "rng/cuda".
   const nlohmann::json header = {
       {"format", kCheckpointFormat}, {"arch", meta.arch},         {"state", state_to_json(meta.state)},
       {"config", meta.config},         {"world_size", meta.world_size}};
@@ -318,9 +319,21 @@ NamedTensors read_weights(const std::string& path) {
              "save weights in Python with torch.save(model.state_dict(), path) (PyTorch 1.6 or later).");
   NamedTensors all = read_state_dict(path), out;
   const bool checkpoint = std::any_of(all.begin(), all.end(), [](const auto& n) { return n.first == kHeader; });
+  // A run with --ema keeps each parameter's average beside it
+  // (optimizer/ema/<name>, train/ema.h): the weights that validation judged
+  // and best.pt was chosen by, so the ones to export, predict with or
+  // start from.
+  const std::string kAverage = "optimizer/ema/";
+  std::map<std::string, torch::Tensor> averaged;
+  for (auto& [name, t] : all)
+    if (checkpoint && name.rfind(kAverage, 0) == 0) averaged[name.substr(kAverage.size())] = t;
   for (auto& [name, t] : all) {
-    if (!checkpoint) out.emplace_back(strip_prefixes(name), t);
-    else if (name.rfind("model/", 0) == 0) out.emplace_back(name.substr(6), t);
+    if (!checkpoint) {
+      out.emplace_back(strip_prefixes(name), t);
+    } else if (name.rfind("model/", 0) == 0) {
+      auto average = averaged.find(name.substr(6));
+      out.emplace_back(name.substr(6), average != averaged.end() ? average->second : t);
+    }
   }
   return out;
 }

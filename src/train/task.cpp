@@ -67,6 +67,22 @@ Metrics Task::validation_metrics(const Totals& totals) {
   return out;
 }
 
+TensorMap Task::predict_step(const data::Batch& batch) {
+  auto* net = dynamic_cast<Net*>(model_.get());
+  check_user(net != nullptr, "the default predict_step() runs a ddp::Net, and this task's model is another module.",
+             "override predict_step(batch) in your task to return its named outputs, e.g. {{\"output\", model(b.input())}}.");
+  check_user(batch.contains("input"), "the default predict_step() reads the batch's \"input\", which this data lacks.",
+             "override predict_step(batch) to call your model on the tensors your dataset gives.");
+  return {{"output", net->forward(batch.input())}};
+}
+
+data::DatasetPtr Task::make_predict_data(const Config& config, World& world, const std::string& path) {
+  Config c = config;
+  c.data_root = path;
+  if (std::find(c.given.begin(), c.given.end(), "data_root") == c.given.end()) c.given.push_back("data_root");
+  return make_data(c, world).test;
+}
+
 std::vector<std::string> Task::ignored_flags() const {
   std::vector<std::string> out = {"task", "loss", "label-smoothing"};
   if (!builtin_model_) out.insert(out.end(), {"model", "stem"});

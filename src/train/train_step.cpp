@@ -140,6 +140,7 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 #endif
   }
   optimizer_ = std::make_unique<FlatOptimizer>(*sync_, o_.optimizer());
+  if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
 
   if (fp16_) {
@@ -216,6 +217,7 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     }
     optimizer_->step(found_inf, o_.clip_grad_norm(), GradientsAfterStep::kDropped);  // set to none below
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
+    if (ema_) ema_->update();  // in the captured graph too
     // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
     // backward's gradients are copied into the flat buffer, not added to
     // zeros (GradSync::zero_grad).
@@ -332,8 +334,14 @@ bool TrainStep::try_capture(const data::Batch& batch) {
 #endif
 }
 
+std::unique_ptr<WeightEma::Swap> TrainStep::averaged_weights() {
+  if (!ema_) return nullptr;
+  return std::make_unique<WeightEma::Swap>(*ema_, [this] { sync_->bf16_copies_stale(); });
+}
+
 void TrainStep::save(TensorMap& state) const {
   optimizer_->save(state);
+  if (ema_) ema_->save(state);
   if (fp16_) {
     state["scaler/scale"] = scale_.detach().cpu();
     state["scaler/growth_tracker"] = growth_tracker_.detach().cpu();
@@ -342,6 +350,7 @@ void TrainStep::save(TensorMap& state) const {
 
 void TrainStep::load(const TensorMap& state) {
   optimizer_->load(state);
+  if (ema_) ema_->load(state);
   // The checkpoint's weights were just written, maybe where no version
   // counter sees it: the bf16 copies are cast again before they are read.
   sync_->bf16_copies_stale();

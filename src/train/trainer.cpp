@@ -171,6 +171,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
       .channels_last(c.channels_last == "on" || (c.channels_last == "auto" && cuda))
       .accum_steps(c.accum_steps)
       .clip_grad_norm(c.clip_grad_norm)
+      .ema(c.ema)
       .bucket_cap_mb(c.bucket_cap_mb)
       .optimizer(FlatOptimizerOptions().name(c.optimizer).lr(c.lr).weight_decay(c.weight_decay).momentum(c.momentum))
       .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
@@ -905,6 +906,7 @@ std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std
   auto& model = *model_;
   // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
   step_->sync().broadcast_buffers();
+  const auto averaged = step_->averaged_weights();  // --ema: validation judges the average
   model.eval();
   torch::NoGradGuard no_grad;
   // Each test sample is seen by exactly one rank: no padding duplicates.

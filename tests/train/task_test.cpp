@@ -1,6 +1,8 @@
 // The Task interface: built-in regression, tasks of one's own (the examples),
 // task flags, flags a program ignores, monitors where lower is better, and a
 // custom metric reduced across ranks. Real processes, real Gloo groups.
+#include <signal.h>
+
 #include <cmath>
 #include <filesystem>
 #include <algorithm>
@@ -311,6 +313,174 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   for (size_t e = 0; e < 4; ++e)
     for (const char* key : {"val_mae", "val_rmse", "val_r2"}) EXPECT_EQ(m[e][key], mb[e][key]) << key << " epoch " << e + 1;
   EXPECT_EQ(test, nlohmann::json::parse(read_file(run_dir_of(split) + "/test.json")));
+}
+
+// --ema on the regression example, 2 CPU ranks: a short run and its flags.
+std::vector<std::string> ema_run(const std::string& dir, const std::string& decay,
+                                 std::vector<std::string> extra = {"--train-samples", "640", "--batch", "32"}) {
+  auto a = cpu_run(EXAMPLE_regression, dir, {"--size", "2", "--epochs", "2", "--test-samples", "128", "--log-every",
+                                             "2", "--ema", decay});
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+torch::Tensor entry(const ddp::NamedTensors& all, const std::string& name) {
+  for (const auto& [n, t] : all)
+    if (n == name) return t;
+  return {};
+}
+
+// --ema changes what is validated, chosen and exported, never what is
+// trained: the same training losses with and without it, bit for bit. An
+// average that follows the weights exactly (a decay of 1e-12: a lerp by
+// 1 - 1e-12, which is 1 in float) validates exactly as the weights do
+// (the swap in and out is exact); one of 0.9 validates otherwise. best.pt
+// keeps the live weights and their averages, and export writes the averages.
+TEST(Task, EmaChangesWhatIsValidatedAndExportedNotWhatIsTrained) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto plain = ddp::testing::temp_dir("ema_plain"), exact = ddp::testing::temp_dir("ema_exact"),
+             averaged = ddp::testing::temp_dir("ema_averaged");
+  auto rp = run_process(ema_run(plain, "0")), rx = run_process(ema_run(exact, "1e-12")),
+       ra = run_process(ema_run(averaged, "0.9"));
+  ASSERT_EQ(rp.exit_code, 0) << rp.output;
+  ASSERT_EQ(rx.exit_code, 0) << rx.output;
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  const auto mp = metrics_under(plain), mx = metrics_under(exact), ma = metrics_under(averaged);
+  ASSERT_EQ(mp.size(), 2u);
+  ASSERT_EQ(mx.size(), 2u);
+  ASSERT_EQ(ma.size(), 2u);
+  for (size_t e = 0; e < 2; ++e) {
+    EXPECT_EQ(mp[e]["train_loss"], mx[e]["train_loss"]) << e;
+    EXPECT_EQ(mp[e]["train_loss"], ma[e]["train_loss"]) << e;
+    EXPECT_EQ(mp[e]["test_loss"], mx[e]["test_loss"]) << e;
+    EXPECT_NE(mp[e]["test_loss"], ma[e]["test_loss"]) << e;
+  }
+  const auto run = run_dir_of(averaged);
+  const auto best = ddp::read_state_dict(run + "/best.pt");
+  const auto live = entry(best, "model/head.weight"), average = entry(best, "optimizer/ema/head.weight");
+  ASSERT_TRUE(live.defined() && average.defined());
+  EXPECT_FALSE(torch::equal(live, average));
+  // PyTorch reads the averages and their count from the checkpoint.
+  const std::string python = "/usr/bin/python3";
+  if (run_process({python, "-c", "import torch"}, {}, 120).exit_code == 0) {
+    auto py = run_process({python, "-c",
+                           "import sys, torch\n"
+                           "ck = torch.load(sys.argv[1], weights_only=True)\n"
+                           "assert ck['optimizer/ema_updates'].item() == 20, ck['optimizer/ema_updates']\n"
+                           "assert ck['optimizer/ema/head.weight'].shape == ck['model/head.weight'].shape\n",
+                           run + "/best.pt"});
+    EXPECT_EQ(py.exit_code, 0) << py.output;
+  }
+  auto ex = run_process({EXAMPLE_regression, "export", run + "/best.pt", averaged + "/weights.pt"});
+  ASSERT_EQ(ex.exit_code, 0) << ex.output;
+  const auto exported = ddp::read_state_dict(averaged + "/weights.pt");
+  for (const auto& [name, t] : exported) {
+    const auto avg = entry(best, "optimizer/ema/" + name);
+    ASSERT_TRUE(avg.defined()) << name;
+    EXPECT_TRUE(torch::equal(t, avg)) << name;
+  }
+  auto bad = run_process(ema_run(ddp::testing::temp_dir("ema_bad"), "1"));
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--ema must be a decay in (0, 1), or 0 for none; got 1."), std::string::npos) << bad.output;
+}
+
+// SIGTERM mid-epoch with --ema, 2 CPU ranks: the resumed run ends with the
+// straight run's weights, averages, optimizer state and metrics, bit for bit.
+TEST(Task, EmaRunInterruptedAndResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto straight = ddp::testing::temp_dir("ema_straight"), split = ddp::testing::temp_dir("ema_split");
+  // 80 steps an epoch, so that the stop lands inside the first.
+  const std::vector<std::string> longer{"--train-samples", "2560", "--batch", "16"};
+  auto a = run_process(ema_run(straight, "0.9", longer));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto child = ddp::testing::start_process(ema_run(split, "0.9", longer));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "epoch 1/2 step 4/")) << "training never started";
+  kill(child.pid, SIGTERM);
+  auto b1 = ddp::testing::finish_process(child, 60);
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  const auto run = run_dir_of(split);
+  ASSERT_TRUE(fs::exists(run + "/preempt.pt"));
+  ASSERT_LT(ddp::read_checkpoint_meta(run + "/preempt.pt").state.step, 80) << "stopped after the first epoch";
+  auto b2 = run_process({EXAMPLE_regression, "--resume", run});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  const auto ta = ddp::read_state_dict(run_dir_of(straight) + "/epoch_2.pt"), tb = ddp::read_state_dict(run + "/epoch_2.pt");
+  ASSERT_EQ(ta.size(), tb.size());
+  size_t averages = 0;
+  for (size_t i = 0; i < ta.size(); ++i) {
+    ASSERT_EQ(ta[i].first, tb[i].first);
+    if (ta[i].first == "ddptrain") continue;  // the header: its run directory differs
+    averages += ta[i].first.rfind("optimizer/ema", 0) == 0;
+    EXPECT_TRUE(torch::equal(ta[i].second, tb[i].second)) << ta[i].first;
+  }
+  EXPECT_GT(averages, 1u);
+  const auto ma = metrics_under(straight), mb = metrics_under(split);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t e = 0; e < 2; ++e)
+    for (const char* key : {"test_loss", "test_mse", "test_mae", "test_r2"}) EXPECT_EQ(ma[e][key], mb[e][key]) << key;
+  EXPECT_NEAR(ma[1]["train_loss"].get<double>(), mb[1]["train_loss"].get<double>(), 1e-12);
+}
+
+// The numbers of a CSV file after its header, row by row (one column).
+std::vector<std::string> csv_values(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  std::getline(in, line);
+  while (std::getline(in, line)) out.push_back(line);
+  return out;
+}
+
+// predict on 1 and 2 ranks over 37 test samples (uneven shards: 19 and 18):
+// the same file, every sample once, in the dataset's order; the values are
+// the model's outputs computed directly in plain C++ (the example's
+// predict_areas, from the same best.pt), and NumPy reads the .npy as the
+// same numbers.
+TEST(Task, PredictOnOneAndTwoRanksWritesEverySampleOnceInOrder) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("predict");
+  auto train = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
+                                                             "--test-samples", "37", "--batch", "16", "--ema", "0.5"}));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const auto best = run_dir_of(dir) + "/best.pt";
+  auto predict = [&](const std::string& ranks, const std::string& out) {
+    return run_process({EXAMPLE_regression, "predict", "--checkpoint", best, "--out", dir + "/" + out, "--size", ranks,
+                        "--backend", "gloo", "--timeout", "60"});
+  };
+  auto one = predict("1", "one.csv"), two = predict("2", "two.csv"), npy = predict("2", "two.npy");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  ASSERT_EQ(npy.exit_code, 0) << npy.output;
+  EXPECT_NE(two.output.find("wrote " + dir + "/two.csv: 37 rows"), std::string::npos) << two.output;
+  const auto csv = read_file(dir + "/one.csv");
+  EXPECT_EQ(csv, read_file(dir + "/two.csv"));
+  EXPECT_EQ(csv.substr(0, csv.find('\n')), "output");
+  const auto values = csv_values(csv);
+  ASSERT_EQ(values.size(), 37u);
+
+  auto direct = run_process({EXAMPLE_regression, "areas", best, "37"});
+  ASSERT_EQ(direct.exit_code, 0) << direct.output;
+  const auto lines = csv_values("header\n" + direct.output);
+  ASSERT_EQ(lines.size(), 37u) << direct.output;
+  for (size_t i = 0; i < 37; ++i) EXPECT_EQ(std::stof(values[i]), std::stof(lines[i])) << "row " << i;
+
+  const std::string python = "/usr/bin/python3";
+  if (run_process({python, "-c", "import numpy"}, {}, 60).exit_code == 0) {
+    auto np = run_process({python, "-c",
+                           "import sys, numpy as np\n"
+                           "a = np.load(sys.argv[1])\n"
+                           "assert a.shape == (37, 1) and a.dtype == np.float32, (a.shape, a.dtype)\n"
+                           "print('\\n'.join(repr(float(x)) for x in a[:, 0]))\n",
+                           dir + "/two.npy"});
+    ASSERT_EQ(np.exit_code, 0) << np.output;
+    const auto from_numpy = csv_values("header\n" + np.output);
+    ASSERT_EQ(from_numpy.size(), 37u) << np.output;
+    for (size_t i = 0; i < 37; ++i) EXPECT_EQ(std::stod(from_numpy[i]), static_cast<double>(std::stof(values[i]))) << i;
+  }
+
+  auto bad = run_process({EXAMPLE_regression, "predict", "--checkpoint", best, "--out", dir + "/preds.txt"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("names no .csv or .npy file"), std::string::npos) << bad.output;
 }
 
 // Example (b): two inputs, a custom loss with its own flag, macro-F1.

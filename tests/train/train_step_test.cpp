@@ -144,6 +144,84 @@ TEST(TrainStep, LoadMarksTheBf16CopiesStale) {
   EXPECT_TRUE(torch::equal(sync.bf16_flat(0), sync.flat_params().front().to(torch::kBFloat16)));
 }
 
+// --ema against an average computed here, apart from ddptrain's kernels,
+// from the weights after each step: a_n = d_n a_(n-1) + (1 - d_n) w_n in
+// double, with d_n = min(DECAY, (1 + n) / (10 + n)), from the initial
+// weights. 12 steps at 0.5 cross from the warm-up (n < 8) to the cap.
+TEST(TrainStep, EmaIsTheWarmedUpAverageOfEachStepsWeights) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto world = one_rank_world(false);
+  auto model = small_resnet(torch::kCPU);
+  const double decay = 0.5;
+  ddp::TrainStep step(*model, *world, sgd().ema(decay));
+  ASSERT_NE(step.ema(), nullptr);
+  const auto flat = step.sync().flat_params().front();
+  auto reference = flat.to(torch::kDouble);
+  auto gen = torch::make_generator<at::CPUGeneratorImpl>(3);
+  for (int n = 0; n < 12; ++n) {
+    step.run(torch::randn({8, 3, 16, 16}, gen), torch::randint(0, 10, {8}, gen, torch::kLong), true, 0.05);
+    const double d = std::min(decay, (1.0 + n) / (10.0 + n));
+    reference = d * reference + (1 - d) * flat.to(torch::kDouble);
+  }
+  EXPECT_EQ(step.ema()->updates(), 12);
+  const auto average = step.ema()->averages().front();
+  EXPECT_LE((average.to(torch::kDouble) - reference).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((flat.to(torch::kDouble) - reference).abs().max().item<double>(), 1e-4) << "the control: the weights moved";
+
+  // Swapped in, each parameter holds its own average (average_of), and the
+  // weights come back bit for bit.
+  const auto weights = flat.clone();
+  const auto named = model->named_parameters();
+  {
+    auto swapped = step.averaged_weights();
+    ASSERT_TRUE(torch::equal(flat, average));
+    for (const auto& p : named) EXPECT_TRUE(torch::equal(p.value(), step.ema()->average_of(p.key()))) << p.key();
+  }
+  EXPECT_TRUE(torch::equal(flat, weights));
+
+  // The checkpoint's state gives another step the same average and count.
+  ddp::TensorMap state;
+  step.save(state);
+  EXPECT_TRUE(state.count("ema/" + named.begin()->key()));
+  auto model2 = small_resnet(torch::kCPU);
+  ddp::TrainStep step2(*model2, *world, sgd().ema(decay));
+  step2.load(state);
+  EXPECT_EQ(step2.ema()->updates(), 12);
+  EXPECT_TRUE(torch::equal(step2.ema()->averages().front(), average));
+  // A run without --ema has none to give.
+  ddp::TensorMap without;
+  auto model3 = small_resnet(torch::kCPU);
+  ddp::TrainStep plain(*model3, *world, sgd());
+  plain.save(without);
+  const auto error = ddp::testing::user_error([&] { step2.load(without); });
+  EXPECT_NE(error.find("no average of the weights"), std::string::npos) << error;
+}
+
+// On a GPU the update is captured with the step: every replay moves the
+// average (its count, read from the device, is the step count), to the
+// eager run's values up to rounding.
+TEST(TrainStep, EmaIsCapturedWithTheStep_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  DeterministicCuDNN deterministic;
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto run = [&](bool graph) {
+    auto world = one_rank_world(true);
+    auto model = small_resnet(gpu);
+    model->train();
+    ddp::TrainStep step(*model, *world,
+                        ddp::TrainStepOptions().optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(1e-3)).ema(0.9).cuda_graph(graph));
+    auto gen = torch::make_generator<at::CPUGeneratorImpl>(5);
+    auto x = torch::randn({16, 3, 16, 16}, gen).to(gpu);
+    auto y = torch::randint(0, 10, {16}, gen, torch::kLong).to(gpu);
+    for (int i = 0; i < 10; ++i) step.run(x, y, true, 1e-3);
+    EXPECT_EQ(step.graphed(), graph) << step.graph_fallback();
+    EXPECT_EQ(step.ema()->updates(), 10);
+    return step.ema()->averages().front().cpu();
+  };
+  const auto eager = run(false), graphed = run(true);
+  EXPECT_LE((eager - graphed).abs().max().item<double>(), 1e-5);
+}
+
 // 50 steps graphed and eager: the same loss trajectory to rounding.
 TEST(TrainStep, GraphedEqualsEagerFp32_CUDA) {
   DDP_SKIP_UNLESS_CUDA();

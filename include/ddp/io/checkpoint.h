@@ -114,7 +114,9 @@ PretrainReport load_pretrained(const std::string& path, torch::nn::Module& model
 
 /// Loads every weight of the model a checkpoint's header names (generate,
 /// export): the same match as load_pretrained with nothing skipped, whose
-/// failure means a damaged file, and says so.
+/// failure means a damaged file, and says so. From a run with --ema, the
+/// parameters are their averages (as export_weights and load_pretrained
+/// read them too), the buffers the live ones (train/ema.h says why).
 void load_model_weights(const std::string& path, torch::nn::Module& model, const torch::Device& device);
 
 /// Writes the model's parameters and buffers as a PyTorch state_dict file

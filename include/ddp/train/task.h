@@ -131,6 +131,23 @@ class Task {
   virtual Metrics validation_metrics(const Totals& totals);
   virtual Monitor monitor() const { return {}; }
 
+  // ---- 3b. Prediction (`predict`: a trained model on data, written to a file) ----
+  /// Named outputs for a batch, each with the batch's size as its first
+  /// dimension, e.g. {"prob": softmax(logits)}; they become the file's
+  /// columns (.csv) or its array (.npy). Runs under NoGradGuard in eval
+  /// mode, with the checkpoint's weights in model(). Default:
+  /// {"output": the model's output for "input"}, for a model that is a
+  /// ddp::Net (the built-in ones and the template's); override it for
+  /// another model.
+  virtual TensorMap predict_step(const data::Batch& batch);
+  /// The data that `predict --split PATH` predicts, in its order. Default:
+  /// the test split of make_data() with --data_root PATH.
+  virtual data::DatasetPtr make_predict_data(const Config& config, World& world, const std::string& path);
+  /// The model make_model() returned, once `predict` has made and loaded it
+  /// (null before; the trainer leaves it so).
+  const ModulePtr& model() const { return model_; }
+  void set_model(ModulePtr model) { model_ = std::move(model); }
+
   // ---- 4. Optional hooks ----
   /// Change the optimizer and schedule that the flags gave.
   virtual void configure_optimizer(const Config& config, OptimizerSetup& setup) {}
@@ -145,6 +162,7 @@ class Task {
 
  protected:
   std::string arch_ = "custom";
+  ModulePtr model_;
   bool builtin_data_ = false, builtin_model_ = false;  // set by the defaults above
 };
 

@@ -19,6 +19,7 @@
 
 #include "ddp/io/checkpoint.h"
 #include "ddp/compat.h"
+#include "ddp/train/ema.h"
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/train/loss.h"
@@ -37,6 +38,9 @@ struct TrainStepOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25;
   TORCH_ARG(int, graph_warmup) = 3;
   TORCH_ARG(FlatOptimizerOptions, optimizer);
+  /// Decay of the weights' moving average (ema.h), updated after every
+  /// optimizer step; 0: none.
+  TORCH_ARG(double, ema) = 0;
   /// The loss of the (Net, options) constructor, which trains a Net on
   /// "input" and "target" with compute_loss(); unused with a Task.
   TORCH_ARG(LossOptions, loss);
@@ -68,7 +72,15 @@ class TrainStep : public Stateful {
   /// run() on {"input": x, "target": y}; returns the loss.
   torch::Tensor run(const torch::Tensor& x, const torch::Tensor& y, bool last_micro, double lr);
 
-  /// Optimizer state and the fp16 loss scale, for checkpoints.
+  /// With --ema: the model's parameters hold the weights' moving average
+  /// while the returned guard lives (validation, best.pt's choice); null
+  /// without --ema.
+  std::unique_ptr<WeightEma::Swap> averaged_weights();
+  /// The weights' moving average; null without --ema.
+  const WeightEma* ema() const { return ema_.get(); }
+
+  /// Optimizer state, the fp16 loss scale and the weights' moving average,
+  /// for checkpoints.
   void save(TensorMap& state) const override;
   void load(const TensorMap& state) override;
 
@@ -99,6 +111,7 @@ class TrainStep : public Stateful {
   TrainStepOptions o_;
   std::unique_ptr<GradSync> sync_;
   std::unique_ptr<FlatOptimizer> optimizer_;
+  std::unique_ptr<WeightEma> ema_;
   c10::ScalarType amp_dtype_ = c10::ScalarType::Float;
   bool amp_on_ = false, fp16_ = false;
   bool broadcast_buffers_ = false;  // local batch norm on several ranks
