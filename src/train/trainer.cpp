@@ -897,7 +897,7 @@ void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
 }
 
 std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefix, int64_t max_batches,
-                                         bool stoppable) {
+                                         bool stoppable, bool average) {
   if (test->size() == 0) return Metrics{};
   const std::string split = prefix == kValPrefix ? "validation" : "test";
   check_user(test->size() >= world_.size(), "the " + split + " set has " + std::to_string(test->size()) +
@@ -906,7 +906,7 @@ std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std
   auto& model = *model_;
   // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
   step_->sync().broadcast_buffers();
-  const auto averaged = step_->averaged_weights();  // --ema: validation judges the average
+  const auto averaged = average ? step_->averaged_weights() : nullptr;  // --ema: validation judges the average
   model.eval();
   torch::NoGradGuard no_grad;
   // Each test sample is seen by exactly one rank: no padding duplicates.
@@ -1202,7 +1202,8 @@ void Trainer::test_best() {
     }
     for (auto t : model_->buffers()) world_.broadcast(t, 0, "best.pt's buffers");
   }
-  const Metrics metrics = *evaluate(data_.test, kTestPrefix, -1, false);
+  // best.pt's weights as loaded: with --ema, its average already.
+  const Metrics metrics = *evaluate(data_.test, kTestPrefix, -1, false, /*average=*/best_epoch == 0);
   if (!world_.is_main()) return;
   std::string line = best_epoch > 0 ? "test on best.pt (epoch " + std::to_string(best_epoch) + "):"
                                     : "test on the last weights (no best.pt: the monitor was never finite):";

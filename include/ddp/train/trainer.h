@@ -56,8 +56,10 @@ class Trainer {
   std::unique_ptr<EpochFeed> make_feed(int64_t epoch, int64_t start_batch);
   double train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs);
   // nullopt: a stop signal was agreed on during it (`stoppable` only).
+  // `average`: with --ema, judge the weights' average (swapped in and back),
+  // not the weights as they are (test_best() has loaded best.pt's average).
   std::optional<Metrics> evaluate(const data::DatasetPtr& split, const std::string& prefix, int64_t max_batches,
-                                  bool stoppable);
+                                  bool stoppable, bool average = true);
   const data::DatasetPtr& choosing_split() const { return data_.val ? data_.val : data_.test; }
   void test_best();
   void print_choosing_split() const;
