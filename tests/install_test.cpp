@@ -177,9 +177,9 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
   EXPECT_NE(own.output.find("epoch 2  test_acc"), std::string::npos) << own.output;
   EXPECT_TRUE(fs::exists(root + "/own_loop_last.pt"));
 
-  std::printf("install %.1f s, configure %.1f s, build %.1f s (ccache %s), train %.1f s, test_acc %.3f\n",
+  std::printf("install %.1f s, configure %.1f s, build %.1f s (ccache %s), train %.1f s, val_acc %.3f, test_acc %.3f\n",
               inst.seconds, cfg.seconds, make.seconds, ccache ? "on" : "off", r.seconds,
-              metrics[0]["test_acc"].get<double>());
+              metrics[0]["val_acc"].get<double>(), test["test_acc"].get<double>());
 }
 
 // The unity build's switches (CMakeLists.txt; the README's build paragraph
