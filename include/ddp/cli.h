@@ -27,6 +27,16 @@ struct TaskFlag {
   std::string key() const;           // "aux-weight"
 };
 
+/// Who parses the flags: ddptrain itself, or a program built from the
+/// template (ddp::ProgramOptions, app.h, fills it in).
+struct ProgramInfo {
+  std::string name = "ddptrain";   // in messages: "Run 'train --help'"
+  std::string description;         // --help's first line; "": ddptrain's own
+  /// Built-in flags that this program's task does not read: --help leaves
+  /// them out (Task::ignored_flags before set-up).
+  std::vector<std::string> unread_flags;
+};
+
 struct Config {
   // The seed template's flags, same names and meanings.
   int port = 0;                     // 0: a free port on one node
@@ -50,7 +60,7 @@ struct Config {
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)
   double cpu_decode_share = 1;        // imagefolder with GPU decoding: share of each batch decoded on the loader's threads
-  std::string augment = "standard";
+  std::string augment = "auto";     // auto: standard for the built-in image data, none for a task's own
   int workers = 1;
   // The task, model and optimisation.
   std::string task = "classification";  // ddptrain's built-in tasks: classification | regression
@@ -97,6 +107,10 @@ struct Config {
   int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's
   int bench_steps = 100;            // `ddptrain bench`
   std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps
+
+  /// Not a flag: the program these flags belong to (ddp::main() sets it),
+  /// named in --help, errors and the commands a run prints.
+  ProgramInfo program;
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;

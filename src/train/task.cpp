@@ -70,7 +70,8 @@ Metrics Task::validation_metrics(const Totals& totals) {
 std::vector<std::string> Task::ignored_flags() const {
   std::vector<std::string> out = {"task", "loss", "label-smoothing"};
   if (!builtin_model_) out.insert(out.end(), {"model", "stem"});
-  if (!builtin_data_) out.insert(out.end(), {"dataset", "val-root", "val-split", "image-size", "strict-data"});
+  if (!builtin_data_)
+    out.insert(out.end(), {"dataset", "val-root", "val-split", "image-size", "strict-data", "image-decode", "cpu-decode-share"});
   return out;
 }
 
