@@ -362,7 +362,7 @@ ProgramInfo program_info(const ProgramOptions& options, bool own_task, const cha
   ProgramInfo info;
   if (!own_task) return info;
   info.name = !options.name().empty() ? options.name() : argv0 ? fs::path(argv0).filename().string() : "train";
-  info.description = options.description().empty() ? "trains a task of its own, data-parallel" : options.description();
+  info.description = options.description().empty() ? "trains a task of its own" : options.description();
   return info;
 }
 
