@@ -459,3 +459,31 @@ TEST(Program, AugmentAppliesToImageDataOnly) {
   EXPECT_NE(pos(line, "--augment standard"), std::string::npos) << line;
   EXPECT_NE(pos(line, "rows"), std::string::npos) << line;
 }
+
+// A task whose configure_optimizer exempts biases and its embedding from
+// weight decay (ddp::decay_matrices_only) resumes from a checkpoint to the
+// same numbers as the run that went straight on.
+TEST(Program, ResumeWithWeightDecayGroupsEqualsStraight) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto args = [](const std::string& dir) {
+    return std::vector<std::string>{DDP_TESTWORKER, "--rows-program", "--save_path", dir, "--size", "1", "--backend",
+                                    "gloo", "--progress", "plain", "--epochs", "2", "--save_epoch", "1",
+                                    "--workers", "0", "--weight-decay", "0.3"};
+  };
+  const auto straight = ddp::testing::temp_dir("rows_straight"), split = ddp::testing::temp_dir("rows_split");
+  auto a = run_process(args(straight));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string run = run_dir_of(straight), copy = split + "/" + fs::path(run).filename().string();
+  fs::copy(run, copy, fs::copy_options::recursive);
+  fs::remove(copy + "/epoch_2.pt");
+  auto b = run_process({DDP_TESTWORKER, "--rows-program", "--resume", copy + "/epoch_1.pt", "--size", "1", "--backend",
+                        "gloo", "--progress", "plain"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(pos(b.output, "resume: "), std::string::npos) << b.output;
+  const auto ma = ddp::testing::metrics_jsonl(run), mb = ddp::testing::metrics_jsonl(copy);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  EXPECT_EQ(ma[1]["train_loss"], mb[1]["train_loss"]);
+  EXPECT_EQ(ma[1]["test_abs_error"], mb[1]["test_abs_error"]);
+  EXPECT_EQ(ddp::testing::read_file(run + "/epoch_2.pt").size(), ddp::testing::read_file(copy + "/epoch_2.pt").size());
+}

@@ -610,8 +610,9 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
 }
 
 // A program with a tabular task, as a user writes one from the template:
-// rows of 8 float features and a target that depends on them linearly, no
-// images anywhere (so --augment must not reach it).
+// rows of 8 float features and a store id, and a target that depends on
+// them; no images anywhere (so --augment must not reach it). Its optimizer
+// exempts biases and the store embedding from weight decay.
 class RowsDataset : public data::Dataset {
  public:
   RowsDataset(int64_t size, uint64_t seed) : size_(size), seed_(seed) {}
@@ -619,7 +620,10 @@ class RowsDataset : public data::Dataset {
   data::Example get(int64_t index) const override {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003 + static_cast<uint64_t>(index));
     auto features = torch::randn({8}, gen);
-    return {{"features", features}, {"target", features.slice(0, 0, 4).sum().reshape({1})}};
+    const int64_t store = index % 5;
+    return {{"features", features},
+            {"store", torch::tensor(store, torch::kLong)},
+            {"target", (features.slice(0, 0, 4).sum() + 0.5 * static_cast<double>(store)).reshape({1})}};
   }
   std::string name() const override { return "rows"; }
 
@@ -628,8 +632,17 @@ class RowsDataset : public data::Dataset {
   uint64_t seed_;
 };
 
+struct RowsNetImpl : torch::nn::Module {
+  RowsNetImpl()
+      : store(register_module("store", torch::nn::Embedding(5, 2))), head(register_module("head", torch::nn::Linear(10, 1))) {}
+  torch::Tensor forward(const data::Batch& b) { return head(torch::cat({b.at("features"), store(b.at("store"))}, 1)); }
+  torch::nn::Embedding store;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(RowsNet);
+
 struct RowsTask : Task {
-  torch::nn::Linear head{nullptr};
+  RowsNet net{nullptr};
   data::Splits make_data(const Config& c, World&) override {
     data::Splits s;
     s.train = std::make_shared<RowsDataset>(c.train_samples > 0 ? c.train_samples : 256, 1);
@@ -638,14 +651,13 @@ struct RowsTask : Task {
   }
   ModulePtr make_model(const Config&, const data::Splits&) override {
     arch_ = "rows-linear";
-    head = torch::nn::Linear(8, 1);
-    return head.ptr();
+    net = RowsNet();
+    return net.ptr();
   }
-  StepOutput training_step(const data::Batch& b) override {
-    return torch::mse_loss(head(b.at("features")), b.target());
-  }
+  void configure_optimizer(const Config&, OptimizerSetup& setup) override { decay_matrices_only(setup.optimizer, *net); }
+  StepOutput training_step(const data::Batch& b) override { return torch::mse_loss(net(b), b.target()); }
   TensorMap validation_step(const data::Batch& b) override {
-    const auto err = (head(b.at("features")) - b.target()).abs().to(torch::kDouble);
+    const auto err = (net(b) - b.target()).abs().to(torch::kDouble);
     return {{"abs_error", err.sum()}, {"count", torch::full({}, static_cast<double>(b.target().size(0)), torch::kDouble)}};
   }
   Monitor monitor() const override { return {"test_abs_error", Goal::kMin}; }
