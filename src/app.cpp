@@ -248,7 +248,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .val_root(c.val_root)
                                        .val_fraction(c.val_split)
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
-                                       .augment(c.augment == "standard")
+                                       .augment(c.augment != "none")  // auto: the built-in image data is augmented
                                        .strict(c.strict_data)
                                        .gpu_decode(gpu_decode)
                                        .cpu_decode_share(c.cpu_decode_share));
