@@ -108,6 +108,7 @@ int launch(const Config& c, int argc, char** argv) {
   lo.visible = visible;
   lo.max_restarts = c.max_restarts;
   lo.rendezvous_timeout = c.timeout;
+  lo.program = c.program.name;
   lo.argv.push_back(self_executable());
   for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
   return launch_workers(lo);
@@ -173,7 +174,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   if (command == "doctor") return run_doctor(world);
   if (command == "bench") return run_bench(c, world);
   if (command == "predict") return run_predict(c, world, task);
-  DDP_PRINT0(world, "ddptrain: rank %d of %d (%s launcher), backend %s\n", world.rank(), world.size(),
+  DDP_PRINT0(world, "%s: rank %d of %d (%s launcher), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
   install_fault_injection_from_env();
@@ -255,7 +256,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .val_root(c.val_root)
                                        .val_fraction(c.val_split)
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
-                                       .augment(c.augment == "standard")
+                                       .augment(c.augment != "none")  // auto: the built-in image data is augmented
                                        .strict(c.strict_data)
                                        .gpu_decode(gpu_decode)
                                        .cpu_decode_share(c.cpu_decode_share));
@@ -362,6 +363,17 @@ void refuse_launcher_flags_under(const Placement& where, const Config& c) {
              "drop it and set CUDA_VISIBLE_DEVICES for the launcher instead.");
 }
 
+// Who the program is: ddptrain's own binary, or a program with a task of its
+// own, named as its author asked (else as its file is) and with only the
+// flags its task reads in --help.
+ProgramInfo program_info(const ProgramOptions& options, bool own_task, const char* argv0) {
+  ProgramInfo info;
+  if (!own_task) return info;
+  info.name = !options.name().empty() ? options.name() : argv0 ? fs::path(argv0).filename().string() : "train";
+  info.description = options.description().empty() ? "trains a task of its own" : options.description();
+  return info;
+}
+
 // The --task that picks the built-in task, from the command line or a
 // config file. Every built-in task's flags join this first parse, so that
 // theirs are not unknown yet (the second parse knows only the chosen
@@ -396,16 +408,18 @@ std::string builtin_task_of(std::vector<char*>& args) {
 
 }  // namespace
 
-int main(int argc, char** argv, std::shared_ptr<Task> task) {
+int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions program) {
   keep_freed_memory_in_heap();
   const char* rank = std::getenv("RANK");
-  const std::string who = std::string("ddptrain") + (rank ? std::string(" rank ") + rank : "");
+  const bool own_task = task != nullptr;
+  const ProgramInfo info = program_info(program, own_task, argc > 0 ? argv[0] : nullptr);
+  const std::string who = info.name + (rank ? std::string(" rank ") + rank : "");
   try {
-    // Subcommands: `ddptrain doctor|bench [flags]` run instead of training;
-    // `ddptrain report RUN_DIR` and `ddptrain export CHECKPOINT OUT.pt` need
+    // Subcommands: `PROGRAM doctor|bench [flags]` run instead of training;
+    // `PROGRAM report RUN_DIR` and `PROGRAM export CHECKPOINT OUT.pt` need
     // no ranks at all.
-    if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc});
-    if (argc > 1 && std::string(argv[1]) == "generate") return generate_command({argv + 2, argv + argc});
+    if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc}, info.name);
+    if (argc > 1 && std::string(argv[1]) == "generate" && !own_task) return generate_command({argv + 2, argv + argc});
     std::vector<char*> args(argv, argv + argc);
     std::string command;
     if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench" ||
@@ -414,8 +428,8 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
       args.erase(args.begin() + 1);
     }
     if (argc > 1 && std::string(argv[1]) == "export") {
-      check_user(argc == 4, "usage: ddptrain export CHECKPOINT OUT.pt",
-                 "e.g. ddptrain export checkpoint/train_<time>/best.pt resnet18.pt");
+      check_user(argc == 4, "usage: " + info.name + " export CHECKPOINT OUT.pt",
+                 "e.g. " + info.name + " export checkpoint/train_<time>/best.pt weights.pt");
       export_weights(argv[2], argv[3]);
       std::printf("wrote %s (a PyTorch state_dict: torch.load it and call load_state_dict)\n", argv[3]);
       return exit_code::kOk;
@@ -423,8 +437,10 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     // The task's flags and defaults join the table before parsing; the
     // built-in task is the one --task names (so it is parsed twice).
     Config defaults;
+    defaults.program = info;
     if (!task) task = make_builtin_task(builtin_task_of(args));
     task->add_flags(defaults);
+    if (own_task) defaults.program.unread_flags = task->ignored_flags();
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
     Placement where = placement_from_env();
     refuse_launcher_flags_under(where, c);
@@ -440,7 +456,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());
     return exit_code::kUsage;
   } catch (const Preempted& e) {
-    if (!rank || std::string(rank) == "0") std::fprintf(stderr, "ddptrain: %s\n", e.what());
+    if (!rank || std::string(rank) == "0") std::fprintf(stderr, "%s: %s\n", info.name.c_str(), e.what());
     return exit_code::kPreempted;
   } catch (const NonFiniteLoss& e) {
     std::fprintf(stderr, "%s: error: %s\n", who.c_str(), e.what());

@@ -47,7 +47,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kMayChange},
       {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kMayChange},
 
-      {"--data_root,--data-root", "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches", &c.data_root, {}, "data"},
+      {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data"},
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
@@ -58,7 +58,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
       {"--image-decode", "imagefolder: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
-      {"--augment", "training augmentation: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip)", &c.augment, {"standard", "none"}, "data"},
+      {"--augment", "training augmentation of images: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip); auto: standard for the built-in image datasets, none for a task's own data (a task asks for it with config.augment = \"standard\")", &c.augment, {"auto", "standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
@@ -305,7 +305,8 @@ std::string did_you_mean(const std::string& wrong, const std::map<std::string, s
 
 // argv with every long flag spelt as the table spells it (--train_samples ->
 // --train-samples); an unknown flag is an error that suggests the nearest.
-std::vector<std::string> normalise_flags(int argc, const char* const* argv, const std::map<std::string, std::string>& names) {
+std::vector<std::string> normalise_flags(int argc, const char* const* argv, const std::map<std::string, std::string>& names,
+                                         const std::string& program) {
   std::vector<std::string> out(argv, argv + argc);
   for (size_t i = 1; i < out.size(); ++i) {
     std::string& arg = out[i];
@@ -316,7 +317,7 @@ std::vector<std::string> normalise_flags(int argc, const char* const* argv, cons
     const auto it = names.find(dashes(name));
     if (it == names.end())
       throw UserError("unknown flag '--" + name + "'.",
-                      did_you_mean(name, names, "--") + "Run 'ddptrain --help' to see every flag.");
+                      did_you_mean(name, names, "--") + "Run '" + program + " --help' to see every flag.");
     arg = "--" + it->second + (eq == std::string::npos ? "" : arg.substr(eq));
   }
   return out;
@@ -328,8 +329,9 @@ std::vector<std::string> normalise_flags(int argc, const char* const* argv, cons
 // errors that name the file and the nearest key.
 class ConfigReader : public CLI::ConfigTOML {
  public:
-  ConfigReader(std::map<std::string, std::string> names, std::vector<std::string> sections, const CLI::Option* file)
-      : names_(std::move(names)), sections_(std::move(sections)), file_(file) {}
+  ConfigReader(std::map<std::string, std::string> names, std::vector<std::string> sections, const CLI::Option* file,
+               std::string program)
+      : names_(std::move(names)), sections_(std::move(sections)), file_(file), program_(std::move(program)) {}
 
   std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
     std::vector<CLI::ConfigItem> out;
@@ -338,7 +340,7 @@ class ConfigReader : public CLI::ConfigTOML {
         const std::string section = CLI::detail::join(item.parents, ".");
         if (item.parents.size() > 1 || std::find(sections_.begin(), sections_.end(), section) == sections_.end())
           throw UserError("section [" + section + "] in the config file '" + file() + "' is not a flag group.",
-                          "use no sections, or the groups of 'ddptrain --help': [data], [model], [optimisation], "
+                          "use no sections, or the groups of '" + program_ + " --help': [data], [model], [optimisation], "
                           "[distributed], [output], [speed], [bench].");
         if (item.name == "++" || item.name == "--") continue;  // CLI11's section markers
         item.parents.clear();
@@ -347,7 +349,7 @@ class ConfigReader : public CLI::ConfigTOML {
       if (it == names_.end() || it->second == "config" || it->second == "help" || it->second == "version")
         throw UserError("unknown key '" + item.name + "' in the config file '" + file() + "'.",
                         did_you_mean(item.name, names_, "") +
-                            "Keys are the long flag names without dashes, e.g. epochs = 3; see 'ddptrain --help'.");
+                            "Keys are the long flag names without dashes, e.g. epochs = 3; see '" + program_ + " --help'.");
       item.name = it->second;
       out.push_back(std::move(item));
     }
@@ -359,6 +361,7 @@ class ConfigReader : public CLI::ConfigTOML {
   std::map<std::string, std::string> names_;
   std::vector<std::string> sections_;
   const CLI::Option* file_;
+  std::string program_;
 };
 
 // ---- --help and --version ----
@@ -372,7 +375,8 @@ std::string help_group(const std::string& group) {
 }
 
 int help_rank(const std::string& group) {
-  static const std::vector<std::string> order = {"data", "model", "optimisation", "distributed", "output", "speed (CUDA)", "bench"};
+  static const std::vector<std::string> order = {"task",   "data",   "model",        "optimisation", "distributed",
+                                                 "output", "speed (CUDA)", "bench"};
   const auto it = std::find(order.begin(), order.end(), help_group(group));
   return it == order.end() ? static_cast<int>(order.size()) : static_cast<int>(it - order.begin());
 }
@@ -395,28 +399,41 @@ std::vector<std::string> config_sections(const std::vector<Flag>& table) {
   return out;
 }
 
-constexpr const char* kHelpFooter =
+constexpr const char* kSchedulesHelp =
     "\nSchedules (step s of S optimizer steps, W warm-up steps from --warmup-epochs, peak = --lr):\n"
     "  constant   peak; with W > 0: peak * (s+1)/W for s < W (PyTorch LinearLR(1/W, 1, W-1))\n"
     "  step       warm-up as above, then peak * 0.1^k, k = milestones passed at 50% and 75% of S-W (MultiStepLR)\n"
     "  cosine     warm-up as above, then peak * (1 + cos(pi * (s-W)/(S-W))) / 2 (CosineAnnealingLR)\n"
     "  onecycle   PyTorch OneCycleLR: cosine from peak/25 up to peak over W = 30% of S (or --warmup-epochs),\n"
-    "             then cosine down to peak/25/1e4 at the last step (the learning rate only; no momentum cycling)\n"
-    "\nA task may add flags and defaults of its own: ddptrain --task lm --help lists the GPT's.\n"
-    "\nSubcommands:\n"
-    "  ddptrain report RUN_DIR              metrics, plots and the best epoch of a run\n"
-    "  ddptrain export CHECKPOINT OUT.pt    a checkpoint's weights as a PyTorch state_dict\n"
-    "  ddptrain doctor [flags]              check the ranks, devices and collectives of a job\n"
-    "  ddptrain bench [flags]               time training steps (--bench-steps, --image-size)\n"
-    "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
-    "                                       sample text from a --task lm checkpoint\n";
+    "             then cosine down to peak/25/1e4 at the last step (the learning rate only; no momentum cycling)\n";
 
-std::string version_text() {
+// The schedules, then the subcommands, named as the program is.
+std::string help_footer(const ProgramInfo& program) {
+  const bool ddptrain = program.description.empty();
+  std::string out = kSchedulesHelp;
+  if (ddptrain) out += "\nA task may add flags and defaults of its own: ddptrain --task lm --help lists the GPT's.\n";
+  out += "\nSubcommands:\n";
+  auto row = [&](const std::string& usage, const char* what) {
+    char line[200];
+    std::snprintf(line, sizeof(line), "  %-36s %s\n", (program.name + " " + usage).c_str(), what);
+    out += line;
+  };
+  row("report RUN_DIR", "metrics, plots and the best epoch of a run");
+  row("export CHECKPOINT OUT.pt", "a checkpoint's weights as a PyTorch state_dict");
+  row("doctor [flags]", "check the ranks, devices and collectives of a job");
+  row("bench [flags]", "time training steps (--bench-steps, --image-size)");
+  if (ddptrain)
+    out += "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
+           "                                       sample text from a --task lm checkpoint\n";
+  return out;
+}
+
+std::string version_text(const std::string& program) {
 #ifndef DDP_VERSION
 #define DDP_VERSION "unknown"
 #endif
   const std::string cuda = compat::cuda_nccl_versions();
-  return std::string("ddptrain ") + DDP_VERSION + "\nLibTorch " + compat::torch_version() + "\n" +
+  return (program == "ddptrain" ? std::string("ddptrain ") : program + ", built on ddptrain ") + DDP_VERSION + "\nLibTorch " + compat::torch_version() + "\n" +
          (cuda.empty() ? "CPU only (no CUDA, no NCCL)" : cuda) + "\n";
 }
 
@@ -426,21 +443,25 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
   Config c = std::move(defaults);
   c.given.clear();
   const Config defaults_copy = c;
-  CLI::App app{
-      "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
-      "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or one CPU rank; --size 2 for two)."};
+  const ProgramInfo& program = c.program;
+  CLI::App app{program.description.empty()
+                   ? "ddptrain: data-parallel training with LibTorch on one GPU, many GPUs or many machines.\n"
+                     "With no flags it trains a small CNN on Fashion-MNIST on every visible GPU (or one CPU rank; --size 2 for two)."
+                   : program.name + ": " + program.description + "\n"
+                     "It trains on every visible GPU, or one CPU rank (--size 2 for two), data-parallel with ddptrain.",
+               program.name};
   app.set_help_flag("-h,--help", "print this help and exit");
   app.get_formatter()->column_width(34);
   // --config is not a Config field: it names where the others come from.
-  app.footer(kHelpFooter);
+  app.footer(help_footer(program));
   auto table = flag_table(c);
   const auto names = long_names(table);
   for (const char* const* a = argv + 1; a < argv + argc; ++a)
     if (std::string(*a) == "--version") {
-      std::cout << version_text();
+      std::cout << version_text(program.name);
       std::exit(exit_code::kOk);
     }
-  const auto args = normalise_flags(argc, argv, names);
+  const auto args = normalise_flags(argc, argv, names, program.name);
   for (auto& f : ordered_for_help(table)) {
     CLI::Option* o = std::visit(
         [&](auto* p) {
@@ -452,14 +473,21 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
         f.target);
     // A later value overrides an earlier one (flags after a config file, or
     // a script's defaults followed by the user's own).
-    o->capture_default_str()->group(help_group(f.group))->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    // A flag the task does not read is still parsed (to be refused with a
+    // reason, check_flags_apply) but not offered: CLI11 hides group "".
+    const auto& unread = program.unread_flags;
+    const bool hidden = std::find(unread.begin(), unread.end(), f.key()) != unread.end();
+    o->capture_default_str()->group(hidden ? "" : help_group(f.group))->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
     if (!f.choices.empty()) o->check(CLI::IsMember(f.choices));
   }
   CLI::Option* config_file = app.set_config("--config", "", "read flags from a TOML file (key = value, keys named like the long flags, optionally under [data], [model], ... sections); flags on the command line win. A run's config.toml repeats that run");
   config_file->group("config");
   app.allow_config_extras(CLI::config_extras_mode::error);
-  app.config_formatter(std::make_shared<ConfigReader>(names, config_sections(table), config_file));
-  app.add_flag("--version", "print the versions of ddptrain, LibTorch, CUDA and NCCL and exit")->group("config");
+  app.config_formatter(std::make_shared<ConfigReader>(names, config_sections(table), config_file, program.name));
+  const std::string version_help = std::string("print the versions of ") +
+                                   (program.name == "ddptrain" ? "" : "this program, ") +
+                                   "ddptrain, LibTorch, CUDA and NCCL and exit";
+  app.add_flag("--version", version_help)->group("config");
   std::vector<const char*> cargs;
   for (const auto& a : args) cargs.push_back(a.c_str());
   try {
@@ -475,9 +503,9 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
     const std::string what = e.what(), key = what.substr(what.rfind(' ') + 1);
     const std::string file = config_file->results().empty() ? "" : config_file->results().back();
     throw UserError("unknown key '" + key + "' in the config file '" + file + "'.",
-                    "keys are the long flag names without dashes, e.g. epochs = 3; see 'ddptrain --help'.");
+                    "keys are the long flag names without dashes, e.g. epochs = 3; see '" + program.name + " --help'.");
   } catch (const CLI::ParseError& e) {
-    throw UserError(std::string(e.what()) + ".", "run 'ddptrain --help' to see every flag and its values.");
+    throw UserError(std::string(e.what()) + ".", "run '" + program.name + " --help' to see every flag and its values.");
   }
   // Given: on the command line, or in a config file with a value other than
   // the default (a run's config.toml spells out every default).
@@ -603,8 +631,8 @@ std::string toml_value(const double* v) {
 std::string config_to_toml(const Config& config) {
   Config c = config;
   std::ostringstream os;
-  os << "# ddptrain configuration with every default resolved.\n"
-        "# Repeat the run: ddptrain --config config.toml (flags on the command line override it).\n";
+  os << "# " << config.program.name << " configuration with every default resolved.\n"
+     << "# Repeat the run: " << config.program.name << " --config config.toml (flags on the command line override it).\n";
   std::string group;
   for (auto& f : flag_table(c)) {
     if (f.group != group) os << "\n# " << (group = f.group) << "\n";

@@ -5,8 +5,9 @@
 // SyncBatchNorm, mixed precision, checkpoints, logs and the command line):
 //   ./build/train                      trains on every GPU (or one CPU rank)
 //   ./build/train --size 4 --epochs 20 --batch 128 --lr 3e-3
-//   torchrun --nproc-per-node 8 --no-python ./build/train
-// `./build/train --help` lists every flag; examples/ has more tasks.
+//   torchrun --nproc_per_node 8 --redirects 2 --tee 2 --no_python ./build/train
+// `./build/train --help` lists your task's flags and the built-in ones it
+// reads; examples/ has more tasks.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ddp/app.h>
 #include <ddp/dist/sync_batchnorm.h>
@@ -78,9 +79,12 @@ TORCH_MODULE(MyModel);
 struct MyTask : ddp::Task {
   MyModel model{nullptr};
 
-  void add_flags(ddp::Config& config) override {
-    config.augment = "none";  // a flip would move the square that defines the class
-  }
+  // Flags of your own, e.g. config.add_flag("--aux-weight", "weight of the
+  // auxiliary loss", 0.3), read with config.flag<double>("aux-weight").
+  // Data of your own is not augmented: set config.augment = "standard" here
+  // for the built-in crops and flips of "input" images (here a flip would
+  // move the square that defines the class).
+  void add_flags(ddp::Config& config) override {}
 
   ddp::data::Splits make_data(const ddp::Config& config, ddp::World&) override {
     ddp::data::Splits data;
@@ -109,15 +113,17 @@ struct MyTask : ddp::Task {
             {"count", torch::tensor(static_cast<double>(y.size(0)))}};
   }
 
-  // The metrics, from the totals over a whole split. Named once: with a
-  // validation split (--val-split) they are reported as val_loss, val_acc.
+  // The metrics, from the totals over a whole split. Named once: they are
+  // reported as val_loss, val_acc on the validation split (--val-split) and
+  // test_loss, test_acc on test.
   ddp::Metrics validation_metrics(const ddp::Totals& t) override {
     const double n = t.at("count").item<double>();
-    return {{"test_loss", t.at("loss").item<double>() / n}, {"test_acc", t.at("correct").item<double>() / n}};
+    return {{"loss", t.at("loss").item<double>() / n}, {"acc", t.at("correct").item<double>() / n}};
   }
 
-  // The metric that picks best.pt and that --stop-at compares against.
-  ddp::Monitor monitor() const override { return {"test_acc", ddp::Goal::kMax}; }
+  // The metric that picks best.pt, and that --stop-at, --patience and
+  // --save-top-k compare against (val_acc with --val-split, else test_acc).
+  ddp::Monitor monitor() const override { return {"acc", ddp::Goal::kMax}; }
 
   // What `./train predict --checkpoint RUN/best.pt --out preds.csv` writes
   // for each sample (the default suits a ddp::Net: its output for "input").
@@ -127,9 +133,21 @@ struct MyTask : ddp::Task {
     auto logits = model(batch.input());
     return {{"class", logits.argmax(1)}, {"prob", torch::softmax(logits, 1)}};
   }
+
+  // AdamW (the default --optimizer) decays every parameter by --weight-decay
+  // (0.05), biases, norm weights and embeddings too, unless exempted here.
+  // This exempts them, as timm and nanoGPT do; drop it to decay everything.
+  void configure_optimizer(const ddp::Config&, ddp::OptimizerSetup& setup) override {
+    ddp::decay_matrices_only(setup.optimizer, *model);
+  }
 };
 
 // ---------------------------------------------------------------------------
 // 4. Train.
 // ---------------------------------------------------------------------------
-int main(int argc, char** argv) { return ddp::main(argc, argv, std::make_shared<MyTask>()); }
+// Your program's name and what it does: --help, errors and the commands it
+// prints speak of it.
+int main(int argc, char** argv) {
+  return ddp::main(argc, argv, std::make_shared<MyTask>(),
+                   ddp::ProgramOptions("train").description("finds the bright square in noisy images"));
+}

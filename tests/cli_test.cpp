@@ -361,6 +361,7 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
   const std::regex number(R"re(-?[0-9.][0-9.eE+-]*(,[0-9]+)*)re");
   // Flags of other programs that messages mention (apt-get, torchrun, ctest, cmake).
   const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "rdzv-id", "no-python", "test-dir",
+                                        "no_python", "redirects", "tee",  // torchrun's, in the resume command it prints
                                         "output-on-failure", "build", "target", "tests",
                                         "logdir",       // tensorboard's
                                         "aux-weight",   // the example task flag in cli.h's comments

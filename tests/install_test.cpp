@@ -92,8 +92,9 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
 
   // The template as a user would have it: a copy, outside ddptrain's tree.
   fs::copy(std::string(DDP_SOURCE_DIR) + "/template", src, fs::copy_options::recursive);
-  std::vector<std::string> configure{"cmake", "-S", src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-                                     "-Dddptrain_DIR=" + cmake_dir, std::string("-DTorch_DIR=") + DDP_TORCH_DIR};
+  // No build type given: the template builds optimised on its own.
+  std::vector<std::string> configure{"cmake", "-S", src, "-B", build, "-Dddptrain_DIR=" + cmake_dir,
+                                     std::string("-DTorch_DIR=") + DDP_TORCH_DIR};
   if (run_process({"ninja", "--version"}, {}, 30).exit_code == 0) configure.insert(configure.end(), {"-G", "Ninja"});
   // ccache hits across runs although the temp dir changes: paths below the
   // base dir are hashed relative to it.
@@ -105,6 +106,7 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
   const size_t entry = cache.find("\nddptrain_DIR:");
   ASSERT_NE(entry, std::string::npos);
   EXPECT_EQ(cache.substr(cache.find('=', entry) + 1, cmake_dir.size() + 1), cmake_dir + "\n");
+  EXPECT_NE(cache.find("\nCMAKE_BUILD_TYPE:STRING=Release\n"), std::string::npos) << "the template builds Release";
   auto make = run_process({"cmake", "--build", build, "-j", "2"}, {{"CCACHE_BASEDIR", root}}, 600);
   ASSERT_EQ(make.exit_code, 0) << make.output;
   // Headers and library came from the prefix: the build files never name
@@ -119,6 +121,10 @@ TEST(Install, InstalledPackageBuildsAndTrainsTheTemplateAndTheExamples) {
                        {}, 300);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("data: my-dataset"), std::string::npos) << r.output;
+  // The program is the user's: its name and description open its --help.
+  auto own_help = run_process({build + "/train", "--help"}, {}, 60);
+  EXPECT_EQ(own_help.output.rfind("train: ", 0), 0u) << own_help.output;
+  EXPECT_EQ(own_help.output.find("\n  --model "), std::string::npos) << own_help.output;
   std::vector<nlohmann::json> metrics;
   for (const auto& e : fs::recursive_directory_iterator(out))
     if (e.path().filename() == "metrics.jsonl") {

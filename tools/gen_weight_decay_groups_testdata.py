@@ -13,9 +13,10 @@ of both groups also miss steps (zero_grad(set_to_none=True): torch.optim
 skips them, and Adam's per-parameter step count does not advance).
 
 For each optimizer it records the parameters after STEPS steps on fixed
-batches twice: with the two groups ("two_groups") and with one group that
+batches three times: with the two groups ("two_groups"), with one group that
 decays everything ("one_group", torch.optim's default and ddptrain's for
-the image tasks).
+the image tasks), and with the embedding moved to the group without decay
+("matrices_only", what ddp::decay_matrices_only sets).
 """
 import json
 import os
@@ -75,6 +76,10 @@ def make_optimizer(name, model, groups):
     if groups == "two_groups":
         param_groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
                         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    elif groups == "matrices_only":  # timm's rule with the embedding exempt too (ddp::decay_matrices_only)
+        exempt = {id(model.emb.weight)}
+        param_groups = [{"params": [p for p in params if p.dim() >= 2 and id(p) not in exempt], "weight_decay": wd},
+                        {"params": [p for p in params if p.dim() < 2 or id(p) in exempt], "weight_decay": 0.0}]
     else:
         param_groups = [{"params": params, "weight_decay": wd}]
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
@@ -105,7 +110,7 @@ def main():
         "initial": {k: v.flatten().tolist() for k, v in initial().items()},
         "batches": [[x.flatten().tolist(), t.flatten().tolist()] for x, t in batches()],
     }
-    for groups in ("two_groups", "one_group"):
+    for groups in ("two_groups", "one_group", "matrices_only"):
         data[groups] = {name: train(name, groups) for name in OPTIMIZERS}
     with open(out_path, "w") as f:
         json.dump(data, f, indent=1)

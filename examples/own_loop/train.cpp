@@ -2,7 +2,7 @@
 // with PyTorch DDP: the process group, the sampler, gradient sync, a plain
 // torch::optim optimizer, checkpoints, Ctrl-C / SIGTERM, crash reports.
 //   ./build/own_loop [DIR]                one CPU rank (or one per GPU); checkpoints in DIR
-//   torchrun --nproc-per-node 2 --no-python ./build/own_loop
+//   torchrun --nproc_per_node 2 --redirects 2 --tee 2 --no_python ./build/own_loop
 #include <ddp/data/loader.h>
 #include <ddp/data/sampler.h>
 #include <ddp/data/synthetic.h>

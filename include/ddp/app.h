@@ -8,6 +8,7 @@
 #pragma once
 
 #include <functional>
+#include <string>
 
 #include "ddp/cli.h"
 #include "ddp/train/task.h"
@@ -28,8 +29,21 @@ data::Splits load_data(const Config& config, bool verbose, torch::Device device 
 /// of ddptrain call it too, so that they allocate as ddptrain does.
 void keep_freed_memory_in_heap();
 
-/// Runs ddptrain with `task` (your own, or nullptr: the built-in one that
-/// --task names); returns the process exit code.
-int main(int argc, char** argv, std::shared_ptr<Task> task = nullptr);
+/// Your program as its users see it: the name that its --help, errors and
+/// printed commands use, and the line that --help opens with.
+///
+///   return ddp::main(argc, argv, std::make_shared<MyTask>(),
+///                    ddp::ProgramOptions("train").description("finds the square in noisy images"));
+struct ProgramOptions {
+  /* implicit */ ProgramOptions(std::string name = "") : name_(std::move(name)) {}
+  /// The program's name; "": the file name it was started as.
+  TORCH_ARG(std::string, name);
+  /// One line on what it trains, first in --help.
+  TORCH_ARG(std::string, description);
+};
+
+/// Runs the program with `task` (your own, or nullptr: ddptrain's built-in
+/// one that --task names); returns the process exit code.
+int main(int argc, char** argv, std::shared_ptr<Task> task = nullptr, ProgramOptions program = {});
 
 }  // namespace ddp

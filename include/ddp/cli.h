@@ -27,6 +27,16 @@ struct TaskFlag {
   std::string key() const;           // "aux-weight"
 };
 
+/// Who parses the flags: ddptrain itself, or a program built from the
+/// template (ddp::ProgramOptions, app.h, fills it in).
+struct ProgramInfo {
+  std::string name = "ddptrain";   // in messages: "Run 'train --help'"
+  std::string description;         // --help's first line; "": ddptrain's own
+  /// Built-in flags that this program's task does not read: --help leaves
+  /// them out (Task::ignored_flags before set-up).
+  std::vector<std::string> unread_flags;
+};
+
 struct Config {
   // The seed template's flags, same names and meanings.
   int port = 0;                     // 0: a free port on one node
@@ -51,7 +61,7 @@ struct Config {
   bool strict_data = false;         // a corrupt image stops the run instead of being skipped
   std::string image_decode = "auto";  // imagefolder: cpu | gpu (nvJPEG) | auto (gpu on a CUDA device with nvJPEG)
   double cpu_decode_share = 1;        // imagefolder with GPU decoding: share of each batch decoded on the loader's threads
-  std::string augment = "standard";
+  std::string augment = "auto";     // auto: standard for the built-in image data, none for a task's own
   int workers = 1;
   // The task, model and optimisation.
   std::string task = "classification";  // ddptrain's built-in tasks: classification | regression
@@ -105,6 +115,10 @@ struct Config {
   std::string checkpoint;           // `predict`: the checkpoint whose weights predict (e.g. RUN/best.pt)
   std::string split = "test";       // `predict`: train, test, or data of the kind --data_root takes
   std::string out;                  // `predict`: the file written, .csv or .npy
+
+  /// Not a flag: the program these flags belong to (ddp::main() sets it),
+  /// named in --help, errors and the commands a run prints.
+  ProgramInfo program;
 
   /// Values the user set explicitly (by flag name without dashes).
   std::vector<std::string> given;

@@ -1,4 +1,4 @@
-// The run summary behind `ddptrain report`.
+// The run summary behind `PROGRAM report`, and the run card it reads.
 #include "ddp/cmd/report.h"
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ddp/error.h"
+#include "ddp/io/checkpoint.h"  // write_file_atomic
 #include "ddp/io/metrics.h"
 #include "ddp/io/progress.h"
 
@@ -19,7 +20,9 @@ namespace fs = std::filesystem;
 namespace ddp {
 namespace {
 
-constexpr const char* kReportUsage = "usage: ddptrain report RUN_DIR  (a directory such as checkpoint/train_<timestamp>)";
+std::string usage(const std::string& program) {
+  return "usage: " + program + " report RUN_DIR  (a directory such as checkpoint/train_<timestamp>)";
+}
 
 // Run directories directly under `dir`, newest name last.
 std::vector<std::string> runs_under(const fs::path& dir) {
@@ -31,8 +34,8 @@ std::vector<std::string> runs_under(const fs::path& dir) {
   return runs;
 }
 
-nlohmann::json read_config(const fs::path& dir) {
-  const auto path = (dir / "config.json").string();
+nlohmann::json read_json(const fs::path& dir, const char* name) {
+  const auto path = (dir / name).string();
   std::ifstream in(path);
   try {
     return nlohmann::json::parse(in);
@@ -63,28 +66,51 @@ std::string fixed(double v, int decimals) {
 
 }  // namespace
 
-std::string run_report(const std::string& run_dir) {
+void write_run_card(const std::string& run_dir, const RunCard& card) {
+  const nlohmann::json j = {{"program", card.program},
+                            {"model", card.model},
+                            {"data", card.data},
+                            {"train_samples", card.train_samples},
+                            {"test_samples", card.test_samples},
+                            {"monitor", card.monitor},
+                            {"goal", card.goal}};
+  write_file_atomic(run_dir + "/run.json", j.dump(2) + "\n");
+}
+
+std::string run_report(const std::string& run_dir, const std::string& program) {
   const fs::path dir(run_dir);
   std::error_code ec;
   check_user(fs::is_directory(dir, ec), "report: '" + run_dir + "' is not a directory.",
              "pass a run directory, e.g. checkpoint/train_<timestamp> (the 'run dir' that training prints).");
   if (!fs::exists(dir / "config.json")) {
     const auto runs = runs_under(dir);
-    check_user(false, "report: '" + run_dir + "' is not a ddptrain run directory (it has no config.json).",
+    check_user(false, "report: '" + run_dir + "' is not a run directory of " + program + " (it has no config.json).",
                runs.empty() ? "pass the 'run dir' that training prints, e.g. checkpoint/train_<timestamp>."
                             : "it holds " + std::to_string(runs.size()) + " run(s); pass one, e.g. " + runs.back() + ".");
   }
-  const auto config = read_config(dir);
+  const auto config = read_json(dir, "config.json");
+  // Runs before run.json existed: the flags alone.
+  const auto card = fs::exists(dir / "run.json") ? read_json(dir, "run.json") : nlohmann::json::object();
   const auto epochs = read_epoch_metrics((dir / "metrics.jsonl").string());
 
   std::ostringstream out;
   out << "run          " << run_dir << "\n";
-  out << "config       " << (config.contains("task") ? "task " + value_of(config, "task") + ", " : std::string()) << "model " << value_of(config, "model") << ", " << value_of(config, "optimizer") << " lr "
-      << value_of(config, "lr") << " (" << value_of(config, "schedule") << "), weight decay "
-      << value_of(config, "weight-decay") << ", batch " << value_of(config, "batch") << " per rank, dataset "
-      << value_of(config, "dataset") << " (" << samples(config, "train-samples") << " train, " << samples(config, "test-samples")
-      << " test), seed "
-      << value_of(config, "seed") << "\n";
+  if (card.empty())
+    out << "config       " << (config.contains("task") ? "task " + value_of(config, "task") + ", " : std::string())
+        << "model " << value_of(config, "model") << ", " << value_of(config, "optimizer") << " lr "
+        << value_of(config, "lr") << " (" << value_of(config, "schedule") << "), weight decay "
+        << value_of(config, "weight-decay") << ", batch " << value_of(config, "batch") << " per rank, dataset "
+        << value_of(config, "dataset") << " (" << samples(config, "train-samples") << " train, "
+        << samples(config, "test-samples") << " test), seed " << value_of(config, "seed") << "\n";
+  else  // the task's own words for its model and data; the flags may name built-in ones it ignores
+    out << "program      " << value_of(card, "program") << "\n"
+        << "model        " << value_of(card, "model") << "\n"
+        << "data         " << value_of(card, "data") << " (" << value_of(card, "train_samples") << " train, "
+        << value_of(card, "test_samples") << " test)\n"
+        << "config       " << value_of(config, "optimizer") << " lr " << value_of(config, "lr") << " ("
+        << value_of(config, "schedule") << "), weight decay " << value_of(config, "weight-decay") << ", batch "
+        << value_of(config, "batch") << " per rank, seed " << value_of(config, "seed") << "; monitor "
+        << value_of(card, "monitor") << " (" << value_of(card, "goal") << ")\n";
   out << "epochs       " << epochs.size() << " of " << value_of(config, "epochs") << " done\n";
   if (!epochs.empty()) {
     const auto& last = epochs.back();
@@ -130,14 +156,14 @@ std::string run_report(const std::string& run_dir) {
   return out.str();
 }
 
-int report_command(const std::vector<std::string>& args) {
+int report_command(const std::vector<std::string>& args, const std::string& program) {
   if (args.size() == 1 && (args[0] == "-h" || args[0] == "--help")) {
-    std::cout << kReportUsage << "\n";
+    std::cout << usage(program) << "\n";
     return exit_code::kOk;
   }
   check_user(args.size() == 1, std::string("report takes one run directory, got ") + std::to_string(args.size()) +
-                                   " argument(s).", kReportUsage);
-  std::cout << run_report(args[0]);
+                                   " argument(s).", usage(program));
+  std::cout << run_report(args[0], program);
   return exit_code::kOk;
 }
 

@@ -78,4 +78,20 @@ Transform make_augment(AugmentOptions options) {
   };
 }
 
+bool augment_applies(const std::string& mode, bool builtin_data, const Splits& data) {
+  if (mode == "none" || (mode == "auto" && !builtin_data) || data.train_augmented || data.train->size() == 0) return false;
+  // One example tells: a dataset gives the same names and ranks throughout.
+  const Example first = data.train->get(0);
+  const bool image = first.contains("input") && first.at("input").dim() == 3 && first.at("input").is_floating_point();
+  if (image) return true;
+  std::string has;
+  for (const auto& name : first.names())
+    has += (has.empty() ? "" : ", ") + name + " " + c10::str(first.at(name).sizes());
+  check_user(mode == "auto",
+             "--augment " + mode + " crops and flips images, but " + data.train->name() +
+                 " holds no float \"input\" image C x H x W (its examples hold " + has + ").",
+             "drop --augment (or set config.augment = \"none\" in add_flags): it applies to image data only.");
+  return false;
+}
+
 }  // namespace ddp::data

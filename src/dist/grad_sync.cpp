@@ -103,6 +103,26 @@ std::string describe_signature(const torch::Tensor& row) {
 // signatures go to every rank, each compares its own, and all agree on the
 // first difference (lowest parameter, then lowest rank), so that every rank
 // throws the same error and none is left waiting.
+// The tensors that `names` name among the model's parameters (a tied one
+// under either of its names). A name the model lacks is the caller's typo.
+std::set<const void*> parameters_named(torch::nn::Module& model, const std::vector<std::string>& names) {
+  std::set<const void*> out;
+  std::set<std::string> unfound(names.begin(), names.end());
+  for (const auto& item : model.named_parameters())
+    if (std::find(names.begin(), names.end(), item.key()) != names.end()) {
+      out.insert(item.value().unsafeGetTensorImpl());
+      unfound.erase(item.key());
+    }
+  if (!unfound.empty()) {
+    std::string known;
+    for (const auto& item : model.named_parameters()) known += (known.empty() ? "" : ", ") + item.key();
+    throw UserError("no parameter named '" + *unfound.begin() + "' to keep apart from weight decay; the model's are " +
+                        known + ".",
+                    "name parameters as named_parameters() does, e.g. 'tok_emb.weight'.");
+  }
+  return out;
+}
+
 void check_same_parameters(torch::nn::Module& model, World& world) {
   const auto named = model.named_parameters();
   std::vector<torch::Tensor> params;
@@ -164,12 +184,14 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     broadcast_buffers();
   }
 
-  // Group by (dtype, device, and with separate_1d whether 1-D); within a
-  // group, reverse registration order.
+  // Group by (dtype, device, and whether put apart: 1-D with separate_1d,
+  // or named in separate_names); within a group, reverse registration order.
+  const std::set<const void*> named_apart = parameters_named(model, options_.separate_names());
   std::map<std::tuple<int, std::string, bool>, std::vector<size_t>> groups;
   for (size_t i = params_.size(); i-- > 0;) {
     const auto& p = params_[i];
-    groups[{static_cast<int>(p.scalar_type()), p.device().str(), options_.separate_1d() && p.dim() < 2}].push_back(i);
+    const bool apart = (options_.separate_1d() && p.dim() < 2) || named_apart.count(p.unsafeGetTensorImpl()) > 0;
+    groups[{static_cast<int>(p.scalar_type()), p.device().str(), apart}].push_back(i);
   }
   bucket_of_.assign(params_.size(), 0);
   grad_views_.assign(params_.size(), torch::Tensor());

@@ -80,7 +80,7 @@ pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
   for (const auto& a : o.argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
   execv(o.argv[0].c_str(), args.data());
-  std::fprintf(stderr, "ddptrain: cannot start worker '%s': %s\n", o.argv[0].c_str(), std::strerror(errno));
+  std::fprintf(stderr, "%s: cannot start worker '%s': %s\n", o.program.c_str(), o.argv[0].c_str(), std::strerror(errno));
   _exit(127);
 }
 
@@ -262,8 +262,8 @@ class NodeLink {
     so.waitWorkers = false;
     so.timeout = std::chrono::milliseconds(static_cast<int64_t>(o.rendezvous_timeout * 1000));
     if (o.node_rank > 0)
-      std::fprintf(stderr, "ddptrain: node %d of %d: joining the job at %s (waiting up to %.0f s for node 0)\n",
-                   o.node_rank, o.nnodes, where.c_str(), o.rendezvous_timeout);
+      std::fprintf(stderr, "%s: node %d of %d: joining the job at %s (waiting up to %.0f s for node 0)\n",
+                   o.program.c_str(), o.node_rank, o.nnodes, where.c_str(), o.rendezvous_timeout);
     c10::intrusive_ptr<c10d::Store> tcp;
     try {
       tcp = o.node_rank == 0 ? compat::listen_store(o.master_addr, o.master_port, so.timeout)
@@ -366,7 +366,7 @@ class NodeLink {
       for (int n = 1; n < o_.nnodes; ++n) {
         while (!store_->check({key(attempt, n)})) {
           if (std::chrono::steady_clock::now() > until) {
-            std::fprintf(stderr, "ddptrain: node %d did not report its end within %.0f s; exiting anyway.\n", n,
+            std::fprintf(stderr, "%s: node %d did not report its end within %.0f s; exiting anyway.\n", o_.program.c_str(), n,
                          seconds);
             return "";
           }
@@ -430,7 +430,7 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
       }
       if (any_running(ws)) {
         if (!bad_input(ws[failed].status))
-          std::fprintf(stderr, "ddptrain: %s; stopping the other ranks.\n", why.c_str());
+          std::fprintf(stderr, "%s: %s; stopping the other ranks.\n", o.program.c_str(), why.c_str());
         stop_survivors(ws, o.grace_seconds);
       }
       const int st = ws[failed].status;
@@ -445,7 +445,7 @@ int watch_workers(const LaunchOptions& o, NodeLink* link, int port, int attempt,
       }
       if (!why.empty()) {
         cause_here = false;
-        std::fprintf(stderr, "ddptrain: %s; stopping the ranks%s.\n", why.c_str(), on_node.c_str());
+        std::fprintf(stderr, "%s: %s; stopping the ranks%s.\n", o.program.c_str(), why.c_str(), on_node.c_str());
         stop_survivors(ws, o.grace_seconds);
         return exit_code::kPeerFailed;
       }
@@ -535,6 +535,25 @@ std::string self_executable() {
   return buf;
 }
 
+// torchrun's agent sets TORCHELASTIC_RUN_ID in its workers; ddptrain's
+// launcher, Slurm and mpirun do not. Debian's torchrun 1.13 on Python 3.11
+// fails at start with its default --redirects 0 ('NoneType' object has no
+// attribute 'get'), so the command carries --redirects 2 --tee 2, which 2.x
+// takes too, as it takes these underscore spellings.
+std::string relaunch_command(const std::string& program, const std::string& args) {
+  const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
+  if (!run_id || std::getenv("DDPTRAIN_LAUNCHER")) return program + " " + args;
+  auto number = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v ? std::max(1, std::atoi(v)) : 1;
+  };
+  const int per_node = number("LOCAL_WORLD_SIZE"), nodes = std::max(1, number("WORLD_SIZE") / per_node);
+  std::string cmd = "torchrun";
+  if (nodes > 1) cmd += " --nnodes " + std::to_string(nodes) + " <the job's rendezvous flags, on every node>";
+  return cmd + " --nproc_per_node " + std::to_string(per_node) + " --redirects 2 --tee 2 --no_python " + program + " " +
+         args;
+}
+
 int launch_workers(const LaunchOptions& o) {
   check_user(o.nproc_per_node >= 1, "--size must be at least 1, got " + std::to_string(o.nproc_per_node) + ".");
   check_user(o.nnodes >= 1 && o.node_rank >= 0 && o.node_rank < o.nnodes,
@@ -580,16 +599,16 @@ int launch_workers(const LaunchOptions& o) {
     if (code == exit_code::kPreempted) return code;  // rank 0 said where it saved
     if (code == exit_code::kUsage) return code;      // the rank said what was wrong; a restart fails alike
     if (interrupted) {
-      std::fprintf(stderr, "ddptrain: stopped by signal (%s).\n", why.c_str());
+      std::fprintf(stderr, "%s: stopped by signal (%s).\n", o.program.c_str(), why.c_str());
       return code;
     }
     if (attempt >= o.max_restarts) {
-      std::fprintf(stderr, "ddptrain: worker failed: %s.%s\n", why.c_str(),
+      std::fprintf(stderr, "%s: worker failed: %s.%s\n", o.program.c_str(), why.c_str(),
                    o.max_restarts > 0 ? " No restarts left." : "");
       return code == 0 ? 1 : code;
     }
-    std::fprintf(stderr, "ddptrain: worker failed: %s; restart %d of %d from the last checkpoint.\n",
-                 why.c_str(), attempt + 1, o.max_restarts);
+    std::fprintf(stderr, "%s: worker failed: %s; restart %d of %d from the last checkpoint.\n",
+                 o.program.c_str(), why.c_str(), attempt + 1, o.max_restarts);
   }
 }
 

@@ -19,6 +19,25 @@
 
 namespace ddp {
 
+namespace {
+std::string joined_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ",") + n;
+  return out;
+}
+}  // namespace
+
+void decay_matrices_only(FlatOptimizerOptions& options, torch::nn::Module& model) {
+  std::vector<std::string> tables;
+  auto note = [&](const std::string& prefix, const torch::nn::Module& m) {
+    if (dynamic_cast<const torch::nn::EmbeddingImpl*>(&m) || dynamic_cast<const torch::nn::EmbeddingBagImpl*>(&m))
+      tables.push_back(prefix.empty() ? "weight" : prefix + ".weight");
+  };
+  note("", model);
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) note(item.key(), *item.value());
+  options.no_decay_1d(true).no_decay(tables);
+}
+
 FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                              FlatOptimizerOptions options)
     : FlatOptimizer(std::move(params), std::move(grads), std::move(options), nullptr) {}
@@ -34,6 +53,10 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
   check_user(!o_.no_decay_1d() || (sync_ && sync_->options().separate_1d()),
              "no_decay_1d needs the 1-D parameters in flat buffers of their own.",
              "build the FlatOptimizer on a GradSync made with GradSyncOptions().separate_1d(true), as TrainStep does.");
+  check_user(o_.no_decay().empty() || (sync_ && sync_->options().separate_names() == o_.no_decay()),
+             "no_decay needs its parameters in flat buffers of their own.",
+             "build the FlatOptimizer on a GradSync made with GradSyncOptions().separate_names(the same names), as "
+             "TrainStep does.");
   TORCH_CHECK(params_.size() == grads_.size() && !params_.empty(), "FlatOptimizer needs matching flat buffers");
   adam_ = o_.name() != "sgd";
   const auto& dev = params_.front().device();
@@ -51,7 +74,8 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
     m_.push_back(torch::zeros_like(params_[i]));
     if (adam_) v_.push_back(torch::zeros_like(params_[i]));
     step_.push_back(torch::zeros({}, params_[i].options().dtype(torch::kFloat)));
-    weight_decay_.push_back(o_.no_decay_1d() && sync_->holds_1d(i) ? 0.0 : o_.weight_decay());
+    const bool exempt = (o_.no_decay_1d() || !o_.no_decay().empty()) && sync_->holds_1d(i);
+    weight_decay_.push_back(exempt ? 0.0 : o_.weight_decay());
     if (!sync_) slices_.push_back(ParamSlice{i, 0, params_[i].numel()});
   }
   if (sync_) slices_ = sync_->param_slices();
@@ -343,6 +367,7 @@ void FlatOptimizer::save(TensorMap& state) const {
   state["name"] = string_tensor(o_.name());
   // The buffers' layout: with no_decay_1d the 1-D parameters have their own.
   state["no_decay_1d"] = torch::full({}, o_.no_decay_1d() ? 1.0f : 0.0f);
+  if (!o_.no_decay().empty()) state["no_decay"] = string_tensor(joined_names(o_.no_decay()));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     // The composed path counts on the host; the fused one on the device.
@@ -374,6 +399,13 @@ void FlatOptimizer::load(const TensorMap& state) {
                           "nanoGPT."),
              "resume with the ddptrain that wrote it (--task lm decayed every parameter before it followed nanoGPT), "
              "or start without --resume.");
+  // Checkpoints written before no_decay existed exempted no parameter by name.
+  auto named = state.find("no_decay");
+  const std::string saved_names = named == state.end() ? "" : tensor_string(named->second);
+  check_user(saved_names == joined_names(o_.no_decay()),
+             "the checkpoint's optimizer state exempts {" + saved_names + "} from weight decay by name; this run "
+                 "exempts {" + joined_names(o_.no_decay()) + "}.",
+             "resume with the configure_optimizer() that wrote it, or start without --resume.");
   torch::NoGradGuard no_grad;
   auto read = [&](const std::string& key, torch::Tensor& dst) {
     auto src = state.find(key);

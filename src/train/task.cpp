@@ -86,7 +86,8 @@ data::DatasetPtr Task::make_predict_data(const Config& config, World& world, con
 std::vector<std::string> Task::ignored_flags() const {
   std::vector<std::string> out = {"task", "loss", "label-smoothing"};
   if (!builtin_model_) out.insert(out.end(), {"model", "stem"});
-  if (!builtin_data_) out.insert(out.end(), {"dataset", "val-root", "image-size", "strict-data"});
+  if (!builtin_data_)
+    out.insert(out.end(), {"dataset", "val-root", "image-size", "strict-data", "image-decode", "cpu-decode-share"});
   return out;
 }
 

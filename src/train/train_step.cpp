@@ -130,7 +130,8 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
                                        GradSyncOptions()
                                            .bucket_cap_mb(o_.bucket_cap_mb())
                                            .channels_last(o_.channels_last())
-                                           .separate_1d(o_.optimizer().no_decay_1d()));
+                                           .separate_1d(o_.optimizer().no_decay_1d())
+                                           .separate_names(o_.optimizer().no_decay()));
 #ifdef DDP_WITH_CUDA
     // GradSync copied the parameters into its flat buffers on the capture
     // stream and released their old storage, which belongs to the default

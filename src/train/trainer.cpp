@@ -30,6 +30,8 @@
 #include "ddp/data/loader.h"
 #include "ddp/data/sampler.h"
 #include "ddp/data/transforms.h"
+#include "ddp/cmd/report.h"  // write_run_card
+#include "ddp/dist/launch.h"  // relaunch_command
 #include "ddp/dist/signals.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
@@ -210,6 +212,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
   check_flags_apply(config_, task_);
+  augment_ = data::augment_applies(config_.augment, task_.uses_builtin_data(), data_);
   check_profile_trace_flag(config_);
   auto& model = *model_;
   model.to(world_.device());
@@ -342,10 +345,10 @@ std::string Trainer::find_resume_checkpoint() {
         if (!saved.empty() && is_checkpoint(dir + "/" + saved)) path = dir + "/" + saved;
       } else if (id.empty() && config_.resume.empty()) {
         path = find_latest_checkpoint(config_.save_path);
-        std::fprintf(stderr, "ddptrain: warning: restart %d cannot tell this job's checkpoints from other runs' "
+        std::fprintf(stderr, "%s: warning: restart %d cannot tell this job's checkpoints from other runs' "
                              "(no DDPTRAIN_JOB_ID or TORCHELASTIC_RUN_ID); resuming the newest under %s. Hint: "
                              "give torchrun --rdzv-id, or a --save_path of the job's own.\n",
-                     restart_attempt(), config_.save_path.c_str());
+                     config_.program.name.c_str(), restart_attempt(), config_.save_path.c_str());
       }
     }
     restart_dir_ = world_.share_string("restart_dir", dir);
@@ -429,6 +432,8 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   if (world_.is_main()) {  // a resumed run's as it goes on (e.g. on another number of ranks)
     write_file_atomic(run_dir_ + "/config.json", config_to_json(job_config()).dump(2) + "\n");
     write_file_atomic(run_dir_ + "/config.toml", config_to_toml(job_config()));  // --config repeats the run
+    write_run_card(run_dir_, {config_.program.name, task_.arch(), data_.train->name(), data_.train->size(),
+                              data_.test->size(), monitor_.metric, monitor_.goal_name()});
   }
 }
 
@@ -709,8 +714,7 @@ std::unique_ptr<Trainer::EpochFeed> Trainer::make_feed(int64_t epoch, int64_t st
                             .epoch(epoch - 1)
                             .rank(world_.rank())
                             .start_batch(start_batch);
-  if (config_.augment == "standard" && !data_.train_augmented)
-    loader_options.transform(data::make_augment(data::AugmentOptions()));
+  if (augment_) loader_options.transform(data::make_augment(data::AugmentOptions()));
   return std::make_unique<EpochFeed>(data_.train, sampler.indices(), loader_options, world_.device(),
                                      [this](const torch::Tensor& t) { return step_->prepare(t); },
                                      data_.train->device_stage());
@@ -884,16 +888,16 @@ void Trainer::warn_if_not_finite(int64_t epoch, const Metrics& metrics) {
   if (!world_.is_main()) return;
   if (!where.empty())
     std::fprintf(stderr,
-                 "ddptrain: warning: epoch %lld's validation gave %s: the model's %s holds NaN or infinite values "
+                 "%s: warning: epoch %lld's validation gave %s: the model's %s holds NaN or infinite values "
                  "(evaluated as rank 0 holds it). Hint: batch norm's running statistics go bad on a batch of bad "
                  "inputs or at too high a learning rate; check the data and --lr.\n",
-                 static_cast<long long>(epoch), bad.c_str(), where.c_str());
+                 config_.program.name.c_str(), static_cast<long long>(epoch), bad.c_str(), where.c_str());
   else
     std::fprintf(stderr,
-                 "ddptrain: warning: epoch %lld's validation gave %s, but the model's parameters and buffers are "
+                 "%s: warning: epoch %lld's validation gave %s, but the model's parameters and buffers are "
                  "all finite. Hint: the task's validation_step() or validation_metrics() made it (a division by a "
                  "zero count, the log of 0?).\n",
-                 static_cast<long long>(epoch), bad.c_str());
+                 config_.program.name.c_str(), static_cast<long long>(epoch), bad.c_str());
 }
 
 std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std::string& prefix, int64_t max_batches,
@@ -1042,10 +1046,10 @@ void Trainer::sanity_validation() {
   for (const auto& [n, v] : metrics) names += (names.empty() ? "" : ", ") + n;
   if (world_.is_main())
     std::fprintf(stderr,
-                 "ddptrain: warning: --stop-at names '%s', which validation does not report (it reports %s); unless a "
+                 "%s: warning: --stop-at names '%s', which validation does not report (it reports %s); unless a "
                  "training log or on_epoch_end() adds it, the run stops with an error after epoch 1. Hint: e.g. "
                  "--stop-at %s=VALUE.\n",
-                 name.c_str(), names.c_str(), monitor_.metric.c_str());
+                 config_.program.name.c_str(), name.c_str(), names.c_str(), monitor_.metric.c_str());
 }
 
 bool Trainer::reached_stop_at(const Metrics& metrics) const {
@@ -1092,7 +1096,7 @@ CheckpointMeta Trainer::meta() const {
 // A command line that reruns this program: its path as started (the
 // launcher starts ranks by absolute path), then `args`.
 std::string Trainer::command(const std::string& args) const {
-  return std::string(program_invocation_name) + " " + args;
+  return relaunch_command(program_invocation_name, args);
 }
 
 // best.pt follows the monitor at every validation (as Lightning's

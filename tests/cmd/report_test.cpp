@@ -61,7 +61,10 @@ TEST(Report, SummarisesARealTwoEpochRun) {
   EXPECT_NE(out.find("final " + percent(epochs.back().value("test_acc")) + " (epoch 2)"), std::string::npos) << out;
   EXPECT_NE(out.find("best " + percent(best.value("test_acc")) + " (epoch " + std::to_string(best.epoch) + ")"),
             std::string::npos) << out;
-  EXPECT_NE(out.find("model cnn, adamw"), std::string::npos) << out;
+  // The task's own words for its model and data (run.json), then the flags.
+  EXPECT_NE(out.find("model        cnn/"), std::string::npos) << out;
+  EXPECT_NE(out.find("data         "), std::string::npos) << out;
+  EXPECT_NE(out.find("config       adamw lr"), std::string::npos) << out;
   EXPECT_NE(out.find("samples/s"), std::string::npos) << out;
   // Every checkpoint in the directory is listed, and nothing else.
   size_t listed = 0;
@@ -146,7 +149,7 @@ TEST(Report, BadRunDirIsOneLineErrorWithAHint) {
   std::ofstream(save + "/train_2026-01-01_00-00-00/config.json") << "{}";
   r = run_process({DDPTRAIN_EXE, "report", save});
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("not a ddptrain run directory"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("not a run directory of ddptrain"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(save + "/train_2026-01-01_00-00-00"), std::string::npos) << r.output;
 
   r = run_process({DDPTRAIN_EXE, "report"});

@@ -1,7 +1,10 @@
 // ddptrain under a real torchrun (Debian's python3-torch, which
 // `./setup.sh --tests` installs): the README's command trains one job, and
 // bad input that every rank meets is printed once, not once per rank.
+#include <csignal>
 #include <filesystem>
+#include <sstream>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -77,6 +80,96 @@ TEST(Torchrun, BadInputOnOneRankIsTheOnlyErrorPrinted) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank 1"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, ": error: "), 1u) << r.output;
+}
+
+// ---- The documented commands, as written (issue 43, item 8) ----------------
+
+// The lines of `file` that run torchrun (in a shell block or a comment).
+std::vector<std::string> torchrun_lines(const std::string& file) {
+  std::vector<std::string> out;
+  std::istringstream in(ddp::testing::read_file(file));
+  for (std::string line; std::getline(in, line);) {
+    const auto at = line.find("torchrun --");
+    if (at != std::string::npos && line.find("--no") != std::string::npos) out.push_back(line.substr(at));
+  }
+  return out;
+}
+
+std::vector<std::string> words(const std::string& line) {
+  std::vector<std::string> out;
+  std::istringstream in(line.substr(0, line.find('#')));
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+// A documented command, run with this build's `program` in place of the one
+// it names, 2 ranks, a free port, and a short CPU run after its own flags.
+ddp::testing::ProcessResult run_as_written(std::vector<std::string> cmd, const std::string& program,
+                                           const std::string& dir, std::vector<std::string> extra = {},
+                                           bool short_run = true) {
+  for (size_t i = 0; i + 1 < cmd.size(); ++i)
+    if (cmd[i].rfind("--nproc", 0) == 0) cmd[i + 1] = "2";
+  for (auto& w : cmd)
+    if (w.rfind("./build/", 0) == 0) w = program;
+  cmd[0] = kTorchrun;
+  cmd.insert(cmd.begin() + 1, {"--master_port", std::to_string(ddp::find_free_port())});
+  if (short_run) {
+    for (const char* f : {"--backend", "gloo", "--progress", "plain", "--timeout", "60", "--epochs", "1",
+                          "--train-samples", "256", "--test-samples", "64", "--workers", "0", "--save_path"})
+      cmd.push_back(f);
+    cmd.push_back(dir);
+  }
+  cmd.insert(cmd.end(), extra.begin(), extra.end());
+  return run_process(cmd, {}, 240);
+}
+
+// Each torchrun command of the README and the template runs on Debian's
+// torchrun 1.13 as written. (The template's --nproc-per-node/--no-python was
+// "unrecognized", the README's form crashed with 'NoneType' object has no
+// attribute 'get'.)
+TEST(Torchrun, DocumentedCommandsRunAsWritten) {
+  SKIP_UNLESS_TORCHRUN();
+  const std::vector<std::pair<std::string, std::string>> docs = {
+      {DDP_SOURCE_DIR "/README.md", DDPTRAIN_EXE}, {DDP_SOURCE_DIR "/template/train.cpp", EXAMPLE_regression}};
+  for (const auto& [file, program] : docs) {
+    const auto lines = torchrun_lines(file);
+    EXPECT_FALSE(lines.empty()) << file;
+    for (const auto& line : lines) {
+      const bool ddptrain = program == DDPTRAIN_EXE;
+      auto r = run_as_written(words(line), program, ddp::testing::temp_dir("torchrun_doc"),
+                              ddptrain ? std::vector<std::string>{"--dataset", "synthetic"} : std::vector<std::string>{});
+      EXPECT_EQ(r.exit_code, 0) << file << ": " << line << "\n" << r.output;
+    }
+  }
+}
+
+// Stopped under torchrun, the run prints a resume command that is a
+// torchrun command, and that command resumes it. torchrun itself exits 1
+// (the rank's 75 is in its report), as the README says.
+TEST(Torchrun, PreemptedRunPrintsATorchrunResumeCommand) {
+  SKIP_UNLESS_TORCHRUN();
+  const auto dir = ddp::testing::temp_dir("torchrun_preempt");
+  auto args = torchrun(2, {"--dataset", "synthetic", "--epochs", "3", "--train-samples", "2048", "--test-samples",
+                           "64", "--workers", "0", "--save_path", dir});
+  auto child = ddp::testing::start_process(args);
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  kill(child.pid, SIGTERM);
+  auto r = ddp::testing::finish_process(child, 240);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  const std::string said = "Resume: ";
+  const auto at = r.output.find(said);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string command = r.output.substr(at + said.size(), r.output.find('\n', at) - at - said.size());
+  EXPECT_EQ(command.rfind("torchrun --nproc_per_node 2 --redirects 2 --tee 2 --no_python " + std::string(DDPTRAIN_EXE) +
+                              " --resume ",
+                          0),
+            0u)
+      << r.output;
+  auto again = run_as_written(words(command), DDPTRAIN_EXE, dir, {}, /*short_run=*/false);
+  EXPECT_EQ(again.exit_code, 0) << command << "\n" << again.output;
+  EXPECT_NE(again.output.find("resume: "), std::string::npos) << again.output;
+  EXPECT_EQ(ddp::testing::metrics_jsonl(dir).size(), 3u) << again.output;
 }
 
 }  // namespace

@@ -819,3 +819,129 @@ TEST(Task, AccumulationAveragesTheLastPartialGroupOverItsOwnSize) {
 }
 
 }  // namespace
+
+// ---- The program is the user's (issue 43, item 1) ----------------------------
+
+namespace {
+
+std::string file_name(const std::string& path) { return fs::path(path).filename().string(); }
+
+// The position of `needle` in `text`, or npos.
+size_t pos(const std::string& text, const std::string& needle) { return text.find(needle); }
+
+// Whether --help lists `flag` as an option of its own (CLI11 rows begin
+// "  --flag TYPE" or "  --flag,--alias").
+bool lists_flag(const std::string& help, const std::string& flag) {
+  return pos(help, "\n  " + flag + " ") != std::string::npos || pos(help, "\n  " + flag + ",") != std::string::npos;
+}
+
+}  // namespace
+
+// A program with a task of its own opens its --help with its own name, lists
+// the task's flags first and leaves out the built-in flags its task does not
+// read (--task, --model, --dataset, --loss, the image-folder flags).
+TEST(Program, HelpIsTheProgramsOwn) {
+  auto help = run_process({EXAMPLE_two_inputs, "--help"});
+  ASSERT_EQ(help.exit_code, 0) << help.output;
+  const std::string name = file_name(EXAMPLE_two_inputs);
+  EXPECT_EQ(help.output.rfind(name + ": ", 0), 0u) << help.output;
+  EXPECT_EQ(pos(help.output, "Fashion-MNIST"), std::string::npos) << help.output;
+  for (const char* unread : {"--task", "--model", "--dataset", "--loss", "--stem", "--val-root", "--image-size",
+                             "--image-decode", "--cpu-decode-share", "--label-smoothing"})
+    EXPECT_FALSE(lists_flag(help.output, unread)) << unread << "\n" << help.output;
+  ASSERT_TRUE(lists_flag(help.output, "--aux-weight")) << help.output;
+  EXPECT_TRUE(lists_flag(help.output, "--epochs")) << help.output;
+  EXPECT_LT(pos(help.output, "--aux-weight"), pos(help.output, "--data_root")) << help.output;
+  EXPECT_LT(pos(help.output, "--aux-weight"), pos(help.output, "--epochs")) << help.output;
+  EXPECT_NE(pos(help.output, name + " report RUN_DIR"), std::string::npos) << help.output;
+  // Control: ddptrain's own binary still speaks as ddptrain and lists them all.
+  auto own = run_process({DDPTRAIN_EXE, "--help"});
+  EXPECT_EQ(own.output.rfind("ddptrain: ", 0), 0u) << own.output;
+  EXPECT_TRUE(lists_flag(own.output, "--model")) << own.output;
+  EXPECT_TRUE(lists_flag(own.output, "--dataset")) << own.output;
+}
+
+// Errors and their hints name the program, not ddptrain.
+TEST(Program, ErrorsNameTheProgram) {
+  const std::string name = file_name(EXAMPLE_two_inputs);
+  auto r = run_process({EXAMPLE_two_inputs, "--epochz", "2"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(pos(r.output, name + ": error: unknown flag '--epochz'"), std::string::npos) << r.output;
+  EXPECT_NE(pos(r.output, "Run '" + name + " --help'"), std::string::npos) << r.output;
+  EXPECT_EQ(pos(r.output, "ddptrain"), std::string::npos) << r.output;
+}
+
+// The start banner and `report` speak of the task's model and data (its
+// arch() and its dataset's name), not of the flags it ignores (--model cnn,
+// --dataset auto); the printed commands rerun this program.
+TEST(Program, BannerAndReportSayTheTasksModelAndData) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::string name = file_name(EXAMPLE_regression);
+  const auto dir = ddp::testing::temp_dir("program_report");
+  auto r = run_process(cpu_run(EXAMPLE_regression, dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
+                                                         "--test-samples", "32", "--workers", "0"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(pos(r.output, name + ": rank 0 of 1"), std::string::npos) << r.output;
+  EXPECT_NE(pos(r.output, std::string("resume:   ") + EXAMPLE_regression + " --resume "), std::string::npos) << r.output;
+  auto report = run_process({EXAMPLE_regression, "report", run_dir_of(dir)});
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_NE(pos(report.output, "area-net"), std::string::npos) << report.output;
+  EXPECT_NE(pos(report.output, "bars"), std::string::npos) << report.output;
+  EXPECT_NE(pos(report.output, "test_loss (min)"), std::string::npos) << report.output;
+  EXPECT_EQ(pos(report.output, "model cnn"), std::string::npos) << report.output;
+  EXPECT_EQ(pos(report.output, "dataset auto"), std::string::npos) << report.output;
+  auto usage = run_process({EXAMPLE_regression, "report"});
+  EXPECT_NE(pos(usage.output, "usage: " + name + " report RUN_DIR"), std::string::npos) << usage.output;
+}
+
+// ---- Defaults that fit any task (issue 43, item 2) ----------------------------
+
+// A tabular task (rows of features, no "input" image) trains with the
+// default --augment; asking for image augmentation is an error naming the flag.
+TEST(Program, AugmentAppliesToImageDataOnly) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto base = [](const std::string& dir) {
+    return std::vector<std::string>{DDP_TESTWORKER, "--rows-program", "--save_path", dir, "--size", "1", "--backend",
+                                    "gloo", "--progress", "plain", "--epochs", "1", "--workers", "0"};
+  };
+  auto r = run_process(base(ddp::testing::temp_dir("rows_default")));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  auto args = base(ddp::testing::temp_dir("rows_augment"));
+  args.insert(args.end(), {"--augment", "standard"});
+  auto bad = run_process(args);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  // The error line itself names the flag (the config line repeats it anyway).
+  const auto error = pos(bad.output, ": error: ");
+  ASSERT_NE(error, std::string::npos) << bad.output;
+  const std::string line = bad.output.substr(error, bad.output.find('\n', error) - error);
+  EXPECT_NE(pos(line, "--augment standard"), std::string::npos) << line;
+  EXPECT_NE(pos(line, "rows"), std::string::npos) << line;
+}
+
+// A task whose configure_optimizer exempts biases and its embedding from
+// weight decay (ddp::decay_matrices_only) resumes from a checkpoint to the
+// same numbers as the run that went straight on.
+TEST(Program, ResumeWithWeightDecayGroupsEqualsStraight) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto args = [](const std::string& dir) {
+    return std::vector<std::string>{DDP_TESTWORKER, "--rows-program", "--save_path", dir, "--size", "1", "--backend",
+                                    "gloo", "--progress", "plain", "--epochs", "2", "--save_epoch", "1",
+                                    "--workers", "0", "--weight-decay", "0.3"};
+  };
+  const auto straight = ddp::testing::temp_dir("rows_straight"), split = ddp::testing::temp_dir("rows_split");
+  auto a = run_process(args(straight));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string run = run_dir_of(straight), copy = split + "/" + fs::path(run).filename().string();
+  fs::copy(run, copy, fs::copy_options::recursive);
+  fs::remove(copy + "/epoch_2.pt");
+  auto b = run_process({DDP_TESTWORKER, "--rows-program", "--resume", copy + "/epoch_1.pt", "--size", "1", "--backend",
+                        "gloo", "--progress", "plain"});
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_NE(pos(b.output, "resume: "), std::string::npos) << b.output;
+  const auto ma = ddp::testing::metrics_jsonl(run), mb = ddp::testing::metrics_jsonl(copy);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  EXPECT_EQ(ma[1]["train_loss"], mb[1]["train_loss"]);
+  EXPECT_EQ(ma[1]["test_abs_error"], mb[1]["test_abs_error"]);
+  EXPECT_EQ(ddp::testing::read_file(run + "/epoch_2.pt").size(), ddp::testing::read_file(copy + "/epoch_2.pt").size());
+}

@@ -2,6 +2,8 @@
 // launcher. `ddp_testworker --launch N SCENARIO OUTDIR [ARGS...]` spawns N
 // ranks of itself with ddp::launch_workers; each rank joins a real Gloo group
 // over TCP loopback and runs SCENARIO, writing its results under OUTDIR.
+#include <ATen/CPUGeneratorImpl.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -24,6 +26,7 @@
 #include "ddp/dist/world.h"
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/train/train_step.h"
+#include "ddp/app.h"
 #include "ddp/train/trainer.h"
 #include "two_inputs/task.h"
 
@@ -662,9 +665,70 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
   return 0;
 }
 
+// A program with a tabular task, as a user writes one from the template:
+// rows of 8 float features and a store id, and a target that depends on
+// them; no images anywhere (so --augment must not reach it). Its optimizer
+// exempts biases and the store embedding from weight decay.
+class RowsDataset : public data::Dataset {
+ public:
+  RowsDataset(int64_t size, uint64_t seed) : size_(size), seed_(seed) {}
+  int64_t size() const override { return size_; }
+  data::Example get(int64_t index) const override {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(seed_ * 1000003 + static_cast<uint64_t>(index));
+    auto features = torch::randn({8}, gen);
+    const int64_t store = index % 5;
+    return {{"features", features},
+            {"store", torch::tensor(store, torch::kLong)},
+            {"target", (features.slice(0, 0, 4).sum() + 0.5 * static_cast<double>(store)).reshape({1})}};
+  }
+  std::string name() const override { return "rows"; }
+
+ private:
+  int64_t size_;
+  uint64_t seed_;
+};
+
+struct RowsNetImpl : torch::nn::Module {
+  RowsNetImpl()
+      : store(register_module("store", torch::nn::Embedding(5, 2))), head(register_module("head", torch::nn::Linear(10, 1))) {}
+  torch::Tensor forward(const data::Batch& b) { return head(torch::cat({b.at("features"), store(b.at("store"))}, 1)); }
+  torch::nn::Embedding store;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(RowsNet);
+
+struct RowsTask : Task {
+  RowsNet net{nullptr};
+  data::Splits make_data(const Config& c, World&) override {
+    data::Splits s;
+    s.train = std::make_shared<RowsDataset>(c.train_samples > 0 ? c.train_samples : 256, 1);
+    s.test = std::make_shared<RowsDataset>(c.test_samples > 0 ? c.test_samples : 64, 2);
+    return s;
+  }
+  ModulePtr make_model(const Config&, const data::Splits&) override {
+    arch_ = "rows-linear";
+    net = RowsNet();
+    return net.ptr();
+  }
+  void configure_optimizer(const Config&, OptimizerSetup& setup) override { decay_matrices_only(setup.optimizer, *net); }
+  StepOutput training_step(const data::Batch& b) override { return torch::mse_loss(net(b), b.target()); }
+  TensorMap validation_step(const data::Batch& b) override {
+    const auto err = (net(b) - b.target()).abs().to(torch::kDouble);
+    return {{"abs_error", err.sum()}, {"count", torch::full({}, static_cast<double>(b.target().size(0)), torch::kDouble)}};
+  }
+  Monitor monitor() const override { return {"test_abs_error", Goal::kMin}; }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `ddp_testworker --rows-program FLAGS...`: ddp::main with RowsTask, as a
+  // program named "rows" (argv[0] is its name, as a shell gives it).
+  if (argc >= 2 && std::strcmp(argv[1], "--rows-program") == 0) {
+    std::vector<char*> args{const_cast<char*>("rows")};
+    for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+    return ddp::main(static_cast<int>(args.size()), args.data(), std::make_shared<RowsTask>());
+  }
   try {
     if (argc >= 4 && std::strcmp(argv[1], "--launch") == 0) {
       LaunchOptions lo;

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -51,5 +52,12 @@ torch::Tensor augment(const torch::Tensor& input, const AugmentOptions& options,
 
 /// augment() as a Transform on a batch's input, for the Loader.
 Transform make_augment(AugmentOptions options);
+
+/// Whether --augment `mode` adds augment() to the training batches of
+/// `data`: auto does for ddptrain's own image datasets (`builtin_data`)
+/// only, standard for any data whose examples hold a float "input" image
+/// C x H x W, none never (nor for data that augments itself). standard on
+/// data without such an image is a UserError naming --augment.
+bool augment_applies(const std::string& mode, bool builtin_data, const Splits& data);
 
 }  // namespace ddp::data

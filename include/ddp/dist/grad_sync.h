@@ -50,6 +50,10 @@ struct GradSyncOptions {
   /// in flat buffers of their own, apart from the matrices and embeddings
   /// (for FlatOptimizerOptions::no_decay_1d).
   TORCH_ARG(bool, separate_1d) = false;
+  /// Parameters by name (as named_parameters() gives them) that go in the
+  /// 1-D parameters' buffers too, e.g. an embedding table (for
+  /// FlatOptimizerOptions::no_decay). A name the model lacks is a UserError.
+  TORCH_ARG(std::vector<std::string>, separate_names) = {};
 };
 
 /// Where one parameter lives in the flat buffers: `numel` elements of
@@ -190,8 +194,9 @@ class GradSync {
   const std::vector<torch::Tensor>& flat_grads() const { return flat_grads_; }
   /// The flat parameter buffers, laid out like flat_grads().
   const std::vector<torch::Tensor>& flat_params() const { return flat_params_; }
-  /// Whether flat buffer `flat` holds the parameters of fewer than 2
-  /// dimensions (only with separate_1d; without it, false for every buffer).
+  /// Whether flat buffer `flat` holds the parameters put apart: those of
+  /// fewer than 2 dimensions (with separate_1d) and those of separate_names
+  /// (false for every buffer when neither is set).
   bool holds_1d(size_t flat) const { return flat_1d_.at(flat) != 0; }
   const GradSyncOptions& options() const { return options_; }
 

@@ -34,6 +34,7 @@ struct LaunchOptions {
   int max_restarts = 0;
   double grace_seconds = 5.0;       // SIGTERM -> SIGKILL delay for survivors
   double rendezvous_timeout = 300;  // seconds a node waits to reach node 0 (multi-node)
+  std::string program = "ddptrain"; // the name that the launcher's own lines begin with
 };
 
 /// Under this launcher a rank other than 0 waits this long before printing
@@ -56,5 +57,11 @@ std::string describe_exit(int rank, int wait_status);
 
 /// Path of the running executable (/proc/self/exe).
 std::string self_executable();
+
+/// The command line that runs `program args` again the way this process was
+/// started: under torchrun's agent, a torchrun command with this job's nodes,
+/// ranks per node and rendezvous; else `program args` (ddptrain's launcher
+/// and a plain start both start from the program itself).
+std::string relaunch_command(const std::string& program, const std::string& args);
 
 }  // namespace ddp

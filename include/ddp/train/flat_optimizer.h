@@ -67,7 +67,18 @@ struct FlatOptimizerOptions {
   /// GradSync made with GradSyncOptions().separate_1d(true) (TrainStep does
   /// that).
   TORCH_ARG(bool, no_decay_1d) = false;
+  /// Parameters by name that get no weight decay either, e.g. embedding
+  /// tables ({"tok_emb.weight"}); like no_decay_1d, they need the GradSync
+  /// constructor (TrainStep puts them apart: GradSyncOptions::separate_names).
+  TORCH_ARG(std::vector<std::string>, no_decay) = {};
 };
+
+/// The common rule for weight decay, as timm's and nanoGPT's param groups
+/// (with embeddings exempt too): the matrices and convolution kernels of
+/// `model` decay; biases, norm weights (1-D) and the tables of its
+/// torch::nn::Embedding and EmbeddingBag modules do not. One call in
+/// Task::configure_optimizer: ddp::decay_matrices_only(setup.optimizer, *model).
+void decay_matrices_only(FlatOptimizerOptions& options, torch::nn::Module& model);
 
 /// Whether the caller reads the gradients after FlatOptimizer::step().
 enum class GradientsAfterStep {

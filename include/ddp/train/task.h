@@ -157,8 +157,13 @@ class Task {
   virtual void on_epoch_end(EpochEnd& epoch) {}
   /// Built-in flags that this task does not read; giving one is an error.
   /// Default: the built-in tasks' loss flags, and the data and model flags
-  /// when make_data or make_model is your own.
+  /// when make_data or make_model is your own. Your program's --help asks
+  /// before set-up, when no default has run yet, and leaves these out.
   virtual std::vector<std::string> ignored_flags() const;
+
+  /// True once the default make_data() has loaded a built-in dataset
+  /// (--augment auto augments those images only).
+  bool uses_builtin_data() const { return builtin_data_; }
 
  protected:
   std::string arch_ = "custom";

@@ -105,6 +105,7 @@ class Trainer {
   std::unique_ptr<MetricsLog> metrics_;
   int64_t steps_per_epoch_ = 0;
   double data_wait_seconds_ = 0;  // host time the last epoch waited for batches
+  bool augment_ = false;  // --augment, resolved for this data (data::augment_applies)
   bool is_bar_ = false;
   bool stop_after_epoch_ = false;
   bool hinted_slow_ = false;
