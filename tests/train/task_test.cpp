@@ -271,7 +271,9 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   const auto data = ddp::testing::temp_dir("tabular_data");
   ddp::testing::write_sales_csvs(data, 3000, 500);
   const std::vector<std::string> common{"--data_root", data, "--size", "2", "--epochs", "4", "--batch", "16", "--lr",
-                                        "1e-2", "--val-split", "0.2", "--workers", "0", "--log-every", "10"};
+                                        "1e-2", "--val-split", "0.2", "--workers", "0", "--log-every", "10",
+                                        // issue 43's acceptance: early stopping, top-k and EMA in the same run
+                                        "--patience", "3", "--save-top-k", "2", "--ema", "0.9"};
   const auto straight = ddp::testing::temp_dir("tabular_straight"), split = ddp::testing::temp_dir("tabular_split");
   auto a = run_process(cpu_run(EXAMPLE_tabular, straight, common));
   ASSERT_EQ(a.exit_code, 0) << a.output;
@@ -284,6 +286,19 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   for (const char* key : {"val_mae", "val_rmse", "val_r2", "train_huber"}) EXPECT_TRUE(m[3].contains(key)) << key;
   const auto test = nlohmann::json::parse(read_file(run_dir_of(straight) + "/test.json"));
   EXPECT_GE(test["test_r2"].get<double>(), kTabularR2) << a.output;  // stated in examples/tabular
+  // The two best checkpoints by val_mae beside best.pt, and the average's
+  // state in them.
+  int top_k = 0;
+  for (const auto& e : fs::directory_iterator(run_dir_of(straight)))
+    if (e.path().filename().string().rfind("epoch=", 0) == 0) ++top_k;
+  EXPECT_EQ(top_k, 2);
+  // predict with best.pt on 2 ranks: each of the 500 test rows once.
+  const auto preds = straight + "/preds.csv";
+  auto p = run_process({EXAMPLE_tabular, "predict", "--checkpoint", run_dir_of(straight) + "/best.pt", "--out", preds,
+                        "--size", "2", "--backend", "gloo", "--timeout", "120"});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  const std::string rows = read_file(preds);
+  EXPECT_EQ(std::count(rows.begin(), rows.end(), '\n'), 501) << "a header and the 500 test rows";
 
   auto b1 = run_process(cpu_run(EXAMPLE_tabular, split, common), {{"DDPTRAIN_FAIL_AT_STEP", "0:20:term"}});
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
@@ -302,7 +317,7 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   const auto sa = trained_state(ddp::testing::find_file(straight, "epoch_4.pt"));
   const auto sb = trained_state(ddp::testing::find_file(split, "epoch_4.pt"));
   ASSERT_EQ(sa.size(), sb.size());
-  ASSERT_TRUE(sa.count("model/store.weight") && sa.count("rng/cpu"));
+  ASSERT_TRUE(sa.count("model/store.weight") && sa.count("rng/cpu") && sa.count("optimizer/ema/store.weight"));
   EXPECT_GT(std::count_if(sa.begin(), sa.end(), [](const auto& kv) { return kv.first.rfind("optimizer/", 0) == 0; }), 0);
   for (const auto& [name, t] : sa) {
     ASSERT_TRUE(sb.count(name)) << name;
