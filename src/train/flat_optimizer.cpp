@@ -95,7 +95,7 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
   return out;
 }
 
-// clip_grad_norm_'s rule over every flat gradient buffer, on the device.
+// clip_grad_norm_'s rule over every parameter's gradient, on the device.
 // The Adam kernels apply the scale in their pass: ddptrain's takes the
 // coefficient, LibTorch's fused one its inverse (a divisor); returned.
 // Elsewhere the gradients are multiplied here (and an undefined tensor is
@@ -110,10 +110,16 @@ torch::Tensor FlatOptimizer::clip(double max_norm) {
   }();
   if (own_adam_ && one_pass) return cuda::clip_coefficient(grads_, max_norm);
 #endif
-  std::vector<torch::Tensor> norms;
-  for (const auto& g : grads_) norms.push_back(g.norm(2).to(torch::kFloat));
-  auto total = torch::stack(norms).norm(2);
-  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  // Per parameter, in the model's order, as clip_grad_norm_ walks
+  // model.parameters(): one norm over a whole flat buffer rounds otherwise
+  // (on the CPU, 1e-6 relative apart and more for a large model, which a
+  // run then carries on). Its coefficient as Python spells max / t:
+  // t.reciprocal() * max, one rounding more than a division.
+  std::vector<torch::Tensor> per_param;
+  per_param.reserve(slices_.size());
+  for (size_t i = 0; i < slices_.size(); ++i) per_param.push_back(slice(grads_, i));
+  auto total = compat::clip_grad_total_norm(per_param);
+  auto coef = ((total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
   if (own_adam_) return coef;
   if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
   for (const auto& g : grads_) g.mul_(coef.to(g.scalar_type()));

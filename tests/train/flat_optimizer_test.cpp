@@ -7,6 +7,8 @@
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/param_slots.h"
+#include "ddp/io/torch_pickle.h"
+#include "ddp/train/train_step.h"
 #include "support/testing.h"
 
 namespace {
@@ -307,6 +309,116 @@ TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
   }
   for (size_t i = 0; i < a->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(a->parameters()[i], b->parameters()[i])) << "parameter " << i;
+}
+
+// clip_grad_norm_ against what PyTorch 1.13 itself did to a small CNN's
+// gradients (tools/gen_clip_grad_norm_testdata.py ->
+// tests/testdata/clip_grad_norm.pt): the generator's Net, registered in the
+// same order under the same names.
+struct ClipNetImpl : torch::nn::Module {
+  ClipNetImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(8));
+    fc1 = register_module("fc1", torch::nn::Linear(8 * 8 * 8, 64));
+    fc2 = register_module("fc2", torch::nn::Linear(64, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(ClipNet);
+
+struct ClipReference {
+  std::map<std::string, torch::Tensor> t;
+  int64_t steps = 0;
+  double max_norm = 0;
+  ClipReference() {
+    for (auto& [k, v] : ddp::read_state_dict(DDP_TEST_DATA_DIR "/clip_grad_norm.pt")) t[k] = v;
+    steps = t.at("coef").numel();
+    max_norm = t.at("max_norm").item<double>();
+  }
+  const torch::Tensor& at(const std::string& key) const { return t.at(key); }
+  void load_initial(ClipNet& net) const {
+    torch::NoGradGuard no_grad;
+    for (auto& item : net->named_parameters()) item.value().copy_(at("initial." + item.key()));
+  }
+};
+
+// The fail-first test of issue 44 item 9: handed PyTorch's gradients,
+// step() leaves exactly the gradients that clip_grad_norm_ left (its
+// coefficient, bit for bit), not those of one norm over the flat buffer.
+TEST(FlatOptimizer, ClipsBitForBitAsPyTorchsClipGradNorm) {
+  DDP_SKIP_UNLESS_GLOO();
+  const ClipReference ref;
+  ClipNet net;
+  auto world = ddp::testing::one_rank_world();
+  ddp::GradSync sync(*net, *world);
+  // lr 0: the step leaves the parameters and only clips.
+  ddp::FlatOptimizer opt(sync, ddp::FlatOptimizerOptions().name("sgd").lr(0).momentum(0));
+  int differing = 0;
+  for (int64_t s = 0; s < ref.steps; ++s) {
+    const auto coef = ref.at("coef")[s];
+    ASSERT_LT(coef.item<float>(), 1.0f) << "step " << s << " must clip, or the test shows nothing";
+    for (auto& item : net->named_parameters())
+      item.value().mutable_grad().copy_(ref.at("grad." + std::to_string(s) + "." + item.key()));
+    sync.finish();
+    opt.step({}, ref.max_norm, ddp::GradientsAfterStep::kRead);
+    bool same = true;
+    for (auto& item : net->named_parameters()) {
+      const auto want = ref.at("grad." + std::to_string(s) + "." + item.key()) * coef;
+      same = same && torch::equal(item.value().grad(), want);
+    }
+    if (!same) {
+      ++differing;
+      ADD_FAILURE() << "step " << s << ": the clipped gradients differ from clip_grad_norm_'s (its total norm "
+                    << ref.at("total_norm")[s].item<double>() << ")";
+    }
+    sync.zero_grad();
+  }
+  EXPECT_EQ(differing, 0);
+}
+
+// The generator's run through TrainStep on one rank: plain SGD with
+// clipping gives PyTorch's losses and parameters.
+TEST(TrainStep, ClippedSgdFollowsPyTorch) {
+  DDP_SKIP_UNLESS_GLOO();
+  const ClipReference ref;
+  ClipNet net;
+  ref.load_initial(net);
+  class Task : public ddp::Task {
+   public:
+    explicit Task(ClipNet n) : net_(std::move(n)) {}
+    ddp::StepOutput training_step(const ddp::data::Batch& b) override {
+      return torch::nn::functional::cross_entropy(net_->forward(b.input()), b.target());
+    }
+    ddp::TensorMap validation_step(const ddp::data::Batch&) override { return {}; }
+
+   private:
+    ClipNet net_;
+  } task(net);
+  auto world = ddp::testing::one_rank_world();
+  const double lr = 0.05;
+  ddp::TrainStep step(task, *net, *world,
+                      ddp::TrainStepOptions().clip_grad_norm(ref.max_norm).optimizer(
+                          ddp::FlatOptimizerOptions().name("sgd").lr(lr).momentum(0)));
+  double loss_diff = 0;
+  for (int64_t s = 0; s < ref.steps; ++s) {
+    auto out = step.run(ddp::data::Batch(ref.at("x." + std::to_string(s)), ref.at("y." + std::to_string(s))),
+                        /*last_micro=*/true, lr);
+    const double want = ref.at("loss")[s].item<double>();
+    loss_diff = std::max(loss_diff, std::abs(out.loss.item<double>() - want) / want);
+  }
+  double param_diff = 0;
+  for (auto& item : net->named_parameters())
+    param_diff = std::max(param_diff, (item.value().detach() - ref.at("final." + item.key())).abs().max().item<double>());
+  RecordProperty("max_rel_loss_diff", c10::str(loss_diff));
+  RecordProperty("max_abs_param_diff", c10::str(param_diff));
+  EXPECT_LE(loss_diff, 1e-6);
+  EXPECT_LE(param_diff, 1e-6);
 }
 
 }  // namespace
