@@ -269,6 +269,10 @@ GradSync::~GradSync() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
+torch::Tensor GradSync::param_view(const torch::Tensor& flat, size_t i, bool channels_last) const {
+  return shaped_view(flat, slices_.at(i).offset, params_.at(i), channels_last);
+}
+
 void GradSync::reset_step() {
   for (auto& b : buckets_) {
     b.pending = b.expected;

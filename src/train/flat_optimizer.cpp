@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <set>
 #include <string>
@@ -345,17 +346,46 @@ void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vecto
   }
 }
 
+// The optimizer state's layout in a checkpoint: each parameter's moments in
+// its logical order (row-major over its shape, as the model's weights are
+// saved), whatever memory format this run gave its 4-D weights. A resume
+// with another --channels-last (auto flips it between CPU and GPU) then
+// reads them right. Older checkpoints hold the writer's memory format,
+// "channels_last" or "contiguous", which load_checkpoint() tells from
+// their header.
+namespace {
+constexpr const char* kLogicalLayout = "logical";
+}
+
+// Flat buffer k of `flat` with every parameter's elements in `to_channels_last`
+// order (or logical, contiguous order), on the CPU; `from_channels_last` says
+// which order `flat` holds them in.
+torch::Tensor FlatOptimizer::relaid(const torch::Tensor& flat, size_t k, bool from_channels_last,
+                                    bool to_channels_last) const {
+  auto out = flat.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  if (!sync_ || from_channels_last == to_channels_last) return out;
+  for (size_t i = 0; i < slices_.size(); ++i) {
+    if (slices_[i].flat != k) continue;
+    auto dst = sync_->param_view(out, i, to_channels_last);
+    if (dst.dim() == 4) dst.copy_(sync_->param_view(flat, i, from_channels_last));
+  }
+  return out;
+}
+
+bool FlatOptimizer::channels_last() const { return sync_ && sync_->options().channels_last(); }
+
 void FlatOptimizer::save(TensorMap& state) const {
   state["name"] = string_tensor(o_.name());
   // The buffers' layout: with no_decay_1d the 1-D parameters have their own.
   state["no_decay_1d"] = torch::full({}, o_.no_decay_1d() ? 1.0f : 0.0f);
+  state["layout"] = string_tensor(kLogicalLayout);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     // The composed path counts on the host; the fused one on the device.
     auto step = fused_ ? step_[i].detach().cpu() : torch::full({}, static_cast<double>(host_step_), torch::kFloat);
     state["step/" + k] = step;
-    state["m/" + k] = m_[i].detach().cpu();
-    if (adam_) state["v/" + k] = v_[i].detach().cpu();
+    state["m/" + k] = relaid(m_[i], i, channels_last(), false);
+    if (adam_) state["v/" + k] = relaid(v_[i], i, channels_last(), false);
   }
   // Steps each parameter missed (no gradient on any rank): Adam's
   // per-parameter step count is the buffer's minus this.
@@ -380,19 +410,30 @@ void FlatOptimizer::load(const TensorMap& state) {
                           "nanoGPT."),
              "resume with the ddptrain that wrote it (--task lm decayed every parameter before it followed nanoGPT), "
              "or start without --resume.");
+  // The order the moments are in: logical, or an older writer's memory
+  // format; a state of no record (not from a checkpoint) is in this run's.
+  bool saved_channels_last = channels_last();
+  if (auto layout = state.find("layout"); layout != state.end()) {
+    const std::string l = tensor_string(layout->second);
+    check_user(l == kLogicalLayout || l == "channels_last" || l == "contiguous",
+               "the checkpoint's optimizer state has the layout '" + l + "', which this ddptrain does not know.",
+               "resume with the ddptrain that wrote it.");
+    saved_channels_last = l == "channels_last";
+  }
   torch::NoGradGuard no_grad;
-  auto read = [&](const std::string& key, torch::Tensor& dst) {
+  auto read = [&](const std::string& key, torch::Tensor& dst, size_t flat = SIZE_MAX) {
     auto src = state.find(key);
     check_user(src != state.end() && src->second.sizes() == dst.sizes(),
                "the checkpoint's optimizer state '" + key + "' does not fit this model.",
                "resume with the model and optimizer that wrote it.");
-    dst.copy_(src->second);
+    if (flat == SIZE_MAX) dst.copy_(src->second);
+    else dst.copy_(relaid(src->second.contiguous(), flat, saved_channels_last, channels_last()));
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     read("step/" + k, step_[i]);
-    read("m/" + k, m_[i]);
-    if (adam_) read("v/" + k, v_[i]);
+    read("m/" + k, m_[i], i);
+    if (adam_) read("v/" + k, v_[i], i);
   }
   host_step_ = static_cast<int64_t>(step_.front().item<float>());
   // Checkpoints written before per-parameter counts have none: no missed steps.

@@ -178,6 +178,11 @@ class GradSync {
   /// Where each trainable parameter (in registration order) lives in the
   /// flat buffers.
   const std::vector<ParamSlice>& param_slices() const { return slices_; }
+  /// Parameter i's elements inside `flat`, a tensor laid out like flat
+  /// buffer param_slices()[i].flat, with the parameter's shape: 4-D ones
+  /// with channels-last strides where `channels_last` (e.g. this run's,
+  /// options().channels_last()), else contiguous.
+  torch::Tensor param_view(const torch::Tensor& flat, size_t i, bool channels_last) const;
   /// Which parameters got a gradient in the last finished step (see above).
   const GradUsage& usage() const { return usage_; }
 
