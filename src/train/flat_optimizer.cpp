@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -102,15 +101,6 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
 // Elsewhere the gradients are multiplied here (and an undefined tensor is
 // returned).
 torch::Tensor FlatOptimizer::clip(double max_norm) {
-#ifdef DDP_WITH_CUDA_KERNELS
-  // An experiment (cuda/adamw.h): the coefficient in two launches instead
-  // of ATen's six, where ddptrain's Adam takes it.
-  static const bool one_pass = [] {
-    const char* v = std::getenv("DDP_CLIP_KERNEL");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  if (own_adam_ && one_pass) return cuda::clip_coefficient(grads_, max_norm);
-#endif
   // Per parameter, in the model's order, as clip_grad_norm_ walks
   // model.parameters(): one norm over a whole flat buffer rounds otherwise
   // (on the CPU, 1e-6 relative apart and more for a large model, which a
