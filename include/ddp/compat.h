@@ -202,6 +202,30 @@ inline void fused_sgd(const std::vector<torch::Tensor>& params, const std::vecto
 #endif
 }
 
+/// The joint L2 norm of `grads` as torch.nn.utils.clip_grad_norm_ of this
+/// version computes it: the norm of each tensor, then the norm of those
+/// (1.13: torch.norm, which is at::norm over all dimensions; 2.x: one
+/// _foreach_norm, then linalg.vector_norm). The same calls give the same
+/// bits, which one norm over the concatenated gradients does not: 1.13's CPU
+/// kernel sums the squares of a long tensor in float, in an order of its own
+/// (5e-7 relative apart for a 34k-parameter CNN).
+inline torch::Tensor clip_grad_total_norm(const std::vector<torch::Tensor>& grads) {
+#if DDP_TORCH_AT_LEAST(2, 0)
+  std::vector<torch::Tensor> norms;
+  for (auto& n : at::_foreach_norm(grads, 2)) norms.push_back(n.to(torch::kFloat));
+  return at::linalg_vector_norm(torch::stack(norms), 2);
+#else
+  std::vector<torch::Tensor> norms;
+  norms.reserve(grads.size());
+  for (const auto& g : grads) {
+    std::vector<int64_t> all(static_cast<size_t>(g.dim()));
+    for (int64_t d = 0; d < g.dim(); ++d) all[static_cast<size_t>(d)] = d;
+    norms.push_back(at::norm(g, 2, all, /*keepdim=*/false).to(torch::kFloat));
+  }
+  return at::norm(torch::stack(norms), 2, {0}, /*keepdim=*/false);
+#endif
+}
+
 /// Whether profile_chrome_trace() works: CUDA LibTorch 2.2 or later (Debian's
 /// 1.13 has no Kineto GPU profiling).
 #if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 2)

@@ -96,54 +96,6 @@ __global__ void adam_kernel(float* __restrict__ p, float* __restrict__ g, float*
   }
 }
 
-constexpr int kNormBlocks = 1024;  // the most blocks of sums of squares a buffer
-
-// Block b adds the squares of its grid-stride share of g (float4 where
-// aligned) and writes partial[b]; a block with no share writes 0.
-__global__ void sum_squares_kernel(const float* __restrict__ g, int64_t n, bool vec4, float* __restrict__ partial) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  float acc = 0.f;
-  int64_t done = 0;
-  if (vec4) {
-    for (int64_t q = first; q < n / 4; q += stride) {
-      const float4 v = reinterpret_cast<const float4*>(g)[q];
-      acc += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-    }
-    done = n / 4 * 4;
-  }
-  for (int64_t i = done + first; i < n; i += stride) acc += g[i] * g[i];
-  __shared__ float warp_sums[32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  float sum = 0.f;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) sum += warp_sums[w];
-  partial[blockIdx.x] = sum;
-}
-
-// One block: the partial sums in float64, each thread a fixed stride, then
-// a fixed tree; coef = min(1, max_norm / (sqrt(total) + 1e-6)), NaN for a
-// NaN norm.
-__global__ void clip_coefficient_kernel(const float* __restrict__ partial, int count, double max_norm,
-                                        float* __restrict__ coef) {
-  double acc = 0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  __shared__ double warp_sums[32];
-  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  double total = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += warp_sums[w];
-  const float norm = static_cast<float>(sqrt(total));
-  const float c = static_cast<float>(max_norm) / (norm + 1e-6f);
-  *coef = c < 1.f || c != c ? c : 1.f;  // a NaN stays NaN, as clamp_max keeps it
-}
-
 bool one_float(const at::Tensor& t, const at::Tensor& like) {
   return t.is_cuda() && t.get_device() == like.get_device() && t.scalar_type() == at::kFloat && t.numel() == 1;
 }
@@ -183,33 +135,6 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
   if (vec4) launch(adam_kernel<true>);
   else launch(adam_kernel<false>);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-at::Tensor clip_coefficient(const std::vector<at::Tensor>& grads, double max_norm) {
-  TORCH_CHECK(!grads.empty(), "clip_coefficient: no gradient buffers");
-  for (const auto& g : grads)
-    TORCH_CHECK(g.is_cuda() && g.get_device() == grads[0].get_device() && g.scalar_type() == at::kFloat &&
-                    g.is_contiguous(),
-                "clip_coefficient: the gradients must be contiguous CUDA fp32 tensors on one device");
-  TORCH_CHECK(grads.size() <= 65535, "clip_coefficient: more than 65,535 buffers");
-  c10::cuda::CUDAGuard guard(grads[0].device());
-  const auto f32 = grads[0].options();
-  auto partial = at::empty({static_cast<int64_t>(grads.size()) * kNormBlocks}, f32);
-  auto coef = at::empty({}, f32);
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const auto& g = grads[i];
-    const bool vec4 = aligned(g);
-    // Every block writes its slot (0 past the buffer's end), so the sum
-    // reads no stale values.
-    sum_squares_kernel<<<kNormBlocks, kThreads, 0, stream>>>(
-        as<float>(g), g.numel(), vec4, as_mut<float>(partial) + i * kNormBlocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  clip_coefficient_kernel<<<1, 1024, 0, stream>>>(as<float>(partial), static_cast<int>(partial.numel()), max_norm,
-                                                  as_mut<float>(coef));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return coef;
 }
 
 }  // namespace ddp::cuda

@@ -114,65 +114,8 @@ __global__ void crossing_runs_kernel(const int64_t* __restrict__ sorted, int64_t
   }
 }
 
-// out = weight[idx] + pos, a grid-stride loop over the output's groups of
-// kVec columns (16-byte loads and stores where C is a multiple of 4 and the
-// tensors are aligned).
-template <int kVec>
-__global__ void lookup_add_kernel(const float* __restrict__ weight, const int64_t* __restrict__ idx,
-                                  const float* __restrict__ pos, int64_t rows, int64_t t, int64_t c, int64_t v,
-                                  float* __restrict__ out) {
-  const int64_t groups = c / kVec, total = rows * groups;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
-    const int64_t row = e / groups, col = (e - row * groups) * kVec;
-    const int64_t id = idx[row];
-    CUDA_KERNEL_ASSERT(id >= 0 && id < v);
-    const float* w = weight + id * c + col;
-    const float* p = pos + (row % t) * c + col;
-    float* o = out + row * c + col;
-    if constexpr (kVec == 4) {
-      const float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(p);
-      *reinterpret_cast<float4*>(o) = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-    } else {
-      *o = *w + *p;
-    }
-  }
-}
-
 }  // namespace
 
-at::Tensor embedding_with_positions(const at::Tensor& weight, const at::Tensor& idx, const at::Tensor& pos) {
-  TORCH_CHECK(weight.is_cuda() && weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
-              "embedding_with_positions: weight must be a contiguous CUDA fp32 [V, C] tensor, got ", weight.sizes(),
-              " ", weight.scalar_type());
-  TORCH_CHECK(idx.is_cuda() && idx.get_device() == weight.get_device() && idx.scalar_type() == at::kLong &&
-                  idx.dim() == 2,
-              "embedding_with_positions: idx must be [B, T] CUDA int64 on weight's device, got ", idx.sizes(), " ",
-              idx.scalar_type());
-  TORCH_CHECK(pos.is_cuda() && pos.get_device() == weight.get_device() && pos.scalar_type() == at::kFloat &&
-                  pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == idx.size(1) && pos.size(1) == weight.size(1),
-              "embedding_with_positions: pos must be a contiguous CUDA fp32 [", idx.size(1), ", ", weight.size(1),
-              "] tensor on weight's device, got ", pos.sizes(), " ", pos.scalar_type());
-  c10::cuda::CUDAGuard guard(weight.device());
-  const int64_t b = idx.size(0), t = idx.size(1), c = weight.size(1);
-  auto out = at::empty({b, t, c}, weight.options());
-  if (out.numel() == 0) return out;
-  const auto ids = idx.contiguous();
-  const bool vec4 = c % 4 == 0 && aligned(weight) && aligned(pos) && aligned(out);
-  const int64_t work = b * t * (vec4 ? c / 4 : c);
-  constexpr int kThreads = 256;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((work + kThreads - 1) / kThreads, 8 * sms));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (vec4)
-    lookup_add_kernel<4><<<blocks, kThreads, 0, stream>>>(as<float>(weight), as<int64_t>(ids), as<float>(pos), b * t, t,
-                                                          c, weight.size(0), as_mut<float>(out));
-  else
-    lookup_add_kernel<1><<<blocks, kThreads, 0, stream>>>(as<float>(weight), as<int64_t>(ids), as<float>(pos), b * t, t,
-                                                          c, weight.size(0), as_mut<float>(out));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
 
 void embedding_backward_add(const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& dw) {
   TORCH_CHECK(grad.is_cuda() && grad.scalar_type() == at::kFloat && grad.dim() == 2 && grad.is_contiguous(),

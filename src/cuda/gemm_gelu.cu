@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -177,16 +176,6 @@ struct Plan {
 std::atomic<bool> g_tuning{true};
 
 constexpr int kCandidates = 16;
-
-// DDP_GEMM_TUNE_LOG=1 prints each kind's choice and its tuning time to
-// stderr (read once).
-bool tune_log() {
-  static const bool on = [] {
-    const char* v = std::getenv("DDP_GEMM_TUNE_LOG");
-    return v && std::strcmp(v, "1") == 0;
-  }();
-  return on;
-}
 
 std::mutex& cache_mutex() {
   static std::mutex m;
@@ -379,8 +368,6 @@ void neighbours(const Plan& p, cublasLtHandle_t h, const cublasLtMatmulAlgo_t& o
 // 3 runs each (1 where the first run is over 1.25x the fastest so far);
 // the 4 fastest then 10 runs each.
 cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::vector<Candidate>& c, bool& ok) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const cublasLtMatmulAlgo_t first = c[0].algo;
   const size_t n_fit = c.size();
   auto by_time = [](const Candidate& x, const Candidate& y) { return x.ms < y.ms; };
   float best = std::numeric_limits<float>::infinity();
@@ -403,27 +390,6 @@ cublasLtMatmulAlgo_t choose(const Plan& p, Trial& trial, Alignments align, std::
     if (std::isfinite(it->ms)) it->ms = trial.ms(it->algo, 10);
   const auto chosen = std::min_element(c.begin(), top, by_time);
   ok = chosen != top && std::isfinite(chosen->ms);
-  if (tune_log()) {
-    const float first_ms = trial.ms(first, 5);  // after the choice, so as not to warm the GPU before it
-    float fit_ms = std::numeric_limits<float>::infinity();
-    for (const auto& x : c)
-      if (!x.neighbour) fit_ms = std::min(fit_ms, x.ms);
-    int32_t id = -1, tile = -1, stages = -1, swizzle = -1;
-    size_t bytes = 0;
-    if (ok) {
-      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_ID, &id, sizeof(id), &bytes);
-      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile), &bytes);
-      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, &stages, sizeof(stages), &bytes);
-      p.l.config_get(&chosen->algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, &swizzle, sizeof(swizzle), &bytes);
-    }
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::fprintf(stderr,
-                 "gemm-tune [%s] first %.4f ms, best fit %.4f ms (of %zu), chosen %.4f ms (%s; id %d tile %d stages %d "
-                 "swizzle %d) of %zu candidates in %.2f s\n",
-                 p.shape.c_str(), first_ms, fit_ms, n_fit,
-                 ok ? chosen->ms : -1.f, ok && chosen->neighbour ? "neighbour" : "fit", id, tile, stages, swizzle,
-                 c.size(), secs);
-  }
   return ok ? chosen->algo : cublasLtMatmulAlgo_t{};
 }
 
@@ -579,9 +545,8 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
 }
 
 namespace {
-// out = g^T x in fp32 (and with bias_out, the column sums of g from the
-// BGRADB epilogue); whether cuBLASLt ran it.
-bool run_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out) {
+// out = g^T x in fp32; whether cuBLASLt ran it.
+bool run_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(gemm_gelu_available(), "weight_grad: cuBLASLt is not loaded in this process");
   check_operand(g, "g", 2);
   check_operand(x, "x", 2);
@@ -590,34 +555,19 @@ bool run_weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor&
                   out.size(0) == n && out.size(1) == k && out.stride(1) == 1 && out.stride(0) == k,
               "weight_grad: g ", g.sizes(), ", x ", x.sizes(), " and out ", out.sizes(), " ", out.scalar_type(),
               " do not fit (out: a contiguous fp32 [g's columns, x's columns])");
-  TORCH_CHECK(!bias_out.defined() || (bias_out.is_cuda() && bias_out.get_device() == g.get_device() &&
-                                      bias_out.scalar_type() == at::kFloat && bias_out.is_contiguous() &&
-                                      bias_out.numel() == n),
-              "weight_grad_with_bias: bias_out must be a contiguous fp32 tensor of ", n, " elements on g's GPU");
   const c10::cuda::CUDAGuard guard(g.device());
   Plan p(*lt());
   // x^T (K x M) times g^T (N x M, transposed) is out^T (K x N), in fp32.
-  // The bias gradient sums B = g^T's rows over the product's K (the tokens).
   p.describe(CUBLAS_OP_N, CUBLAS_OP_T, {k, m}, {n, m}, {k, n}, CUDA_R_32F);
-  if (bias_out.defined()) {
-    p.set(CUBLASLT_MATMUL_DESC_EPILOGUE, CUBLASLT_EPILOGUE_BGRADB);
-    p.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, bias_out.data_ptr());
-    p.set(CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, CUDA_R_32F);
-  }
   at::Tensor d = out;
   return run(p, x, g, d);
 }
 }  // namespace
 
 void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out) {
-  TORCH_CHECK(run_weight_grad(g, x, out, at::Tensor()),
+  TORCH_CHECK(run_weight_grad(g, x, out),
               "weight_grad: cuBLASLt offered or ran no bf16 x bf16 -> fp32 algorithm for g ", g.sizes(), " x ",
               x.sizes());
-}
-
-bool weight_grad_with_bias(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out) {
-  TORCH_CHECK(bias_out.defined(), "weight_grad_with_bias: no bias_out");
-  return run_weight_grad(g, x, out, bias_out);
 }
 
 at::Tensor matmul_gelu_tanh_backward(const at::Tensor& g, const at::Tensor& w, const at::Tensor& pre) {

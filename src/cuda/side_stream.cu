@@ -36,19 +36,14 @@ struct Batch {
   std::vector<std::function<void()>> work;  // kept: their captures are what the batch reads
 };
 
-size_t from_env(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return static_cast<size_t>(std::max(1, v != nullptr ? std::atoi(v) : fallback));
-}
-
 // Pieces a batch: a GPT layer hands over five (the MLP's two weight
 // gradients and its first bias sum, and the weight gradients of the
 // attention's two projections). Launched batches not yet waited for: at
 // most kBacklog, so the side stream lags a bounded number of layers (and
-// what they read stays alive no longer). DDP_SIDE_BATCH and
-// DDP_SIDE_BACKLOG: an experiment's knobs.
-const size_t kBatch = from_env("DDP_SIDE_BATCH", 5);
-const size_t kBacklog = from_env("DDP_SIDE_BACKLOG", 2);
+// what they read stays alive no longer). Other batch sizes and backlogs
+// measured no better (bench/RESULTS.md, session 27).
+constexpr size_t kBatch = 5;
+constexpr size_t kBacklog = 2;
 
 struct State {
   std::mutex mu;

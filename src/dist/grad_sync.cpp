@@ -8,6 +8,7 @@
 #include <set>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -291,6 +292,10 @@ GradSync::~GradSync() {
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
 }
 
+torch::Tensor GradSync::param_view(const torch::Tensor& flat, size_t i, bool channels_last) const {
+  return shaped_view(flat, slices_.at(i).offset, params_.at(i), channels_last);
+}
+
 void GradSync::reset_step() {
   for (auto& b : buckets_) {
     b.pending = b.expected;
@@ -299,6 +304,7 @@ void GradSync::reset_step() {
   next_bucket_ = 0;
   launched_in_backward_ = 0;
   std::fill(fired_.begin(), fired_.end(), 0);
+  unreached_.assign(params_.size(), 0);
 }
 
 void GradSync::zero_grad(bool set_to_none) {
@@ -318,13 +324,37 @@ void GradSync::zero_grad(bool set_to_none) {
 // user) and that got no gradient this step: its slice may hold an older
 // step's gradient. Zero it before it is all-reduced or stepped.
 void GradSync::zero_slices_left_behind() {
+  for (size_t i : usage_.unused_here) zero_slice_left_behind(i);
+}
+
+void GradSync::zero_slice_left_behind(size_t i) {
+  auto& p = params_[i];
+  if (p.grad().defined() && p.grad().is_same(grad_views_[i])) return;
   torch::NoGradGuard no_grad;
-  for (size_t i : usage_.unused_here) {
-    auto& p = params_[i];
-    if (p.grad().defined() && p.grad().is_same(grad_views_[i])) continue;
-    grad_views_[i].zero_();
-    p.mutable_grad() = grad_views_[i];
+  grad_views_[i].zero_();
+  p.mutable_grad() = grad_views_[i];
+}
+
+void GradSync::expect_gradients_from(const torch::Tensor& loss) {
+  if (!sync_enabled_ || world_.size() == 1 || !loss.grad_fn()) return;
+  std::unordered_set<const torch::autograd::Node*> reached{loss.grad_fn().get()};
+  std::vector<torch::autograd::Node*> todo{loss.grad_fn().get()};
+  while (!todo.empty()) {
+    auto* node = todo.back();
+    todo.pop_back();
+    for (const auto& edge : node->next_edges())
+      if (edge.function && reached.insert(edge.function.get()).second) todo.push_back(edge.function.get());
   }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (reached.count(accumulators_[i].get()) > 0 || unreached_[i]) continue;
+    unreached_[i] = 1;
+    // Its slice goes out with the bucket: no older step's gradient in it.
+    if (!fired_[i]) zero_slice_left_behind(i);
+    auto& b = buckets_[bucket_of_[i]];
+    if (b.pending > 0) --b.pending;
+  }
+  launch_ready_in_order(/*from_backward=*/false);
 }
 
 void GradSync::abandon_step(bool wait_launched) {
@@ -357,6 +387,9 @@ void GradSync::mark_ready(size_t param_index) {
     return;
   }
   std::lock_guard<std::mutex> lock(mu_);
+  // Its bucket may be on the wire already, counted without it.
+  TORCH_CHECK(!unreached_[param_index], "GradSync: parameter ", param_index,
+              " got a gradient from a backward that expect_gradients_from() found not to reach it");
   fired_[param_index] = 1;
   auto& b = buckets_[bucket_of_[param_index]];
   if (b.pending > 0) --b.pending;

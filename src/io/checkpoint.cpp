@@ -282,7 +282,19 @@ CheckpointMeta load_checkpoint(const std::string& path, torch::nn::Module& model
   for (auto& b : model.named_buffers()) load_into(b.key(), b.value());
   // The optimizer copies each state tensor into its own, which lives next
   // to the parameters on every rank (never all on GPU 0).
-  if (optimizer) optimizer->load(under(tensors, "optimizer"));
+  if (optimizer) {
+    auto state = under(tensors, "optimizer");
+    // Before ddptrain recorded the optimizer state's layout, the flat
+    // buffers held the writer's memory format: channels-last where its
+    // --channels-last resolved on (auto: on a GPU, where the CUDA
+    // generator was saved too).
+    if (!state.empty() && state.count("layout") == 0) {
+      const std::string flag = meta.config.value("channels-last", "auto");
+      const bool on = flag == "on" || (flag == "auto" && tensors.count("rng/cuda") > 0);
+      state["layout"] = string_tensor(on ? "channels_last" : "contiguous");
+    }
+    optimizer->load(state);
+  }
   auto rng = tensors.find("rng/cpu");
   if (rng != tensors.end()) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();

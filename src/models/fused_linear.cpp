@@ -27,23 +27,13 @@ namespace ddp::models {
 namespace {
 
 std::atomic<bool> g_fused_linear{false};
-std::atomic<bool> g_embed_pos{[] {
-  const char* v = std::getenv("DDP_EMBED_POS");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}()};
 
 // Whether mlp_gelu runs the exact GELU's MLP in one function
 // (use_exact_mlp_fn).
-std::atomic<bool> g_exact_mlp_fn{[] {
-  const char* v = std::getenv("DDP_MLP_EXACT_FUSED");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}()};
+std::atomic<bool> g_exact_mlp_fn{false};
 
 // mlp_gelu's blocks of rows (set_mlp_blocks; 0: kMlpBlocksByL2).
-std::atomic<int64_t> g_mlp_blocks{[] {
-  const char* v = std::getenv("DDP_MLP_CHUNKS");
-  return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t{1};
-}()};
+std::atomic<int64_t> g_mlp_blocks{1};
 
 // [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
 // views, as the model's split, view and transpose give.
@@ -115,26 +105,6 @@ std::vector<torch::Tensor> bias_grad(const torch::Tensor& param, const torch::Te
   auto db = slot.defined() || !param.defined() ? slot : fresh_gradient(param);
   if (gelu) return cuda::gelu_backward_column_sum(g, pre, *gelu, db, dh_out);
   return {g, cuda::column_sum(g, db)};
-}
-
-// {dW, db} = {g^T x, the column sums of g} from one matmul (cuBLASLt's
-// BGRADB epilogue, cuda::weight_grad_with_bias) where DDP_BGRADB=1 asks for
-// it, into their slots where they have them; else undefined. An experiment
-// for the MLP's first layer (bench/RESULTS.md, session 27): its bias sum
-// is a pass over the MLP's widest gradient.
-std::vector<torch::Tensor> weight_and_bias_grad(const torch::Tensor& w, const torch::Tensor& b, const torch::Tensor& g,
-                                                const torch::Tensor& x2) {
-  static const bool wanted = [] {
-    const char* v = std::getenv("DDP_BGRADB");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  if (!wanted) return {};
-  auto dw = gradient_home(w), db = gradient_home(b);
-  if (!cuda::weight_grad_with_bias(g, x2, dw, db)) {  // no such algorithm: the two passes
-    cuda::weight_grad(g, x2, dw);
-    cuda::column_sum(g, db);
-  }
-  return {dw, db};
 }
 
 // x W^T (+ b), bf16: cuda::linear where it takes the operands, else
@@ -332,14 +302,7 @@ struct MlpGeluFn : torch::autograd::Function<MlpGeluFn> {
       // a column sum of its own), else the matmul, then one pass for both.
       dh = cuda::matmul_gelu_tanh_backward(g, w2_16, pre[0]);
       if (dh.defined()) {
-        if (b1_wanted.defined() && ctx->needs_input_grad(1)) {
-          auto both = weight_and_bias_grad(w1, b1_wanted, dh, x2);
-          if (!both.empty()) {
-            dw1 = both[0];
-            db1 = both[1];
-          }
-        }
-        if (b1_wanted.defined() && !db1.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
+        if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
       } else {
         auto r = bias_grad(b1_wanted, mm16(g, w2_16), pre[0], cuda::Gelu::kTanh);
         dh = r[0];
@@ -421,23 +384,6 @@ struct TiedEmbedFn : torch::autograd::Function<TiedEmbedFn> {
   }
 };
 
-// weight[idx] + pos (pos: [T, C] for idx [B, T]) in one kernel
-// (cuda::embedding_with_positions). Backward: tied_embedding_gradient, and
-// pos's as the broadcast add's, the sum over the batch. (A Function of its
-// own: LibTorch 2.x takes no undefined tensor as a Function's input.)
-struct TiedEmbedPosFn : torch::autograd::Function<TiedEmbedPosFn> {
-  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor weight, torch::Tensor idx, torch::Tensor pos,
-                               c10::intrusive_ptr<torch::CustomClassHolder> tie) {
-    ctx->saved_data["tie"] = c10::IValue::make_capsule(std::move(tie));
-    ctx->save_for_backward({idx});
-    return cuda::embedding_with_positions(weight, idx, pos);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto dpos = ctx->needs_input_grad(2) ? grads[0].sum(0) : torch::Tensor();
-    return {tied_embedding_gradient(ctx, grads[0]), torch::Tensor(), dpos, torch::Tensor()};
-  }
-};
-
 // x W^T for the tied weight W, which is not an input here (so autograd
 // gives it no second gradient): the backward computes dx, and leaves
 // dW = g^T x (fp32, in W's slot where it has one) for TiedEmbedFn.
@@ -480,12 +426,6 @@ torch::Tensor TiedEmbedding::embed(const torch::Tensor& idx, const torch::Tensor
       weight_.dim() == 2 && weight_.scalar_type() == torch::kFloat && idx.is_cuda() &&
       idx.scalar_type() == torch::kLong) {
     meeting_ = c10::make_intrusive<TiedGradient>(weight_);
-    if (g_embed_pos.load() && pos.defined() && idx.dim() == 2 && pos.is_cuda() &&
-        pos.get_device() == weight_.get_device() && idx.get_device() == weight_.get_device() &&
-        pos.scalar_type() == torch::kFloat &&
-        pos.is_contiguous() && pos.dim() == 2 && pos.size(0) == idx.size(1) && pos.size(1) == weight_.size(1) &&
-        weight_.is_contiguous())
-      return TiedEmbedPosFn::apply(weight_, idx, pos, meeting_);
     auto x = TiedEmbedFn::apply(weight_, idx, meeting_);
     return pos.defined() ? x + pos : x;
   }
@@ -516,8 +456,6 @@ int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes) {
   return std::clamp<int64_t>((bytes + half - 1) / half, 1, std::max<int64_t>(rows, 1));
 }
 int64_t mlp_blocks() { return g_mlp_blocks.load(); }
-void use_embedding_with_positions(bool on) { g_embed_pos.store(on); }
-bool embedding_with_positions_enabled() { return g_embed_pos.load(); }
 bool fused_linear_enabled() { return g_fused_linear.load(); }
 
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {

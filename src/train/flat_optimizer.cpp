@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
+#include <cstdint>
 #include <set>
 #include <string>
 
@@ -119,25 +119,22 @@ std::vector<int64_t> FlatOptimizer::parameter_steps() const {
   return out;
 }
 
-// clip_grad_norm_'s rule over every flat gradient buffer, on the device.
+// clip_grad_norm_'s rule over every parameter's gradient, on the device.
 // The Adam kernels apply the scale in their pass: ddptrain's takes the
 // coefficient, LibTorch's fused one its inverse (a divisor); returned.
 // Elsewhere the gradients are multiplied here (and an undefined tensor is
 // returned).
 torch::Tensor FlatOptimizer::clip(double max_norm) {
-#ifdef DDP_WITH_CUDA_KERNELS
-  // An experiment (cuda/adamw.h): the coefficient in two launches instead
-  // of ATen's six, where ddptrain's Adam takes it.
-  static const bool one_pass = [] {
-    const char* v = std::getenv("DDP_CLIP_KERNEL");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  if (own_adam_ && one_pass) return cuda::clip_coefficient(grads_, max_norm);
-#endif
-  std::vector<torch::Tensor> norms;
-  for (const auto& g : grads_) norms.push_back(g.norm(2).to(torch::kFloat));
-  auto total = torch::stack(norms).norm(2);
-  auto coef = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  // Per parameter, in the model's order, as clip_grad_norm_ walks
+  // model.parameters(): one norm over a whole flat buffer rounds otherwise
+  // (on the CPU, 1e-6 relative apart and more for a large model, which a
+  // run then carries on). Its coefficient as Python spells max / t:
+  // t.reciprocal() * max, one rounding more than a division.
+  std::vector<torch::Tensor> per_param;
+  per_param.reserve(slices_.size());
+  for (size_t i = 0; i < slices_.size(); ++i) per_param.push_back(slice(grads_, i));
+  auto total = compat::clip_grad_total_norm(per_param);
+  auto coef = ((total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
   if (own_adam_) return coef;
   if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
   for (const auto& g : grads_) g.mul_(coef.to(g.scalar_type()));
@@ -363,18 +360,47 @@ void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vecto
   }
 }
 
+// The optimizer state's layout in a checkpoint: each parameter's moments in
+// its logical order (row-major over its shape, as the model's weights are
+// saved), whatever memory format this run gave its 4-D weights. A resume
+// with another --channels-last (auto flips it between CPU and GPU) then
+// reads them right. Older checkpoints hold the writer's memory format,
+// "channels_last" or "contiguous", which load_checkpoint() tells from
+// their header.
+namespace {
+constexpr const char* kLogicalLayout = "logical";
+}
+
+// Flat buffer k of `flat` with every parameter's elements in `to_channels_last`
+// order (or logical, contiguous order), on the CPU; `from_channels_last` says
+// which order `flat` holds them in.
+torch::Tensor FlatOptimizer::relaid(const torch::Tensor& flat, size_t k, bool from_channels_last,
+                                    bool to_channels_last) const {
+  auto out = flat.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  if (!sync_ || from_channels_last == to_channels_last) return out;
+  for (size_t i = 0; i < slices_.size(); ++i) {
+    if (slices_[i].flat != k) continue;
+    auto dst = sync_->param_view(out, i, to_channels_last);
+    if (dst.dim() == 4) dst.copy_(sync_->param_view(flat, i, from_channels_last));
+  }
+  return out;
+}
+
+bool FlatOptimizer::channels_last() const { return sync_ && sync_->options().channels_last(); }
+
 void FlatOptimizer::save(TensorMap& state) const {
   state["name"] = string_tensor(o_.name());
   // The buffers' layout: with no_decay_1d the 1-D parameters have their own.
   state["no_decay_1d"] = torch::full({}, o_.no_decay_1d() ? 1.0f : 0.0f);
   if (!o_.no_decay().empty()) state["no_decay"] = string_tensor(joined_names(o_.no_decay()));
+  state["layout"] = string_tensor(kLogicalLayout);
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     // The composed path counts on the host; the fused one on the device.
     auto step = fused_ ? step_[i].detach().cpu() : torch::full({}, static_cast<double>(host_step_), torch::kFloat);
     state["step/" + k] = step;
-    state["m/" + k] = m_[i].detach().cpu();
-    if (adam_) state["v/" + k] = v_[i].detach().cpu();
+    state["m/" + k] = relaid(m_[i], i, channels_last(), false);
+    if (adam_) state["v/" + k] = relaid(v_[i], i, channels_last(), false);
   }
   // Steps each parameter missed (no gradient on any rank): Adam's
   // per-parameter step count is the buffer's minus this.
@@ -406,19 +432,30 @@ void FlatOptimizer::load(const TensorMap& state) {
              "the checkpoint's optimizer state exempts {" + saved_names + "} from weight decay by name; this run "
                  "exempts {" + joined_names(o_.no_decay()) + "}.",
              "resume with the configure_optimizer() that wrote it, or start without --resume.");
+  // The order the moments are in: logical, or an older writer's memory
+  // format; a state of no record (not from a checkpoint) is in this run's.
+  bool saved_channels_last = channels_last();
+  if (auto layout = state.find("layout"); layout != state.end()) {
+    const std::string l = tensor_string(layout->second);
+    check_user(l == kLogicalLayout || l == "channels_last" || l == "contiguous",
+               "the checkpoint's optimizer state has the layout '" + l + "', which this ddptrain does not know.",
+               "resume with the ddptrain that wrote it.");
+    saved_channels_last = l == "channels_last";
+  }
   torch::NoGradGuard no_grad;
-  auto read = [&](const std::string& key, torch::Tensor& dst) {
+  auto read = [&](const std::string& key, torch::Tensor& dst, size_t flat = SIZE_MAX) {
     auto src = state.find(key);
     check_user(src != state.end() && src->second.sizes() == dst.sizes(),
                "the checkpoint's optimizer state '" + key + "' does not fit this model.",
                "resume with the model and optimizer that wrote it.");
-    dst.copy_(src->second);
+    if (flat == SIZE_MAX) dst.copy_(src->second);
+    else dst.copy_(relaid(src->second.contiguous(), flat, saved_channels_last, channels_last()));
   };
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     read("step/" + k, step_[i]);
-    read("m/" + k, m_[i]);
-    if (adam_) read("v/" + k, v_[i]);
+    read("m/" + k, m_[i], i);
+    if (adam_) read("v/" + k, v_[i], i);
   }
   host_step_ = static_cast<int64_t>(step_.front().item<float>());
   // Checkpoints written before per-parameter counts have none: no missed steps.

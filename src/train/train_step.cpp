@@ -143,6 +143,9 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
   optimizer_ = std::make_unique<FlatOptimizer>(*sync_, o_.optimizer());
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
+  // SyncBatchNorm's backward all-reduces on the gradients' process group:
+  // a bucket left for finish() would go out after it on this rank only.
+  expect_unused_ = world_.size() > 1 && has_synced_batchnorm(model_);
 
   if (fp16_) {
     check_user(dev.is_cuda(), "--amp fp16 needs a CUDA device; this rank runs on " + dev.str() + ".",
@@ -200,9 +203,11 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
       // Weight gradients off the backward's critical path, on a second
       // stream, joined back here (side_stream.h).
       cuda::SideWork side(side_stream_);
+      if (last_micro && expect_unused_) sync_->expect_gradients_from(scaled);
       scaled.backward();
       side.close();  // an error of the side work's fails the step here
 #else
+      if (last_micro && expect_unused_) sync_->expect_gradients_from(scaled);
       scaled.backward();
 #endif
     }

@@ -158,13 +158,6 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
   cuda::set_side_stream(c.side_stream == "on"    ? cuda::SideStreamMode::kOn
                         : c.side_stream == "off" ? cuda::SideStreamMode::kOff
                                                  : cuda::SideStreamMode::kAuto);
-  static const bool old_variable = [] {  // session 27's switch, read no more: say so once
-    const char* rank = std::getenv("RANK");
-    const bool set = std::getenv("DDP_SIDE_STREAM") != nullptr && (rank == nullptr || std::string(rank) == "0");
-    if (set) std::fprintf(stderr, "ddptrain: DDP_SIDE_STREAM is no longer read; use --side-stream on|off|auto\n");
-    return set;
-  }();
-  (void)old_variable;
 #endif
   models::use_nhwc_max_pool_kernels(c.bn_kernel != "native");  // native: all ATen, for A/B timing
   return TrainStepOptions()

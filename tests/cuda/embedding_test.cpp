@@ -57,33 +57,6 @@ TEST(EmbeddingBackward, RefusesWhatItCannotTake_CUDA) {
   EXPECT_THROW(ddp::cuda::embedding_backward_add(grad, idx.to(torch::kInt), dw), c10::Error);           // int64
 }
 
-// The token lookup and the positions' add in one kernel: the bits of
-// at::embedding + pos, on the 4-column path and the one-column path (an odd
-// width; a table that starts off a 16-byte boundary).
-TEST(EmbeddingWithPositions, IsTheLookupPlusThePositions_CUDA) {
-  DDP_SKIP_UNLESS_CUDA();
-  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  torch::manual_seed(17);
-  struct Shape {
-    int64_t b, t, v, c;
-    bool offset;
-  };
-  for (auto s : {Shape{4, 64, 500, 768, false}, Shape{3, 7, 11, 37, false}, Shape{2, 5, 9, 8, true},
-                 Shape{1, 1, 1, 4, false}}) {
-    SCOPED_TRACE(::testing::PrintToString(std::vector<int64_t>{s.b, s.t, s.v, s.c, s.offset}));
-    auto weight = torch::randn({s.v * s.c + 1}, opts).narrow(0, s.offset ? 1 : 0, s.v * s.c).view({s.v, s.c});
-    auto pos = torch::randn({s.t + 3, s.c}, opts).narrow(0, 0, s.t);
-    auto idx = torch::randint(0, s.v, {s.b, s.t}, opts.dtype(torch::kLong));
-    auto out = ddp::cuda::embedding_with_positions(weight, idx, pos);
-    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{s.b, s.t, s.c}));
-    EXPECT_TRUE(torch::equal(out, at::embedding(weight, idx) + pos));
-  }
-  auto w = torch::randn({10, 8}, opts);
-  auto idx = torch::randint(0, 10, {2, 3}, opts.dtype(torch::kLong));
-  EXPECT_THROW(ddp::cuda::embedding_with_positions(w, idx, torch::randn({4, 8}, opts)), c10::Error) << "pos rows";
-  EXPECT_THROW(ddp::cuda::embedding_with_positions(w, idx.view({-1}), torch::randn({3, 8}, opts)), c10::Error)
-      << "idx not [B, T]";
-}
 #endif
 
 }  // namespace

@@ -142,36 +142,6 @@ TEST(GemmGelu, LinearAndMatmulAreLibTorchsProducts_CUDA) {
 #endif
 }
 
-// The weight gradient with the bias's gradient out of the same matmul
-// (BGRADB): g^T x and the column sums of g, against float64; the bias
-// gradient sums bf16 values in fp32, so it is close to float64's.
-TEST(GemmGelu, WeightGradWithBiasAlsoSumsTheColumns_CUDA) {
-  DDP_SKIP_UNLESS_CUDA();
-#ifndef DDP_WITH_CUDA_KERNELS
-  GTEST_SKIP() << "built without ddptrain's CUDA kernels";
-#else
-  torch::manual_seed(6);
-  for (bool tuned : {true, false}) {
-    TuningAs tuning(tuned);
-    struct Shape {
-      int64_t m, n, k;
-    };
-    for (auto s : {Shape{4096, 512, 256}, Shape{1000, 72, 40}}) {
-      SCOPED_TRACE("m " + std::to_string(s.m) + " n " + std::to_string(s.n) + " k " + std::to_string(s.k) +
-                   (tuned ? ", tuned" : ", first choice"));
-      auto g = bf16(torch::randn({s.m, s.n})), x = bf16(torch::randn({s.m, s.k}));
-      auto dw = torch::empty({s.n, s.k}, g.options().dtype(torch::kFloat));
-      auto db = torch::full({s.n}, 7.0, g.options().dtype(torch::kFloat));  // overwritten, not added to
-      ASSERT_TRUE(ddp::cuda::weight_grad_with_bias(g, x, dw, db)) << "cuBLASLt has no BGRADB algorithm here";
-      auto gd = g.to(torch::kDouble);
-      EXPECT_LT(relative_error(dw, gd.t().mm(x.to(torch::kDouble))), 1.0 / 128);
-      auto want = gd.sum(0);
-      EXPECT_LE((db.to(torch::kDouble) - want).abs().max().item<double>(), 1e-5 * s.m);
-    }
-  }
-#endif
-}
-
 // Tuning: the first eager call of a kind of matmul times cuBLASLt's
 // candidates and keeps one; later calls of that kind reuse it, so they give
 // the first call's bits. Inside a CUDA graph's capture nothing is timed or

@@ -109,9 +109,8 @@ TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
       EXPECT_EQ(ddp::cuda::side_pieces(), before);
       backward(aside, sync_aside, true);
       // Per block: c_attn's, the attention projection's and the MLP's two
-      // weights, the MLP's first bias with the tanh GELU (the others are the LayerNorms'; with
-      // DDP_BGRADB=1 the MLP's first weight and bias come from one matmul,
-      // here); the head. The process's first SideWork stays on one stream.
+      // weights, the MLP's first bias with the tanh GELU (the others are the
+      // LayerNorms', here); the head. The process's first SideWork stays on one stream.
       if (step > 0) {
         EXPECT_GE(ddp::cuda::side_pieces() - before, 2u * 3 + 1);
       }
@@ -242,8 +241,7 @@ TEST(SideStream, AutoIsOnForDdptrainsGptAlone_CUDA) {
   EXPECT_TRUE(gpt_auto.first);
   // A TrainStep's first step adds into the zeros GradSync starts with (no
   // slots, nothing aside): the last two steps, each with at least 3 pieces
-  // a block and the head's (5 a block unless DDP_BGRADB=1 computes c_fc's
-  // two gradients in one matmul, as GptGradientsAreTheOneStreamsToTheBit
+  // a block and the head's (5 a block, as GptGradientsAreTheOneStreamsToTheBit
   // counts them).
   constexpr size_t kPieces = 2 * (2 * 3 + 1);
   EXPECT_GE(gpt_auto.second, kPieces);

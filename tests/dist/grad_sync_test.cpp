@@ -125,6 +125,23 @@ TEST(GradSync, UnusedParametersDoNotHangAndAgree) {
   EXPECT_EQ(a.narrow(0, 2 * fc, fc).abs().sum().item<double>(), 0);
 }
 
+// Issue 44 item 6: with SyncBatchNorm, a parameter that one rank's batch
+// uses and the other's does not must not put the ranks' collectives out of
+// order (the bucket of the unused one is ready before backward starts, as
+// in PyTorch): 2 ranks equal 1 rank on the global batch, bit-identical.
+TEST(SyncBatchNorm, BranchUsedOnOneRankKeepsCollectivesInOrder) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto one = ddp::testing::temp_dir("branch1"), two = ddp::testing::temp_dir("branch2");
+  auto r1 = run_workers(1, {"syncbn_branch", one});
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  auto r2 = run_workers(2, {"syncbn_branch", two}, {{"DDP_TEST_TIMEOUT_MS", "20000"}});
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  auto ref = load(one + "/state_rank0.pt");
+  auto a = load(two + "/state_rank0.pt"), b = load(two + "/state_rank1.pt");
+  expect_close(a, ref, 1e-5, "rank 0 vs single rank");
+  EXPECT_TRUE(torch::equal(a, b)) << "ranks must end bit-identical";
+}
+
 // Rank 1 builds a model whose last layer has another shape: the job stops
 // at GradSync's construction, naming the parameter and the rank, with no hang.
 TEST(GradSync, DifferentModelOnOneRankIsNamed) {

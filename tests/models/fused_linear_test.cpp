@@ -550,43 +550,6 @@ TEST(FusedLinear, TiedEmbeddingGivesItsWeightOneGradient_CUDA) {
   EXPECT_THROW(t.head(x), c10::Error) << "one head per embedding";
 }
 
-// The positions added in the lookup's kernel (use_embedding_with_positions)
-// give the lookup-then-add's values and gradients, to the bit: the weight's
-// (the same rows added to the head's) and the positions' (the batch's sum,
-// as the broadcast add's backward takes it), through a narrowed table.
-TEST(FusedLinear, TiedEmbeddingAddsThePositionsInItsLookup_CUDA) {
-  DDP_SKIP_UNLESS_CUDA();
-  FusedLinearOn on;
-  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  torch::manual_seed(32);
-  const int64_t v = 96, c = 64, t = 24;
-  auto idx = torch::randint(0, v, {5, t}, opts.dtype(torch::kLong));
-  auto target = torch::randint(0, v, {5 * t}, idx.options());
-  auto w0 = torch::randn({v, c}, opts) * 0.1, p0 = torch::randn({32, c}, opts) * 0.1;
-  struct Run {
-    torch::Tensor x, dw, dp;
-  };
-  auto run = [&](bool in_lookup) {
-    use_embedding_with_positions(in_lookup);
-    auto w = w0.clone().requires_grad_(), p = p0.clone().requires_grad_();
-    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-    TiedEmbedding tied(w);
-    auto x = tied.embed(idx, p.narrow(0, 0, t));
-    auto logits = tied.head(x);
-    torch::nn::functional::cross_entropy(logits.view({-1, v}).to(torch::kFloat), target).backward();
-    return Run{x.detach(), w.grad(), p.grad()};
-  };
-  const bool was = embedding_with_positions_enabled();
-  auto fused = run(true), apart = run(false);
-  use_embedding_with_positions(was);
-  EXPECT_TRUE(torch::equal(fused.x, apart.x));
-  EXPECT_TRUE(torch::equal(fused.x, torch::embedding(w0, idx) + p0.narrow(0, 0, t)));
-  ASSERT_TRUE(fused.dw.defined() && fused.dp.defined());
-  EXPECT_TRUE(torch::equal(fused.dw, apart.dw));
-  EXPECT_TRUE(torch::equal(fused.dp, apart.dp)) << (fused.dp - apart.dp).abs().max().item<double>();
-  EXPECT_EQ(fused.dp.slice(0, t).abs().sum().item<double>(), 0.0) << "rows past the sequence get no gradient";
-}
-
 // Whenever GradSync calls the bf16 copies current (so a window skips the
 // cast), they hold the parameters: across CUDA graph replays, which move no
 // version counter, and an eager step of a smaller batch between them; with

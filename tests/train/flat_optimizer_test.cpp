@@ -7,6 +7,9 @@
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/param_slots.h"
+#include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
+#include "ddp/train/train_step.h"
 #include "support/testing.h"
 
 namespace {
@@ -307,6 +310,245 @@ TEST(FlatOptimizer, PerParameterStepCountsSkipUnusedStepsAndRoundTrip) {
   }
   for (size_t i = 0; i < a->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(a->parameters()[i], b->parameters()[i])) << "parameter " << i;
+}
+
+// clip_grad_norm_ against what PyTorch 1.13 itself did to a small CNN's
+// gradients (tools/gen_clip_grad_norm_testdata.py ->
+// tests/testdata/clip_grad_norm.pt): the generator's Net, registered in the
+// same order under the same names.
+struct ClipNetImpl : torch::nn::Module {
+  ClipNetImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 8, 3).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(8));
+    fc1 = register_module("fc1", torch::nn::Linear(8 * 8 * 8, 64));
+    fc2 = register_module("fc2", torch::nn::Linear(64, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::max_pool2d(torch::relu(bn1(conv1(x))), 2);
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(ClipNet);
+
+struct ClipReference {
+  std::map<std::string, torch::Tensor> t;
+  int64_t steps = 0;
+  double max_norm = 0;
+  ClipReference() {
+    for (auto& [k, v] : ddp::read_state_dict(DDP_TEST_DATA_DIR "/clip_grad_norm.pt")) t[k] = v;
+    steps = t.at("coef").numel();
+    max_norm = t.at("max_norm").item<double>();
+  }
+  const torch::Tensor& at(const std::string& key) const { return t.at(key); }
+  void load_initial(ClipNet& net) const {
+    torch::NoGradGuard no_grad;
+    for (auto& item : net->named_parameters()) item.value().copy_(at("initial." + item.key()));
+  }
+};
+
+// The fail-first test of issue 44 item 9: handed PyTorch's gradients,
+// step() leaves exactly the gradients that clip_grad_norm_ left (its
+// coefficient, bit for bit), not those of one norm over the flat buffer.
+TEST(FlatOptimizer, ClipsBitForBitAsPyTorchsClipGradNorm) {
+  DDP_SKIP_UNLESS_GLOO();
+  const ClipReference ref;
+  ClipNet net;
+  auto world = ddp::testing::one_rank_world();
+  ddp::GradSync sync(*net, *world);
+  // lr 0: the step leaves the parameters and only clips.
+  ddp::FlatOptimizer opt(sync, ddp::FlatOptimizerOptions().name("sgd").lr(0).momentum(0));
+  int differing = 0;
+  for (int64_t s = 0; s < ref.steps; ++s) {
+    const auto coef = ref.at("coef")[s];
+    ASSERT_LT(coef.item<float>(), 1.0f) << "step " << s << " must clip, or the test shows nothing";
+    for (auto& item : net->named_parameters())
+      item.value().mutable_grad().copy_(ref.at("grad." + std::to_string(s) + "." + item.key()));
+    sync.finish();
+    opt.step({}, ref.max_norm, ddp::GradientsAfterStep::kRead);
+    bool same = true;
+    for (auto& item : net->named_parameters()) {
+      const auto want = ref.at("grad." + std::to_string(s) + "." + item.key()) * coef;
+      same = same && torch::equal(item.value().grad(), want);
+    }
+    if (!same) {
+      ++differing;
+      ADD_FAILURE() << "step " << s << ": the clipped gradients differ from clip_grad_norm_'s (its total norm "
+                    << ref.at("total_norm")[s].item<double>() << ")";
+    }
+    sync.zero_grad();
+  }
+  EXPECT_EQ(differing, 0);
+}
+
+// The generator's run through TrainStep on one rank: plain SGD with
+// clipping gives PyTorch's losses and parameters.
+TEST(TrainStep, ClippedSgdFollowsPyTorch) {
+  DDP_SKIP_UNLESS_GLOO();
+  const ClipReference ref;
+  ClipNet net;
+  ref.load_initial(net);
+  class Task : public ddp::Task {
+   public:
+    explicit Task(ClipNet n) : net_(std::move(n)) {}
+    ddp::StepOutput training_step(const ddp::data::Batch& b) override {
+      return torch::nn::functional::cross_entropy(net_->forward(b.input()), b.target());
+    }
+    ddp::TensorMap validation_step(const ddp::data::Batch&) override { return {}; }
+
+   private:
+    ClipNet net_;
+  } task(net);
+  auto world = ddp::testing::one_rank_world();
+  const double lr = 0.05;
+  ddp::TrainStep step(task, *net, *world,
+                      ddp::TrainStepOptions().clip_grad_norm(ref.max_norm).optimizer(
+                          ddp::FlatOptimizerOptions().name("sgd").lr(lr).momentum(0)));
+  double loss_diff = 0;
+  for (int64_t s = 0; s < ref.steps; ++s) {
+    auto out = step.run(ddp::data::Batch(ref.at("x." + std::to_string(s)), ref.at("y." + std::to_string(s))),
+                        /*last_micro=*/true, lr);
+    const double want = ref.at("loss")[s].item<double>();
+    loss_diff = std::max(loss_diff, std::abs(out.loss.item<double>() - want) / want);
+  }
+  double param_diff = 0;
+  for (auto& item : net->named_parameters())
+    param_diff = std::max(param_diff, (item.value().detach() - ref.at("final." + item.key())).abs().max().item<double>());
+  RecordProperty("max_rel_loss_diff", c10::str(loss_diff));
+  RecordProperty("max_abs_param_diff", c10::str(param_diff));
+  EXPECT_LE(loss_diff, 1e-6);
+  EXPECT_LE(param_diff, 1e-6);
+}
+
+// Issue 44 item 3: the flat optimizer's state across a change of
+// --channels-last. A two-layer CNN (convolution weights of 6 and 8 input
+// channels, whose memory order differs between the formats) trains 3 steps
+// of AdamW in one format, is saved as a checkpoint, and resumes for 3 more
+// in the other; the result is set against a straight 6-step run in the
+// second format.
+struct LayoutNetImpl : torch::nn::Module {
+  LayoutNetImpl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 6, 3).padding(1)));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(6, 8, 3).padding(1)));
+    fc = register_module("fc", torch::nn::Linear(8, 4));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = torch::relu(conv2(torch::relu(conv1(x))));
+    return fc(x.mean({2, 3}));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(LayoutNet);
+
+class LayoutTask : public ddp::Task {
+ public:
+  explicit LayoutTask(LayoutNet n) : net_(std::move(n)) {}
+  ddp::StepOutput training_step(const ddp::data::Batch& b) override {
+    return torch::nn::functional::cross_entropy(net_->forward(b.input()), b.target());
+  }
+  ddp::TensorMap validation_step(const ddp::data::Batch&) override { return {}; }
+
+ private:
+  LayoutNet net_;
+};
+
+// A ddptrain from before the state recorded its layout: no "layout"
+// entry, and the moments as the flat buffers hold them in memory
+// (channels-last slices for the 4-D weights where the writer ran so).
+struct WithoutLayout : ddp::Stateful {
+  WithoutLayout(const ddp::Stateful& s, const ddp::GradSync& g) : inner(s), sync(g) {}
+  void save(ddp::TensorMap& state) const override {
+    inner.save(state);
+    state.erase("layout");
+    if (!sync.options().channels_last()) return;
+    for (auto& [key, t] : state) {
+      if (key.rfind("m/", 0) != 0 && key.rfind("v/", 0) != 0) continue;
+      const size_t k = std::stoul(key.substr(2));
+      auto raw = t.clone();
+      for (size_t i = 0; i < sync.param_slices().size(); ++i) {
+        if (sync.param_slices()[i].flat != k) continue;
+        auto dst = sync.param_view(raw, i, true);
+        if (dst.dim() == 4) dst.copy_(sync.param_view(t, i, false));
+      }
+      t = raw;
+    }
+  }
+  void load(const ddp::TensorMap&) override {}
+  const ddp::Stateful& inner;
+  const ddp::GradSync& sync;
+};
+
+struct LayoutRun {
+  LayoutNet net;
+  LayoutTask task;
+  std::unique_ptr<ddp::World> world;
+  std::unique_ptr<ddp::TrainStep> step;
+  explicit LayoutRun(bool channels_last) : net((torch::manual_seed(3), LayoutNet())), task(net), world(ddp::testing::one_rank_world()) {
+    step = std::make_unique<ddp::TrainStep>(
+        task, *net, *world,
+        ddp::TrainStepOptions().channels_last(channels_last).optimizer(ddp::FlatOptimizerOptions().name("adamw").lr(0.01)));
+  }
+  void train(int from, int to) {
+    for (int s = from; s < to; ++s) {
+      auto g = torch::Generator(at::detail::createCPUGenerator(100 + s));
+      auto x = torch::randn({8, 2, 6, 6}, g);
+      auto y = torch::randint(0, 4, {8}, g);
+      step->run(ddp::data::Batch(x, y), /*last_micro=*/true, 0.01);
+    }
+  }
+};
+
+// The largest difference of conv2's weight between a run resumed from the
+// first format into the second and a straight run in the second.
+// `writer_flag`: the --channels-last that the checkpoint's header records;
+// `old_writer`: the state is written without its layout, as before.
+double resumed_against_straight(bool first, bool then, const std::string& writer_flag = "", bool old_writer = false) {
+  const std::string path = ddp::testing::temp_dir("layout_resume") + "/epoch_1.pt";
+  {
+    LayoutRun a(first);
+    a.train(0, 3);
+    ddp::CheckpointMeta meta;
+    meta.config = {{"channels-last", writer_flag.empty() ? (first ? "on" : "off") : writer_flag}};
+    WithoutLayout old(*a.step, a.step->sync());
+    ddp::save_checkpoint(path, *a.net, old_writer ? static_cast<const ddp::Stateful*>(&old) : a.step.get(), meta);
+  }
+  LayoutRun b(then);
+  ddp::load_checkpoint(path, *b.net, b.step.get(), torch::kCPU, "");
+  b.train(3, 6);
+  LayoutRun straight(then);
+  straight.train(0, 6);
+  return (b.net->conv2->weight - straight.net->conv2->weight).abs().max().item<double>();
+}
+
+TEST(FlatOptimizer, StateResumesAcrossChannelsLastOnToOff) {
+  DDP_SKIP_UNLESS_GLOO();
+  const double diff = resumed_against_straight(true, false);
+  RecordProperty("max_abs_diff", c10::str(diff));
+  EXPECT_LE(diff, 1e-5) << "conv2.weight after resuming a channels-last run without it";
+}
+
+TEST(FlatOptimizer, StateResumesAcrossChannelsLastOffToOn) {
+  DDP_SKIP_UNLESS_GLOO();
+  const double diff = resumed_against_straight(false, true);
+  RecordProperty("max_abs_diff", c10::str(diff));
+  EXPECT_LE(diff, 1e-5) << "conv2.weight after resuming a contiguous run with channels-last";
+}
+
+// Checkpoints of an older ddptrain hold the state in the writer's format,
+// which its header tells (--channels-last on, or auto on a GPU): read both
+// ways; and the control: the same run without the switch, so the bound
+// above is one that a scrambled state breaks.
+TEST(FlatOptimizer, StateOfOlderCheckpointsResumesInTheWritersFormat) {
+  DDP_SKIP_UNLESS_GLOO();
+  EXPECT_LE(resumed_against_straight(true, false, "on", /*old_writer=*/true), 1e-5);
+  EXPECT_LE(resumed_against_straight(false, true, "off", /*old_writer=*/true), 1e-5);
+  EXPECT_LE(resumed_against_straight(false, true, "auto", /*old_writer=*/true), 1e-5) << "auto on a CPU: contiguous";
+  EXPECT_LE(resumed_against_straight(true, true), 1e-5);
+  EXPECT_GT(resumed_against_straight(true, false, "off", /*old_writer=*/true), 1e-4)
+      << "a header that names the wrong format must scramble the state, or these tests show nothing";
 }
 
 }  // namespace

@@ -119,6 +119,60 @@ void overlap(World& world, const std::string& out) {
   std::fclose(f);
 }
 
+// Issue 44 item 6: a branch that runs only where the rank's batch asks for
+// it ("branch" flags: the first half of the global batch, rank 0's), with
+// SyncBatchNorm, one parameter per bucket, through TrainStep. Rank 0's
+// backward reaches the branch's buckets before SyncBatchNorm's all-reduce;
+// rank 1's never reaches them. 3 SGD steps on a global batch of 16.
+struct BranchNetImpl : torch::nn::Module {
+  BranchNetImpl()
+      : conv(register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 4, 3).padding(1)))),
+        bn(register_module("bn", BatchNorm2d(4))),
+        fc(register_module("fc", torch::nn::Linear(64, 3))),
+        branch(register_module("branch", torch::nn::Linear(64, 3))) {}
+  torch::nn::Conv2d conv;
+  BatchNorm bn;
+  torch::nn::Linear fc, branch;
+};
+TORCH_MODULE(BranchNet);
+
+class BranchTask : public Task {
+ public:
+  explicit BranchTask(BranchNet net) : net_(std::move(net)) {}
+  StepOutput training_step(const data::Batch& b) override {
+    auto h = torch::avg_pool2d(torch::relu(net_->bn(net_->conv(b.input()))), 2).flatten(1);
+    auto out = net_->fc(h);
+    const auto& flags = b.at("branch");
+    if (flags.any().item<bool>()) out = out + net_->branch(h) * flags.unsqueeze(1);
+    return torch::nll_loss(torch::log_softmax(out, 1), b.target());
+  }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+
+ private:
+  BranchNet net_;
+};
+
+void syncbn_branch(World& world, const std::string& out) {
+  torch::manual_seed(100);
+  BranchNet net;
+  convert_sync_batchnorm(*net, world);
+  BranchTask task(net);
+  TrainStep step(task, *net, world,
+                 TrainStepOptions().bucket_cap_mb(0.0001).optimizer(FlatOptimizerOptions().name("sgd").lr(0.1).momentum(0.9)));
+  const int64_t G = 16, per_rank = G / world.size(), start = world.rank() * per_rank;
+  for (int s = 0; s < 3; ++s) {
+    torch::manual_seed(1234 + s);
+    auto x = torch::randn({G, 3, 8, 8}) * 2 + 0.5;
+    auto y = torch::randint(0, 3, {G}, torch::kLong);
+    auto flags = (torch::arange(G) < G / 2).to(torch::kFloat);
+    data::Batch b{{"input", x.narrow(0, start, per_rank)},
+                  {"target", y.narrow(0, start, per_rank)},
+                  {"branch", flags.narrow(0, start, per_rank)}};
+    step.run(b, /*last_micro=*/true, 0.1);
+  }
+  save(flat_state(*net), out + "/state_rank" + std::to_string(world.rank()) + ".pt");
+}
+
 // fc2 is never used; fc1 only on rank 0. Nothing may hang, and the gradients
 // must agree across ranks (the unused ones contribute zeros).
 struct TwoHeadsImpl : torch::nn::Module {
@@ -604,6 +658,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     syncbn_eval(world, out);
   } else if (scenario == "overlap") {
     overlap(world, out);
+  } else if (scenario == "syncbn_branch") {
+    syncbn_branch(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
   } else if (scenario == "param_slots") {

@@ -37,17 +37,4 @@ void adam_step(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, co
                const at::Tensor& step, const at::Tensor& lr, const AdamStep& o, const at::Tensor& coef,
                const at::Tensor& found_inf, const at::Tensor& p16);
 
-/// clip_grad_norm_'s coefficient over the flat gradient buffers grads
-/// (contiguous CUDA fp32, on one device): min(1, max_norm / (norm + 1e-6))
-/// for the 2-norm of all their elements (NaN where the norm is NaN, as
-/// clip_grad_norm_'s clamp keeps it), one float on the device, for
-/// adam_step's coef. Two kernels: up to 1024 blocks a buffer write their
-/// partial sums of squares, one block adds them in float64 in a fixed
-/// order (the same bits on every run). Where ATen computes one norm per
-/// buffer, then the norm of the norms (six kernels), this reads the
-/// gradients once in two launches; the sums are ordered otherwise, so the
-/// coefficient may differ from ATen's in its last bits. An experiment
-/// (DDP_CLIP_KERNEL=1 in FlatOptimizer; bench/RESULTS.md, session 27).
-at::Tensor clip_coefficient(const std::vector<at::Tensor>& grads, double max_norm);
-
 }  // namespace ddp::cuda

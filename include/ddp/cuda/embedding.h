@@ -21,12 +21,4 @@ namespace ddp::cuda {
 /// checks them).
 void embedding_backward_add(const at::Tensor& grad, const at::Tensor& idx, const at::Tensor& dw);
 
-/// out[b, t, :] = weight[idx[b, t], :] + pos[t, :], fp32 [B, T, C]: the
-/// GPT's token and position embeddings in one pass (ATen's lookup, then a
-/// broadcast add: two kernels and the [B, T, C] sum written and read once
-/// more). weight: [V, C] and pos: [T, C], contiguous CUDA fp32; idx: [B, T]
-/// int64 on the same device, each in [0, V) (a device assertion). The same
-/// values as at::embedding(weight, idx) + pos: one fp32 add.
-at::Tensor embedding_with_positions(const at::Tensor& weight, const at::Tensor& idx, const at::Tensor& pos);
-
 }  // namespace ddp::cuda

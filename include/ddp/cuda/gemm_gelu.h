@@ -44,8 +44,7 @@ bool gemm_gelu_available();
 /// fp32 (LibTorch allows bf16 there unless told otherwise); algorithms may
 /// order or split the sum over K differently, so the last bit may differ
 /// from another choice's. Once chosen, a kind keeps its algorithm: the same
-/// operands give the same bits. DDP_GEMM_TUNE_LOG=1 prints each choice and
-/// its tuning time.
+/// operands give the same bits.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 /// How many kinds of matmul have had their algorithm chosen by timing so
@@ -76,15 +75,6 @@ std::vector<at::Tensor> linear_gelu_tanh(const at::Tensor& x, const at::Tensor& 
 /// written without rounding to bf16 first, as Megatron-LM's fused weight
 /// gradients are: autocast's matmul would round them to bf16, then cast.
 void weight_grad(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out);
-
-/// weight_grad with the layer's bias gradient out of the same matmul
-/// (epilogue BGRADB): bias_out = the column sums of g, fp32 [N], contiguous
-/// on g's GPU. False where cuBLASLt offers or runs no such algorithm (the
-/// caller then runs weight_grad and column_sum). An experiment
-/// (bench/RESULTS.md, session 27): in session 23 cuBLASLt's first choice
-/// ran the sums as a separate generic kernel, slower than column_sum; here
-/// the algorithm is chosen by timing, as for every kind.
-bool weight_grad_with_bias(const at::Tensor& g, const at::Tensor& x, const at::Tensor& out, const at::Tensor& bias_out);
 
 /// The tanh GELU's backward through the matmul before it, in one matmul
 /// (epilogue DGELU): dh = (g W) * gelu_tanh'(pre), for g: [M, N], w: [N, K]

@@ -103,6 +103,16 @@ class GradSync {
   };
   NoSync no_sync() { return NoSync(*this); }
 
+  /// Before the step's last backward (the one that syncs): the parameters
+  /// that `loss`'s autograd graph does not reach will get no gradient from
+  /// it, so their buckets count them ready now, and a bucket that waited
+  /// only for them is launched before backward starts, as PyTorch DDP marks
+  /// unused parameters in prepare_for_backward. Without it such a bucket
+  /// is launched in finish(), after any collective that the backward
+  /// itself issues (SyncBatchNorm's all-reduce), while a rank that used the
+  /// parameter launched it before: the ranks' collectives go out of order.
+  void expect_gradients_from(const torch::Tensor& loss);
+
   /// Launches what backward did not, waits for every bucket and averages.
   /// Call after the last backward of a step and before the optimizer.
   void finish();
@@ -182,6 +192,11 @@ class GradSync {
   /// Where each trainable parameter (in registration order) lives in the
   /// flat buffers.
   const std::vector<ParamSlice>& param_slices() const { return slices_; }
+  /// Parameter i's elements inside `flat`, a tensor laid out like flat
+  /// buffer param_slices()[i].flat, with the parameter's shape: 4-D ones
+  /// with channels-last strides where `channels_last` (e.g. this run's,
+  /// options().channels_last()), else contiguous.
+  torch::Tensor param_view(const torch::Tensor& flat, size_t i, bool channels_last) const;
   /// Which parameters got a gradient in the last finished step (see above).
   const GradUsage& usage() const { return usage_; }
 
@@ -211,6 +226,7 @@ class GradSync {
   };
   void mark_ready(size_t param_index);
   void zero_slices_left_behind();
+  void zero_slice_left_behind(size_t i);
   void launch_ready_in_order(bool from_backward);
   void write_used_flags();
   void reset_step();
@@ -228,6 +244,7 @@ class GradSync {
   std::vector<torch::Tensor> buffers_;
   std::vector<ParamSlice> slices_;
   std::vector<char> fired_;   // param index -> its hook fired in this step (any micro-batch)
+  std::vector<char> unreached_;  // param index -> counted ready by expect_gradients_from in this step
   torch::Tensor used_flags_;  // several ranks: one per parameter, after the last bucket
   GradUsage usage_;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;

@@ -31,14 +31,6 @@ namespace ddp::models {
 void use_fused_linear(bool on);
 bool fused_linear_enabled();
 
-/// Whether TiedEmbedding::embed adds the positions in the lookup's kernel
-/// (cuda::embedding_with_positions) where the kernels apply: the same
-/// values as the lookup and a broadcast add, in one pass. Default: the
-/// environment's DDP_EMBED_POS=1 (an experiment not yet measured on a GPU,
-/// bench/RESULTS.md, session 27), else off.
-void use_embedding_with_positions(bool on);
-bool embedding_with_positions_enabled();
-
 /// Whether linear_bias / linear_gelu(x, weight, bias) take the kernels now
 /// (linear_heads also needs at most 3 parts and a head size that is a
 /// multiple of 8).
@@ -87,9 +79,9 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
                        const torch::Tensor& b2, MlpGelu gelu, BiasGrad b2_grad = BiasGrad::kHere);
 
 /// Whether mlp_gelu runs the exact GELU's MLP in one function where the
-/// kernels apply. Process-wide; default the environment's
-/// DDP_MLP_EXACT_FUSED=1, else off: an experiment written on 2026-12-06 that
-/// has not run on a GPU (bench/RESULTS.md, session 29).
+/// kernels apply. Process-wide; off by default: an experiment written on
+/// 2026-12-06 that has not run on a GPU (bench/RESULTS.md, session 29),
+/// reached by its tests only.
 void use_exact_mlp_fn(bool on);
 bool exact_mlp_fn_enabled();
 
@@ -97,9 +89,8 @@ bool exact_mlp_fn_enabled();
 /// apply: the first matmul and the GELU, then in the backward the second
 /// matmul's input gradient and the GELU's backward, a block at a time, so
 /// that each block is read back while still in L2. kMlpBlocksByL2 (0):
-/// mlp_blocks_for_l2 of the GPU's L2. Process-wide; default the
-/// environment's DDP_MLP_CHUNKS, else 1 (part of use_exact_mlp_fn's
-/// experiment).
+/// mlp_blocks_for_l2 of the GPU's L2. Process-wide; 1 by default (part of
+/// use_exact_mlp_fn's experiment).
 constexpr int64_t kMlpBlocksByL2 = 0;
 void set_mlp_blocks(int64_t blocks);
 int64_t mlp_blocks();

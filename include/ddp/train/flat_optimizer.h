@@ -154,6 +154,8 @@ class FlatOptimizer {
   void init_state();
   torch::Tensor clip(double max_norm);
   torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
+  bool channels_last() const;  // this run's 4-D slices are in channels-last order
+  torch::Tensor relaid(const torch::Tensor& flat, size_t k, bool from_channels_last, bool to_channels_last) const;
   void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
               const std::vector<torch::Tensor>& m, const std::vector<torch::Tensor>& v,
               const std::vector<torch::Tensor>& step, const std::vector<double>& weight_decay, int64_t host_step,

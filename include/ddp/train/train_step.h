@@ -115,6 +115,7 @@ class TrainStep : public Stateful {
   c10::ScalarType amp_dtype_ = c10::ScalarType::Float;
   bool amp_on_ = false, fp16_ = false;
   bool broadcast_buffers_ = false;  // local batch norm on several ranks
+  bool expect_unused_ = false;      // SyncBatchNorm on several ranks: GradSync::expect_gradients_from
   torch::Tensor scale_, growth_tracker_, found_inf_;  // fp16 loss scaling
   bool graph_wanted_ = false;
   bool side_stream_ = false;  // see side_stream()
