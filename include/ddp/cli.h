@@ -139,6 +139,15 @@ using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 /// run's length changes only with --reschedule.
 enum class OnResume { kSame, kMayChange };
 
+/// Whether every rank of a job must have the same value. kMustAgree: the
+/// flag decides what is learnt, which collectives run and when, or how a
+/// buffer is laid out, so ranks with different values would deadlock, abort
+/// or sum unlike memory; the trainer stops the job naming the flag and the
+/// ranks (check_flags_agree). kPerNode: where this node finds its files or
+/// GPUs, how fast it loads, what it prints or writes; the job computes the
+/// same with any value on any node. --help marks these "[per node]".
+enum class AcrossRanks { kMustAgree, kPerNode };
+
 struct Flag {
   std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"
   std::string help;
@@ -146,6 +155,7 @@ struct Flag {
   std::vector<std::string> choices;  // empty: any value of the type
   std::string group;
   OnResume on_resume = OnResume::kSame;
+  AcrossRanks across_ranks = AcrossRanks::kMustAgree;
   /// The key used in the printed config and config.json (first long name).
   std::string key() const;
 };

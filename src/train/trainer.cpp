@@ -34,6 +34,7 @@
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
+#include "ddp/train/flag_agreement.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/fused_linear.h"
@@ -148,7 +149,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
     : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
   // 0. Every rank has rank 0's flags; then flags that only the task or the
   //    run's length can judge.
-  check_flags_match_rank_0();
+  check_flags_agree(config_, world_);
   check_stop_rule();
   if (config_.warmup_epochs > config_.epochs) {
     std::ostringstream w;
@@ -817,48 +818,6 @@ Metrics Trainer::evaluate(int64_t max_batches) {
     }
   }
   return task_.validation_metrics(reduce_totals(world_, totals, dev));
-}
-
-// On several nodes every launcher parses its own command line: a different
-// --lr or --seed on one would let the replicas drift apart without a word,
-// and a different --epochs or --batch would hang in a collective. So every
-// flag that changes what is learned (OnResume::kSame), and --epochs and
-// --batch, must be rank 0's; paths (--data_root, --val-root) may differ
-// between nodes. Every rank learns which flags differ, so all stop at once.
-void Trainer::check_flags_match_rank_0() {
-  if (world_.size() == 1) return;
-  Config copy = config_;
-  const nlohmann::json all = config_to_json(config_);
-  std::vector<std::string> keys;
-  nlohmann::json mine;
-  for (const auto& f : flag_table(copy)) {
-    const std::string key = f.key();
-    if (key == "data_root" || key == "val-root") continue;
-    // --sanity-val-steps too: it decides whether collectives run before training.
-    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps") continue;
-    keys.push_back(key);
-    mine[key] = all[key];
-  }
-  const auto root = nlohmann::json::parse(world_.share_string("job_flags", world_.is_main() ? mine.dump() : ""));
-  auto differs = torch::zeros({static_cast<int64_t>(keys.size())}, torch::kDouble);
-  auto d = differs.accessor<double, 1>();
-  for (size_t i = 0; i < keys.size(); ++i)
-    d[static_cast<int64_t>(i)] = root.contains(keys[i]) && root[keys[i]] == mine[keys[i]] ? 0.0 : 1.0;
-  differs = differs.to(world_.device());
-  world_.all_reduce(differs, "comparing every rank's flags with rank 0's");
-  differs = differs.cpu();
-  auto spelled = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const auto n = static_cast<int64_t>(differs[static_cast<int64_t>(i)].item<double>());
-    if (n == 0) continue;
-    const std::string& key = keys[i];
-    throw UserError("--" + key + " differs between ranks: " + std::to_string(n) + " rank(s) have another value than " +
-                        "rank 0's " + spelled(root.value(key, nlohmann::json())) +
-                        (world_.is_main() ? std::string() : " (rank " + std::to_string(world_.rank()) + ": " +
-                                                                spelled(mine[key]) + ")") + ".",
-                    "give every node the same flags; only paths (--data_root, --val-root) and per-node settings "
-                    "such as --workers may differ.");
-  }
 }
 
 // --stop-at NAME=V reaches V in the monitor's direction, so a plain '='
