@@ -36,18 +36,19 @@ std::string TaskFlag::key() const { return key_of(names); }
 std::vector<Flag> flag_table(Config& c) {
   constexpr OnResume kMayChange = OnResume::kMayChange;  // the rest: OnResume::kSame
   constexpr OnResume kSame = OnResume::kSame;
+  constexpr OnResume kNotRestored = OnResume::kNotRestored;
   constexpr AcrossRanks kPerNode = AcrossRanks::kPerNode;  // the rest: AcrossRanks::kMustAgree
   std::vector<Flag> table = {
       // group "seed": the seed template's flags, unchanged in name and meaning.
-      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kMayChange},
-      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 1 CPU rank with every core", &c.size, {}, "launch", kMayChange},
-      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kMayChange, kPerNode},
-      {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kMayChange, kPerNode},
-      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kMayChange},
-      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch", kMayChange, kPerNode},
-      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch", kMayChange},
-      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kMayChange, kPerNode},
-      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kMayChange},
+      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kNotRestored},
+      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 1 CPU rank with every core", &c.size, {}, "launch", kNotRestored},
+      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kNotRestored, kPerNode},
+      {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kNotRestored, kPerNode},
+      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kNotRestored},
+      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch", kNotRestored, kPerNode},
+      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch", kNotRestored},
+      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kNotRestored, kPerNode},
+      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kNotRestored},
 
       {"--data_root,--data-root", "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches", &c.data_root, {}, "data", kSame, kPerNode},
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
@@ -97,9 +98,9 @@ std::vector<Flag> flag_table(Config& c) {
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC>=V or METRIC<=V, or MONITOR=V for the task's monitor (reached in the direction it prefers)", &c.stop_at, {}, "train", kMayChange},
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
-      {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange, kPerNode},
+      {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kNotRestored, kPerNode},
 
-      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange, kPerNode},
+      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kNotRestored, kPerNode},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
       {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output", kMayChange},
       {"--resume", "continue a run with its saved flags: auto (the newest checkpoint under --save_path), a run directory or a checkpoint file", &c.resume, {}, "output", kMayChange, kPerNode},
@@ -509,9 +510,9 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
   for (size_t i = 0; i < table.size(); ++i) {
     const Flag& f = table[i];
     const std::string key = f.key();
-    if (key == "resume" || !saved.contains(key)) continue;  // a flag newer than the checkpoint keeps its value
-    // One node: any free port will do, and the run's may be taken now.
-    if (key == "port" && saved.value("nnodes", 1) == 1) continue;
+    // A flag newer than the checkpoint keeps its value; placement and output
+    // paths are this invocation's alone (OnResume::kNotRestored).
+    if (key == "resume" || f.on_resume == OnResume::kNotRestored || !saved.contains(key)) continue;
     const bool ok = std::visit([&](auto* p) { return assign(p, saved[key]); }, saved_table[i].target);
     check_user(ok, "checkpoint " + checkpoint + " saved '" + key + "' as " + saved[key].dump() + ", not a value of that flag.",
                "it was written by another program; start without --resume.");
@@ -535,6 +536,13 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
                     "drop " + std::string(changed.size() == 1 ? "that flag" : "those flags") +
                         " to continue the same job, or start a new run without --resume (--pretrain " + checkpoint +
                         " starts from its weights).");
+  }
+  // The merged flags pass the checks that parsed ones pass: a header may
+  // hold any value (--save_epoch 0 divided by zero).
+  try {
+    validate(out);
+  } catch (const UserError& e) {
+    throw UserError("checkpoint " + checkpoint + " holds flags that ddptrain refuses: " + e.what());
   }
   return out;
 }

@@ -136,8 +136,14 @@ using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 /// given now replaces the saved one. --batch and --epochs are kMayChange
 /// here and checked by the trainer, which knows the world size and the
 /// schedule: the global batch must stay, and a schedule that depends on the
-/// run's length changes only with --reschedule.
-enum class OnResume { kSame, kMayChange };
+/// run's length changes only with --reschedule. kNotRestored: where this
+/// job runs and what it writes outside its run directory (placement:
+/// --address --port --nnodes --node-rank --size --visible --backend
+/// --timeout --max-restarts; output paths: --save_path --profile-trace)
+/// come from this command line and the launcher's environment only. A
+/// checkpoint's saved value is never taken: a header is data, and a file
+/// from elsewhere must not make the job connect out, start ranks or write.
+enum class OnResume { kSame, kMayChange, kNotRestored };
 
 /// Whether every rank of a job must have the same value. kMustAgree: the
 /// flag decides what is learnt, which collectives run and when, or how a

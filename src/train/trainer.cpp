@@ -526,7 +526,7 @@ EpochMetrics Trainer::fit() {
     if (stop_after_epoch_ && epoch < config_.epochs) {
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
-                      ". Resume: " + command("--resume " + run_dir_));
+                      ". Resume: " + command("--resume " + run_dir_ + placement_flags()));
     }
   }
   next_feed_.reset();  // after a --stop-at stop
@@ -899,7 +899,7 @@ void Trainer::save_and_stop(const std::string& path) {
   if (world_.is_main()) save_job_checkpoint(path);
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
-                  ". Resume: " + command("--resume " + run_dir_));
+                  ". Resume: " + command("--resume " + run_dir_ + placement_flags()));
 }
 
 // The flags that describe the job, without those of this one invocation
@@ -921,6 +921,23 @@ CheckpointMeta Trainer::meta() const {
 // launcher starts ranks by absolute path), then `args`.
 std::string Trainer::command(const std::string& args) const {
   return std::string(program_invocation_name) + " " + args;
+}
+
+// The flags that place this job as ddptrain's launcher started it: a
+// checkpoint never restores them (OnResume::kNotRestored), so the printed
+// resume command repeats them. Under torchrun, Slurm or mpirun that
+// launcher places the ranks again.
+std::string Trainer::placement_flags() const {
+  const Placement& where = world_.placement();
+  if (where.source != "ddptrain") return "";
+  std::string out;
+  if (where.local_world_size > 1) out += " --size " + std::to_string(where.local_world_size);
+  if (!config_.visible.empty()) out += " --visible " + config_.visible;
+  if (config_.nnodes > 1)
+    out += " --nnodes " + std::to_string(config_.nnodes) + " --node-rank " + std::to_string(config_.node_rank) +
+           " --address " + config_.address + " --port " + std::to_string(config_.port);
+  if (config_.max_restarts > 0) out += " --max-restarts " + std::to_string(config_.max_restarts);
+  return out;
 }
 
 // best.pt follows the monitor at every validation (as Lightning's
@@ -964,7 +981,7 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
               format_value(monitor_.metric, state_.best).c_str(),
               monitor_.goal == Goal::kMax ? "higher" : "lower");
   std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
-  std::printf("resume:   %s\n", command("--resume " + run_dir_).c_str());
+  std::printf("resume:   %s\n", command("--resume " + run_dir_ + placement_flags()).c_str());
   std::printf("export:   %s\n", command("export " + run_dir_ + "/best.pt weights.pt").c_str());
   std::printf("view:     %s; tensorboard --logdir %s\n", command("report " + run_dir_).c_str(), run_dir_.c_str());
   std::fflush(stdout);

@@ -75,6 +75,7 @@ class Trainer {
   Config job_config() const;
   CheckpointMeta meta() const;
   std::string command(const std::string& args) const;
+  std::string placement_flags() const;
 
   Config config_;
   World& world_;
