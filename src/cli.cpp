@@ -35,36 +35,39 @@ std::string TaskFlag::key() const { return key_of(names); }
 
 std::vector<Flag> flag_table(Config& c) {
   constexpr OnResume kMayChange = OnResume::kMayChange;  // the rest: OnResume::kSame
+  constexpr OnResume kSame = OnResume::kSame;
+  constexpr OnResume kNotRestored = OnResume::kNotRestored;
+  constexpr AcrossRanks kPerNode = AcrossRanks::kPerNode;  // the rest: AcrossRanks::kMustAgree
   std::vector<Flag> table = {
       // group "seed": the seed template's flags, unchanged in name and meaning.
-      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kMayChange},
-      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 1 CPU rank with every core", &c.size, {}, "launch", kMayChange},
-      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kMayChange},
-      {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kMayChange},
-      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kMayChange},
-      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch", kMayChange},
-      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch", kMayChange},
-      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kMayChange},
-      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kMayChange},
+      {"--port", "rendezvous port on the master node; default: a free port (single node)", &c.port, {}, "launch", kNotRestored},
+      {"--size", "ranks (processes) on this node; 0: one per visible GPU, or 1 CPU rank with every core", &c.size, {}, "launch", kNotRestored},
+      {"--visible", "GPUs this node may use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES); empty: all", &c.visible, {}, "launch", kNotRestored, kPerNode},
+      {"--address", "address of the master node (node 0)", &c.address, {}, "launch", kNotRestored, kPerNode},
+      {"--nnodes", "number of nodes in the job", &c.nnodes, {}, "launch", kNotRestored},
+      {"--node-rank,--node_rank", "index of this node, 0 .. nnodes-1", &c.node_rank, {}, "launch", kNotRestored, kPerNode},
+      {"--backend", "collective backend", &c.backend, {"auto", "nccl", "gloo"}, "launch", kNotRestored},
+      {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kNotRestored, kPerNode},
+      {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kNotRestored},
 
-      {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data"},
+      {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data", kSame, kPerNode},
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
-      {"--cpu-decode-share", "imagefolder with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange},
-      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data"},
+      {"--cpu-decode-share", "imagefolder with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange, kPerNode},
+      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data", kSame, kPerNode},
       {"--val-split", "fraction of the training set held out as the validation split, which then chooses best.pt, the monitor and --stop-at (test is evaluated on best.pt at the end): seeded, the same on any number of ranks; imagefolder holds out this fraction of each class (default there 0.1, unless --val-root). 0: none, test chooses", &c.val_split, {}, "data"},
       {"--test-every-epoch", "with a validation split: also evaluate the test split every epoch (logged as test_*; it never chooses)", &c.test_every_epoch, {}, "data", kMayChange},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
-      {"--image-decode", "imagefolder: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange},
+      {"--image-decode", "imagefolder: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange, kPerNode},
       {"--augment", "training augmentation of images: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip); auto: standard for the built-in image datasets, none for a task's own data (a task asks for it with config.augment = \"standard\")", &c.augment, {"auto", "standard", "none"}, "data"},
-      {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange},
+      {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange, kPerNode},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
       {"--model", "network; gpt-nano, gpt2 and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
-      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange},
+      {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange, kPerNode},
       {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model", kMayChange},
       {"--sync-bn", "SyncBatchNorm; auto: on when the world size is above 1", &c.sync_bn, {"auto", "on", "off"}, "model"},
 
@@ -99,19 +102,19 @@ std::vector<Flag> flag_table(Config& c) {
       {"--min-delta", "with --patience: the least change of the monitor, in its direction, that counts as an improvement", &c.min_delta, {}, "train", kMayChange},
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
-      {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kMayChange},
+      {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kNotRestored, kPerNode},
 
-      {"--checkpoint", "predict: the checkpoint whose weights predict, e.g. RUN/best.pt (with --ema, the average's)", &c.checkpoint, {}, "predict", kMayChange},
+      {"--checkpoint", "predict: the checkpoint whose weights predict, e.g. RUN/best.pt (with --ema, the average's)", &c.checkpoint, {}, "predict", kMayChange, kPerNode},
       {"--split", "predict: the data to predict, in its order: test, train, or a file or folder of the kind --data_root takes (the task's make_predict_data reads it)", &c.split, {}, "predict", kMayChange},
-      {"--out", "predict: the file to write, .csv (a header of the names predict_step returns) or .npy (NumPy's format, for one name)", &c.out, {}, "predict", kMayChange},
+      {"--out", "predict: the file to write, .csv (a header of the names predict_step returns) or .npy (NumPy's format, for one name)", &c.out, {}, "predict", kMayChange, kPerNode},
 
-      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kMayChange},
+      {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kNotRestored, kPerNode},
       {"--save_epoch,--save-epoch", "save a checkpoint every N epochs (and always after the last)", &c.save_epoch, {}, "output", kMayChange},
       {"--keep-last", "keep only the newest K epoch checkpoints (0: keep all)", &c.keep_last, {}, "output", kMayChange},
       {"--save-top-k", "also keep the best K checkpoints by the task's monitor, as epoch=E-METRIC=VALUE.pt beside best.pt (0: off); --keep-last does not prune them", &c.save_top_k, {}, "output", kMayChange},
-      {"--resume", "continue a run with its saved flags: auto (the newest checkpoint under --save_path), a run directory or a checkpoint file", &c.resume, {}, "output", kMayChange},
+      {"--resume", "continue a run with its saved flags: auto (the newest checkpoint under --save_path), a run directory or a checkpoint file", &c.resume, {}, "output", kMayChange, kPerNode},
       {"--reschedule", "with --resume and another --epochs: recompute a schedule that depends on the run's length (step, cosine, onecycle) for the new length", &c.reschedule, {}, "output", kMayChange},
-      {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output", kMayChange},
+      {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output", kMayChange, kPerNode},
       {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output", kMayChange},
   };
   // The task's own flags, after the built-in ones.
@@ -411,6 +414,9 @@ constexpr const char* kSchedulesHelp =
 std::string help_footer(const ProgramInfo& program) {
   const bool ddptrain = program.description.empty();
   std::string out = kSchedulesHelp;
+  out += "\nFlags marked [per node] may differ between the nodes (and ranks) of a job. Every other flag, a task's\n"
+         "own included, must be the same on every rank: a job whose ranks differ in one stops before training,\n"
+         "naming the flag and the ranks.\n";
   if (ddptrain) out += "\nA task may add flags and defaults of its own: ddptrain --task lm --help lists the GPT's.\n";
   out += "\nSubcommands:\n";
   auto row = [&](const std::string& usage, const char* what) {
@@ -422,6 +428,7 @@ std::string help_footer(const ProgramInfo& program) {
   row("export CHECKPOINT OUT.pt", "a checkpoint's weights as a PyTorch state_dict");
   row("doctor [flags]", "check the ranks, devices and collectives of a job");
   row("bench [flags]", "time training steps (--bench-steps, --image-size)");
+  row("predict --checkpoint C --out F", "the task's predict_step over --split (test) into F (.csv, .npy)");
   if (ddptrain)
     out += "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
            "                                       sample text from a --task lm checkpoint\n";
@@ -463,12 +470,13 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
     }
   const auto args = normalise_flags(argc, argv, names, program.name);
   for (auto& f : ordered_for_help(table)) {
+    const std::string help = f.help + (f.across_ranks == AcrossRanks::kPerNode ? " [per node]" : "");
     CLI::Option* o = std::visit(
         [&](auto* p) {
           if constexpr (std::is_same_v<decltype(p), bool*>)
-            return app.add_flag(f.names, *p, f.help);
+            return app.add_flag(f.names, *p, help);
           else
-            return app.add_option(f.names, *p, f.help);
+            return app.add_option(f.names, *p, help);
         },
         f.target);
     // A later value overrides an earlier one (flags after a config file, or
@@ -555,9 +563,9 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
   for (size_t i = 0; i < table.size(); ++i) {
     const Flag& f = table[i];
     const std::string key = f.key();
-    if (key == "resume" || !saved.contains(key)) continue;  // a flag newer than the checkpoint keeps its value
-    // One node: any free port will do, and the run's may be taken now.
-    if (key == "port" && saved.value("nnodes", 1) == 1) continue;
+    // A flag newer than the checkpoint keeps its value; placement and output
+    // paths are this invocation's alone (OnResume::kNotRestored).
+    if (key == "resume" || f.on_resume == OnResume::kNotRestored || !saved.contains(key)) continue;
     const bool ok = std::visit([&](auto* p) { return assign(p, saved[key]); }, saved_table[i].target);
     check_user(ok, "checkpoint " + checkpoint + " saved '" + key + "' as " + saved[key].dump() + ", not a value of that flag.",
                "it was written by another program; start without --resume.");
@@ -589,6 +597,13 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
                     "drop " + std::string(changed.size() == 1 ? "that flag" : "those flags") +
                         " to continue the same job, or start a new run without --resume (--pretrain " + checkpoint +
                         " starts from its weights).");
+  }
+  // The merged flags pass the checks that parsed ones pass: a header may
+  // hold any value (--save_epoch 0 divided by zero).
+  try {
+    validate(out);
+  } catch (const UserError& e) {
+    throw UserError("checkpoint " + checkpoint + " holds flags that ddptrain refuses: " + e.what());
   }
   return out;
 }

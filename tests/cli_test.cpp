@@ -450,20 +450,63 @@ TEST(CliResume, RestoresTheSavedFlags) {
   EXPECT_FALSE(c.was_given("model"));  // the default, in the run too
 }
 
-// A one-node run's --port is not restored: the port it used may be taken
-// now, and any free one will do (a review's resume failed on the old port,
-// with a hint to "omit --port", which it had). A multi-node run keeps its
-// port: every node's launcher must meet on the same one.
-TEST(CliResume, PortIsRestoredForSeveralNodesOnly) {
-  auto one = ddp::config_to_json(parse_args({"--port", "29611", "--epochs", "2"}));
-  auto c = ddp::resumed_config(parse_args({"--resume", "auto"}), one, "run/epoch_1.pt");
-  EXPECT_EQ(c.port, 0);
-  EXPECT_FALSE(c.was_given("port"));
-  EXPECT_EQ(ddp::resumed_config(parse_args({"--resume", "auto", "--port", "29700"}), one, "run/epoch_1.pt").port, 29700);
-  auto two = ddp::config_to_json(parse_args({"--port", "29611", "--nnodes", "2", "--address", "10.0.0.1"}));
-  c = ddp::resumed_config(parse_args({"--resume", "auto"}), two, "run/epoch_1.pt");
-  EXPECT_EQ(c.port, 29611);
-  EXPECT_EQ(c.nnodes, 2);
+// Placement and output paths are never restored from a checkpoint: a
+// header is data, and one from elsewhere must not make the job connect
+// out, start ranks or write a file (OnResume::kNotRestored). On main a
+// header's --nnodes 2 --address made a plain `--resume` join a job there.
+TEST(CliResume, PlacementAndOutputPathsAreNeverRestored) {
+  auto hostile = ddp::config_to_json(parse_args(
+      {"--port", "29611", "--nnodes", "2", "--node-rank", "1", "--address", "10.0.0.1", "--size", "3", "--visible",
+       "5", "--backend", "nccl", "--timeout", "7", "--max-restarts", "4", "--profile-trace", "/etc/passwd",
+       "--save_path", "/somewhere/else", "--epochs", "2"}));
+  auto c = ddp::resumed_config(parse_args({"--resume", "auto"}), hostile, "run/epoch_1.pt");
+  const ddp::Config plain;
+  EXPECT_EQ(c.port, plain.port);
+  EXPECT_EQ(c.nnodes, 1);
+  EXPECT_EQ(c.node_rank, 0);
+  EXPECT_EQ(c.address, plain.address);
+  EXPECT_EQ(c.size, plain.size);
+  EXPECT_EQ(c.visible, "");
+  EXPECT_EQ(c.backend, "auto");
+  EXPECT_EQ(c.timeout, plain.timeout);
+  EXPECT_EQ(c.max_restarts, 0);
+  EXPECT_EQ(c.profile_trace, "");
+  EXPECT_EQ(c.save_path, plain.save_path);
+  for (const char* key : {"port", "nnodes", "node-rank", "address", "size", "visible", "backend", "timeout",
+                          "max-restarts", "profile-trace", "save_path"})
+    EXPECT_FALSE(c.was_given(key)) << key;
+  EXPECT_EQ(c.epochs, 2);  // the rest of the run's flags are its own
+  // Given now, they are this job's.
+  c = ddp::resumed_config(parse_args({"--resume", "auto", "--nnodes", "2", "--node-rank", "1", "--port", "29700",
+                                      "--address", "10.0.0.9"}),
+                          hostile, "run/epoch_1.pt");
+  EXPECT_EQ(c.port, 29700);
+  EXPECT_EQ(c.address, "10.0.0.9");
+}
+
+// The merged flags are validated as parsed ones are: a header's value that
+// the command line refuses is one line naming the checkpoint (on main,
+// --save_epoch 0 in a header reached the trainer and divided by zero).
+TEST(CliResume, AHeaderValueTheCommandLineRefusesIsAnError) {
+  for (const auto& [key, value, expect] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"save_epoch", 0, "--save_epoch must be positive, got 0."},
+           {"batch", -3, "--batch must be positive, got -3."},
+           {"accum-steps", 0, "--accum-steps must be positive, got 0."}}) {
+    auto saved = ddp::config_to_json(parse_args({}));  // as a run saves it: defaults resolved
+    saved[key] = value;
+    std::string what;
+    try {
+      ddp::resumed_config(parse_args({"--resume", "auto"}), saved, "run/epoch_1.pt");
+    } catch (const ddp::UserError& e) {
+      what = e.what();
+    }
+    EXPECT_NE(what.find("checkpoint run/epoch_1.pt holds flags that ddptrain refuses: " + expect), std::string::npos)
+        << key << ": " << what;
+  }
+  // A value given now replaces the header's (--save_epoch may change).
+  auto saved = ddp::config_to_json(parse_args({}));
+  saved["save_epoch"] = 0;
+  EXPECT_EQ(ddp::resumed_config(parse_args({"--resume", "auto", "--save_epoch", "2"}), saved, "c.pt").save_epoch, 2);
 }
 
 TEST(CliResume, FlagsThatKeepTheJobMayBeGiven) {
@@ -500,7 +543,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
   // Row by row: a new value for each flag of the table either raises the
   // error (OnResume::kSame) or replaces the saved one (kMayChange).
   ddp::Config probe;
-  const auto saved = ddp::config_to_json(ddp::Config());
+  const auto saved = ddp::config_to_json(parse_args({}));  // as a run saves it: defaults resolved
   for (const auto& f : ddp::flag_table(probe)) {
     if (f.key() == "resume") continue;
     std::string value = std::visit(

@@ -158,8 +158,23 @@ using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 /// given now replaces the saved one. --batch and --epochs are kMayChange
 /// here and checked by the trainer, which knows the world size and the
 /// schedule: the global batch must stay, and a schedule that depends on the
-/// run's length changes only with --reschedule.
-enum class OnResume { kSame, kMayChange };
+/// run's length changes only with --reschedule. kNotRestored: where this
+/// job runs and what it writes outside its run directory (placement:
+/// --address --port --nnodes --node-rank --size --visible --backend
+/// --timeout --max-restarts; output paths: --save_path --profile-trace)
+/// come from this command line and the launcher's environment only. A
+/// checkpoint's saved value is never taken: a header is data, and a file
+/// from elsewhere must not make the job connect out, start ranks or write.
+enum class OnResume { kSame, kMayChange, kNotRestored };
+
+/// Whether every rank of a job must have the same value. kMustAgree: the
+/// flag decides what is learnt, which collectives run and when, or how a
+/// buffer is laid out, so ranks with different values would deadlock, abort
+/// or sum unlike memory; the trainer stops the job naming the flag and the
+/// ranks (check_flags_agree). kPerNode: where this node finds its files or
+/// GPUs, how fast it loads, what it prints or writes; the job computes the
+/// same with any value on any node. --help marks these "[per node]".
+enum class AcrossRanks { kMustAgree, kPerNode };
 
 struct Flag {
   std::string names;                 // CLI11 spelling, e.g. "--save_path,--save-path"
@@ -168,6 +183,7 @@ struct Flag {
   std::vector<std::string> choices;  // empty: any value of the type
   std::string group;
   OnResume on_resume = OnResume::kSame;
+  AcrossRanks across_ranks = AcrossRanks::kMustAgree;
   /// The key used in the printed config and config.json (first long name).
   std::string key() const;
 };

@@ -37,6 +37,7 @@
 #include "ddp/error.h"
 #include "ddp/io/progress.h"
 #include "ddp/train/early_stopping.h"
+#include "ddp/train/flag_agreement.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/train/validation.h"
 #include "ddp/models/fused_layer_norm.h"
@@ -183,7 +184,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
     : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
   // 0. Every rank has rank 0's flags; then flags that only the task or the
   //    run's length can judge.
-  check_flags_match_rank_0();
+  check_flags_agree(config_, world_);
   if (config_.warmup_epochs > config_.epochs) {
     std::ostringstream w;
     w << config_.warmup_epochs;
@@ -622,7 +623,7 @@ EpochMetrics Trainer::fit() {
       if (!periodic) save(epoch, value, true);
       world_.barrier("checkpoint before stopping");  // rank 0 may still be writing it
       throw Preempted("stopped by a signal after epoch " + std::to_string(epoch) + "; checkpoint saved in " + run_dir_ +
-                      ". Resume: " + command("--resume " + run_dir_));
+                      ". Resume: " + command("--resume " + run_dir_ + placement_flags()));
     }
   }
   next_feed_.reset();  // after a --stop-at stop
@@ -951,53 +952,6 @@ std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std
   return with_split_prefix(task_.validation_metrics(reduce_totals(world_, totals, dev)), prefix);
 }
 
-// On several nodes every launcher parses its own command line: a different
-// --lr or --seed on one would let the replicas drift apart without a word,
-// and a different --epochs or --batch would hang in a collective. So every
-// flag that changes what is learned (OnResume::kSame), and --epochs and
-// --batch, must be rank 0's; paths (--data_root, --val-root) may differ
-// between nodes. Every rank learns which flags differ, so all stop at once.
-void Trainer::check_flags_match_rank_0() {
-  if (world_.size() == 1) return;
-  Config copy = config_;
-  const nlohmann::json all = config_to_json(config_);
-  std::vector<std::string> keys;
-  nlohmann::json mine;
-  for (const auto& f : flag_table(copy)) {
-    const std::string key = f.key();
-    if (key == "data_root" || key == "val-root") continue;
-    // --sanity-val-steps and --test-every-epoch too: they decide whether
-    // collectives run. --patience too: it decides whether each validation
-    // ends in a collective; and --min-delta, --save-top-k, whose rank 0's
-    // value alone acts: a node given another would be told nothing of it.
-    if (f.on_resume != OnResume::kSame && key != "epochs" && key != "batch" && key != "sanity-val-steps" &&
-        key != "test-every-epoch" && key != "patience" && key != "min-delta" && key != "save-top-k")
-      continue;
-    keys.push_back(key);
-    mine[key] = all[key];
-  }
-  const auto root = nlohmann::json::parse(world_.share_string("job_flags", world_.is_main() ? mine.dump() : ""));
-  auto differs = torch::zeros({static_cast<int64_t>(keys.size())}, torch::kDouble);
-  auto d = differs.accessor<double, 1>();
-  for (size_t i = 0; i < keys.size(); ++i)
-    d[static_cast<int64_t>(i)] = root.contains(keys[i]) && root[keys[i]] == mine[keys[i]] ? 0.0 : 1.0;
-  differs = differs.to(world_.device());
-  world_.all_reduce(differs, "comparing every rank's flags with rank 0's");
-  differs = differs.cpu();
-  auto spelled = [](const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); };
-  for (size_t i = 0; i < keys.size(); ++i) {
-    const auto n = static_cast<int64_t>(differs[static_cast<int64_t>(i)].item<double>());
-    if (n == 0) continue;
-    const std::string& key = keys[i];
-    throw UserError("--" + key + " differs between ranks: " + std::to_string(n) + " rank(s) have another value than " +
-                        "rank 0's " + spelled(root.value(key, nlohmann::json())) +
-                        (world_.is_main() ? std::string() : " (rank " + std::to_string(world_.rank()) + ": " +
-                                                                spelled(mine[key]) + ")") + ".",
-                    "give every node the same flags; only paths (--data_root, --val-root) and per-node settings "
-                    "such as --workers may differ.");
-  }
-}
-
 // --stop-at NAME=V reaches V in the monitor's direction, so a plain '='
 // is for the monitor only: another metric's direction is not known.
 void Trainer::check_stop_rule() const {
@@ -1068,7 +1022,7 @@ void Trainer::save_and_stop(const std::string& path) {
   if (world_.is_main()) save_job_checkpoint(path);
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
-                  ". Resume: " + command("--resume " + run_dir_));
+                  ". Resume: " + command("--resume " + run_dir_ + placement_flags()));
 }
 
 // The flags that describe the job, without those of this one invocation
@@ -1090,6 +1044,23 @@ CheckpointMeta Trainer::meta() const {
 // launcher starts ranks by absolute path), then `args`.
 std::string Trainer::command(const std::string& args) const {
   return relaunch_command(program_invocation_name, args);
+}
+
+// The flags that place this job as ddptrain's launcher started it: a
+// checkpoint never restores them (OnResume::kNotRestored), so the printed
+// resume command repeats them. Under torchrun, Slurm or mpirun that
+// launcher places the ranks again.
+std::string Trainer::placement_flags() const {
+  const Placement& where = world_.placement();
+  if (where.source != "ddptrain") return "";
+  std::string out;
+  if (where.local_world_size > 1) out += " --size " + std::to_string(where.local_world_size);
+  if (!config_.visible.empty()) out += " --visible " + config_.visible;
+  if (config_.nnodes > 1)
+    out += " --nnodes " + std::to_string(config_.nnodes) + " --node-rank " + std::to_string(config_.node_rank) +
+           " --address " + config_.address + " --port " + std::to_string(config_.port);
+  if (config_.max_restarts > 0) out += " --max-restarts " + std::to_string(config_.max_restarts);
+  return out;
 }
 
 // best.pt follows the monitor at every validation (as Lightning's
@@ -1158,7 +1129,7 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
               format_value(monitor_.metric, state_.best).c_str(),
               monitor_.goal == Goal::kMax ? "higher" : "lower");
   std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
-  std::printf("resume:   %s\n", command("--resume " + run_dir_).c_str());
+  std::printf("resume:   %s\n", command("--resume " + run_dir_ + placement_flags()).c_str());
   std::printf("export:   %s\n", command("export " + run_dir_ + "/best.pt weights.pt").c_str());
   std::printf("view:     %s; tensorboard --logdir %s\n", command("report " + run_dir_).c_str(), run_dir_.c_str());
   std::fflush(stdout);

@@ -248,6 +248,65 @@ TEST(MultiNode, DifferentSizesPerNodeAreAnError) {
   EXPECT_LT(node0_after, 20) << both;  // a poll, then at most the 5 s grace
 }
 
+// A flag that changes a collective's sequence or a buffer's layout, given
+// to one node only: the job stops before training, in one line that names
+// the flag, each node's value and its ranks. Unchecked, --log-every and
+// --stop-at made the ranks issue different collectives (Gloo aborts rank 0;
+// NCCL hangs), and --channels-last summed gradient buckets of two layouts
+// as raw memory without a word.
+struct FlagDiffersCase {
+  std::string name;
+  std::vector<std::string> node0, node1;  // each node's own flags
+  std::string expect;
+};
+void PrintTo(const FlagDiffersCase& c, std::ostream* os) { *os << c.name; }
+
+class FlagDiffersBetweenNodes : public ::testing::TestWithParam<FlagDiffersCase> {};
+
+TEST_P(FlagDiffersBetweenNodes, StopsTheJobInOneLineNamingTheFlagAndRanks) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto& c = GetParam();
+  TwoNodes net;
+  const int port = ddp::find_free_port();
+  const auto save = ddp::testing::temp_dir("mn_flags");
+  // Two epochs of two steps per rank: room for every flag's divergence to
+  // show (a log line at step 1, a stop after epoch 1). --timeout bounds a
+  // collective that one rank never joins.
+  const std::vector<std::string> run{"--epochs", "2", "--train-samples", "256", "--test-samples", "64",
+                                     "--sanity-val-steps", "0", "--workers", "0", "--timeout", "20"};
+  auto with = [&](std::vector<std::string> own) {
+    own.insert(own.begin(), run.begin(), run.end());
+    return own;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  Child c0 = start_process(node_args(net, 0, port, save + "/0", with(c.node0), 1));
+  Child c1 = start_process(node_args(net, 1, port, save + "/1", with(c.node1), 1));
+  ProcessResult r0 = finish_process(c0, 120), r1 = finish_process(c1, 60);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string both = r0.output + "\n--- node 1 ---\n" + r1.output;
+  EXPECT_EQ(r0.exit_code, ddp::exit_code::kUsage) << both;
+  EXPECT_NE(r1.exit_code, 0) << both;
+  EXPECT_NE(r0.output.find(c.expect), std::string::npos) << both;
+  EXPECT_NE(r0.output.find("Hint: give every node the same " + c.expect.substr(0, c.expect.find(' '))),
+            std::string::npos) << both;
+  EXPECT_EQ(count(both, " differs between ranks"), 1u) << "one line for the job\n" << both;
+  EXPECT_EQ(both.find("[test harness: killed after timeout]"), std::string::npos) << both;
+  EXPECT_EQ(both.find("EnforceNotMet"), std::string::npos) << both;
+  EXPECT_TRUE(metrics_under(save).empty()) << "no epoch may finish\n" << both;
+  EXPECT_LT(seconds, 60) << both;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Flags, FlagDiffersBetweenNodes,
+    ::testing::Values(
+        FlagDiffersCase{"LogEvery", {}, {"--log-every", "1"},
+                        "--log-every differs between ranks: rank 0 (node 0) has 50, rank 1 (node 1) has 1."},
+        FlagDiffersCase{"StopAt", {}, {"--stop-at", "test_acc>=0.01"},
+                        "--stop-at differs between ranks: rank 0 (node 0) has '', rank 1 (node 1) has 'test_acc>=0.01'."},
+        FlagDiffersCase{"ChannelsLast", {"--channels-last", "on"}, {"--channels-last", "off"},
+                        "--channels-last differs between ranks: rank 0 (node 0) has on, rank 1 (node 1) has off."}),
+    [](const auto& info) { return info.param.name; });
+
 // ---- bad multi-node input: one line naming the value and the fix, exit 2, no hang ----
 
 struct BadNodeCase {

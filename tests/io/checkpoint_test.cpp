@@ -9,11 +9,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "ddp/io/checkpoint.h"
+#include "ddp/io/torch_pickle.h"
 #include "ddp/error.h"
 #include "ddp/dist/launch.h"
 #include "ddp/models/registry.h"
@@ -102,10 +104,13 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
   ASSERT_FALSE(find_file(split, "preempt.pt").empty());
 
   // The command the run printed, as printed: it restores every flag of the
-  // run (2 ranks, 3000 samples, gloo, ...), none of which it repeats.
+  // run (3000 samples, the model, ...) but its placement, which a
+  // checkpoint never restores and the command repeats (--size 2).
   const auto resume = printed_command(b1.output, "Resume: ");
-  ASSERT_EQ(resume.size(), 3u) << b1.output;
+  ASSERT_EQ(resume.size(), 5u) << b1.output;
   EXPECT_EQ(resume[1], "--resume");
+  EXPECT_EQ(resume[3], "--size");
+  EXPECT_EQ(resume[4], "2");
   auto b2 = run_process(resume);
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   EXPECT_NE(b2.output.find("resume: "), std::string::npos);
@@ -134,6 +139,92 @@ TEST(Resume, InterruptedAndResumedEqualsStraight_BitExact) {
     if (e.tag == "train/loss") logged.push_back(e.step);
   ASSERT_EQ(logged.size(), sb.size());
   for (size_t i = 0; i < sb.size(); ++i) EXPECT_EQ(logged[i], sb[i].first) << "event " << i;
+}
+
+// Rewrites the JSON header of checkpoint `path` in place, as whoever hands
+// out a checkpoint could; its tensors stay as they were.
+void edit_header(const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
+  auto tensors = ddp::read_state_dict(path);
+  for (auto& [name, t] : tensors) {
+    if (name != "ddptrain") continue;
+    auto header = nlohmann::json::parse(ddp::tensor_string(t));
+    edit(header);
+    t = ddp::string_tensor(header.dump());
+  }
+  ddp::write_state_dict(path, tensors);
+}
+
+// A checkpoint whose header was rewritten to place the job (join, as node 1
+// of 2, a job hosted elsewhere; start ranks; pick GPUs and a backend) and to
+// name files to write (--profile-trace, --save_path) resumes where this
+// command line places it, writing only in its own run directory: a header
+// is data, never instructions. Each value here failed the run on main
+// (it tried to join 198.51.100.1, or refused the trace path on a CPU build).
+TEST(Resume, AHeaderCannotPlaceTheJobOrNameAFileToWrite) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("hostile_header");
+  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
+                                          "--test-samples", "64", "--workers", "0", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string checkpoint = find_file(dir, "epoch_1.pt");
+  const std::string victim = dir + "/victim.txt", elsewhere = dir + "/elsewhere";
+  edit_header(checkpoint, [&](nlohmann::json& h) {
+    auto& c = h["config"];
+    c["nnodes"] = 2;
+    c["node-rank"] = 1;
+    c["address"] = "198.51.100.1";  // TEST-NET-2 (RFC 5737): nobody there
+    c["port"] = 29555;
+    c["size"] = 3;
+    c["visible"] = "7";
+    c["backend"] = "nccl";
+    c["timeout"] = 5;
+    c["max-restarts"] = 4;
+    c["profile-trace"] = victim;
+    c["save_path"] = elsewhere;
+  });
+  auto resumed = run_process({DDPTRAIN_EXE, "--resume", checkpoint, "--epochs", "2", "--reschedule", "--progress",
+                              "plain", "--workers", "0"},
+                             {}, 120);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(resumed.output.find("joining"), std::string::npos) << resumed.output;
+  EXPECT_EQ(resumed.output.find("198.51.100.1"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("rank 0 of 1 (none launcher), backend gloo"), std::string::npos) << resumed.output;
+  EXPECT_FALSE(fs::exists(victim));
+  EXPECT_FALSE(fs::exists(elsewhere));
+  EXPECT_EQ(metrics_jsonl(dir).size(), 2u) << resumed.output;
+  // What the run goes on to save describes this job, not the header's.
+  const auto saved = ddp::read_checkpoint_meta(find_file(dir, "epoch_2.pt")).config;
+  EXPECT_EQ(saved["nnodes"], 1);
+  EXPECT_EQ(saved["address"], "127.0.0.1");
+  EXPECT_EQ(saved["profile-trace"], "");
+}
+
+// A header's value that the command line would refuse is refused, in one
+// line naming the checkpoint and the value: the merged flags are validated
+// as parsed ones are. --save_epoch 0 crashed resume with SIGFPE on main.
+TEST(Resume, AHeaderValueTheCommandLineRefusesIsOneLineNamingTheCheckpoint) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("bad_header_value");
+  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
+                                          "--test-samples", "64", "--workers", "0", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string checkpoint = find_file(dir, "epoch_1.pt");
+  const std::vector<std::pair<nlohmann::json, std::string>> cases{
+      {{{"save_epoch", 0}}, "--save_epoch must be positive, got 0."},
+      {{{"batch", -3}}, "--batch must be positive, got -3."},
+      {{{"accum-steps", 0}}, "--accum-steps must be positive, got 0."},
+  };
+  for (const auto& [values, expect] : cases) {
+    const std::string copy = dir + "/bad.pt";
+    fs::copy_file(checkpoint, copy, fs::copy_options::overwrite_existing);
+    edit_header(copy, [&](nlohmann::json& h) { h["config"].update(values); });
+    auto r = run_process({DDPTRAIN_EXE, "--resume", copy, "--epochs", "2", "--reschedule", "--progress", "none"}, {}, 60);
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << values.dump() << "\n" << r.output;
+    EXPECT_NE(r.output.find("checkpoint " + copy + " holds flags that ddptrain refuses: " + expect), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("Hint:"), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
 }
 
 // --resume refuses flags that change the job, all in one line, and a longer

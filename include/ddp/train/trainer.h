@@ -68,7 +68,6 @@ class Trainer {
   void save_job_checkpoint(const std::string& path);
   bool reached_stop_at(const Metrics& metrics) const;
   void check_stop_rule() const;
-  void check_flags_match_rank_0();
   int64_t warmup_steps() const;
   void print_start() const;
   void note_fewer_samples_than_asked() const;
@@ -88,6 +87,7 @@ class Trainer {
   Config job_config() const;
   CheckpointMeta meta() const;
   std::string command(const std::string& args) const;
+  std::string placement_flags() const;
 
   Config config_;
   World& world_;
