@@ -57,7 +57,6 @@ struct SalesTask : ddp::Task {
   int64_t stores = 0;
 
   void add_flags(ddp::Config& config) override {
-    config.augment = "none";  // image augmentation means nothing for a table
     config.add_flag("--hidden", "width of the MLP's hidden layers", 64);
     config.add_flag("--embedding-penalty", "weight of the mean square of the store embeddings in the loss", 1e-4);
   }
@@ -113,4 +112,7 @@ struct SalesTask : ddp::Task {
 // ---------------------------------------------------------------------------
 // 4. Train.
 // ---------------------------------------------------------------------------
-int main(int argc, char** argv) { return ddp::main(argc, argv, std::make_shared<SalesTask>()); }
+int main(int argc, char** argv) {
+  return ddp::main(argc, argv, std::make_shared<SalesTask>(),
+                   ddp::ProgramOptions("tabular").description("predicts sales from a CSV"));
+}
