@@ -106,6 +106,11 @@ struct SalesTask : ddp::Task {
 
   ddp::Monitor monitor() const override { return {"mae", ddp::Goal::kMin}; }
 
+  // What `tabular predict --checkpoint RUN/best.pt --out preds.csv` writes per row.
+  ddp::TensorMap predict_step(const ddp::data::Batch& batch) override {
+    return {{"sales", model(batch.input(), batch.at("store")).squeeze(1)}};
+  }
+
   double penalty = 0;
 };
 
