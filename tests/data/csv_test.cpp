@@ -13,6 +13,7 @@
 #include "ddp/data/csv.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
+#include "support/capped_child.h"
 #include "support/testing.h"
 
 namespace {
@@ -91,44 +92,9 @@ TEST(NamedTensorDataset, GivesRowsByNameAndBatchesByIndex) {
 
 constexpr size_t kCap = 256u << 20;  // what parsing a few-KB text may add to the address space
 
-size_t address_space() {
-  std::ifstream f("/proc/self/statm");
-  size_t pages = 0;
-  f >> pages;
-  return pages * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-}
-
-// Runs `body` in a forked child under the cap: "" when it returned "", else
-// what it returned or how the child died.
+// Runs `body` in a child under kCap (support/capped_child.h).
 std::string in_capped_child(const std::function<std::string()>& body) {
-  int fds[2];
-  if (::pipe(fds) != 0) return "pipe failed";
-  const pid_t pid = ::fork();
-  if (pid < 0) return "fork failed";
-  if (pid == 0) {
-    ::close(fds[0]);
-    const rlim_t limit = address_space() + kCap;
-    rlimit lim{limit, limit};
-    ::setrlimit(RLIMIT_AS, &lim);
-    std::string out;
-    try {
-      out = body();
-    } catch (const std::exception& e) {
-      out = std::string("escaped: ") + e.what();
-    }
-    if (!out.empty() && ::write(fds[1], out.data(), std::min<size_t>(out.size(), 4000)) < 0) ::_exit(3);
-    ::_exit(out.empty() ? 0 : 1);
-  }
-  ::close(fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (WIFSIGNALED(status)) return "crashed with signal " + std::to_string(WTERMSIG(status)) + " " + out;
-  if (WEXITSTATUS(status) != 0 && out.empty()) return "exit status " + std::to_string(WEXITSTATUS(status));
-  return out;
+  return ddp::testing::in_capped_child(body, kCap);
 }
 
 // "" if `text` parsed (and its columns hold as many rows as it says) or
