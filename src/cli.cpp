@@ -105,7 +105,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kNotRestored, kPerNode},
 
       {"--checkpoint", "predict: the checkpoint whose weights predict, e.g. RUN/best.pt (with --ema, the average's)", &c.checkpoint, {}, "predict", kMayChange, kPerNode},
-      {"--split", "predict: the data to predict, in its order: test, train, or a file or folder of the kind --data_root takes (the task's make_predict_data reads it)", &c.split, {}, "predict", kMayChange},
+      {"--split", "predict: the data to predict, in its order: test, val (the run's --val-split), train (less val), or a file or folder of the kind --data_root takes (the task's make_predict_data reads it)", &c.split, {}, "predict", kMayChange},
       {"--out", "predict: the file to write, .csv (a header of the names predict_step returns) or .npy (NumPy's format, for one name)", &c.out, {}, "predict", kMayChange, kPerNode},
 
       {"--save_path,--save-path", "directory under which each run makes train_<timestamp>/", &c.save_path, {}, "output", kNotRestored, kPerNode},

@@ -12,6 +12,7 @@
 #include "ddp/dist/world.h"
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
+#include "ddp/train/validation.h"
 
 namespace fs = std::filesystem;
 
@@ -103,12 +104,16 @@ int run_predict(const Config& c, World& world, Task& task) {
   const auto dev = world.device();
   data::DatasetPtr data;
   data::Splits splits;
-  if (c.split == "train" || c.split == "test") {
+  if (c.split == "train" || c.split == "val" || c.split == "test") {
+    // The splits as the run had them: train less what --val-split carved.
     splits = task.make_data(c, world);
-    data = c.split == "train" ? splits.train : splits.test;
+    add_validation_split(splits, c);
+    data = c.split == "train" ? splits.train : c.split == "val" ? splits.val : splits.test;
+    check_user(data != nullptr || c.split != "val", "--split val: the run had no validation split.",
+               "predict --split test or train, or train with --val-split.");
   } else {
-    check_user(fs::exists(c.split), "--split " + c.split + " is neither train, test nor an existing file or folder.",
-               "pass --split test, --split train, or the path of data of the kind --data_root takes.");
+    check_user(fs::exists(c.split), "--split " + c.split + " is neither train, val, test nor an existing file or folder.",
+               "pass --split test, --split val, --split train, or the path of data of the kind --data_root takes.");
     data = task.make_predict_data(c, world, c.split);
     splits.train = splits.test = data;
   }

@@ -299,6 +299,12 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   ASSERT_EQ(p.exit_code, 0) << p.output;
   const std::string rows = read_file(preds);
   EXPECT_EQ(std::count(rows.begin(), rows.end(), '\n'), 501) << "a header and the 500 test rows";
+  // --split val: the run's validation split, 20% of the 3000 training rows.
+  auto pv = run_process({EXAMPLE_tabular, "predict", "--checkpoint", run_dir_of(straight) + "/best.pt", "--split", "val",
+                         "--out", straight + "/val.csv", "--size", "2", "--backend", "gloo", "--timeout", "120"});
+  ASSERT_EQ(pv.exit_code, 0) << pv.output;
+  const std::string val_rows = read_file(straight + "/val.csv");
+  EXPECT_EQ(std::count(val_rows.begin(), val_rows.end(), '\n'), 601) << "a header and the 600 validation rows";
 
   auto b1 = run_process(cpu_run(EXAMPLE_tabular, split, common), {{"DDPTRAIN_FAIL_AT_STEP", "0:20:term"}});
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
