@@ -25,6 +25,7 @@
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/dist/world.h"  // Placement
 
 namespace ddp {
 namespace {
@@ -540,14 +541,9 @@ std::string self_executable() {
 // fails at start with its default --redirects 0 ('NoneType' object has no
 // attribute 'get'), so the command carries --redirects 2 --tee 2, which 2.x
 // takes too, as it takes these underscore spellings.
-std::string relaunch_command(const std::string& program, const std::string& args) {
-  const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
-  if (!run_id || std::getenv("DDPTRAIN_LAUNCHER")) return program + " " + args;
-  auto number = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v ? std::max(1, std::atoi(v)) : 1;
-  };
-  const int per_node = number("LOCAL_WORLD_SIZE"), nodes = std::max(1, number("WORLD_SIZE") / per_node);
+std::string relaunch_command(const std::string& program, const std::string& args, const Placement& where) {
+  if (where.source != "torchrun" || !std::getenv("TORCHELASTIC_RUN_ID")) return program + " " + args;
+  const int per_node = std::max(1, where.local_world_size), nodes = std::max(1, where.world_size / per_node);
   std::string cmd = "torchrun";
   if (nodes > 1) cmd += " --nnodes " + std::to_string(nodes) + " <the job's rendezvous flags, on every node>";
   return cmd + " --nproc_per_node " + std::to_string(per_node) + " --redirects 2 --tee 2 --no_python " + program + " " +

@@ -1043,7 +1043,7 @@ CheckpointMeta Trainer::meta() const {
 // A command line that reruns this program: its path as started (the
 // launcher starts ranks by absolute path), then `args`.
 std::string Trainer::command(const std::string& args) const {
-  return relaunch_command(program_invocation_name, args);
+  return relaunch_command(program_invocation_name, args, world_.placement());
 }
 
 // The flags that place this job as ddptrain's launcher started it: a
@@ -1162,13 +1162,14 @@ void Trainer::test_best() {
   if (world_.is_main() && std::filesystem::exists(best)) best_epoch = read_checkpoint_meta(best).state.epoch;
   best_epoch = std::stoll(world_.share_string("best_epoch", std::to_string(best_epoch)));
   if (best_epoch > 0) {
+    // The parameters are views of the flat buffers: one broadcast per
+    // buffer (evaluate() broadcasts the model's buffers), and the bf16
+    // copies cast again, since a collective moves no version counter.
     if (world_.is_main()) load_model_weights(best, *model_, world_.device());
     torch::NoGradGuard no_grad;
-    for (auto t : model_->parameters()) {
-      auto data = t.detach();
-      world_.broadcast(data, 0, "best.pt's weights");
-    }
-    for (auto t : model_->buffers()) world_.broadcast(t, 0, "best.pt's buffers");
+    auto& sync = step_->sync();
+    for (auto flat : sync.flat_params()) world_.broadcast(flat, 0, "best.pt's weights");
+    sync.bf16_copies_stale();
   }
   // best.pt's weights as loaded: with --ema, its average already.
   const Metrics metrics = *evaluate(data_.test, kTestPrefix, -1, false, /*average=*/best_epoch == 0);

@@ -154,6 +154,15 @@ void edit_header(const std::string& path, const std::function<void(nlohmann::jso
   ddp::write_state_dict(path, tensors);
 }
 
+// A one-epoch run's epoch_1.pt under `dir` ("" if the run failed, which
+// the test then reports), for the tests that rewrite its header.
+std::string one_epoch_checkpoint(const std::string& dir) {
+  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
+                                          "--test-samples", "64", "--workers", "0", "--sanity-val-steps", "0"}));
+  EXPECT_EQ(first.exit_code, 0) << first.output;
+  return first.exit_code == 0 ? find_file(dir, "epoch_1.pt") : "";
+}
+
 // A checkpoint whose header was rewritten to place the job (join, as node 1
 // of 2, a job hosted elsewhere; start ranks; pick GPUs and a backend) and to
 // name files to write (--profile-trace, --save_path) resumes where this
@@ -163,10 +172,8 @@ void edit_header(const std::string& path, const std::function<void(nlohmann::jso
 TEST(Resume, AHeaderCannotPlaceTheJobOrNameAFileToWrite) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("hostile_header");
-  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
-                                          "--test-samples", "64", "--workers", "0", "--sanity-val-steps", "0"}));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const std::string checkpoint = find_file(dir, "epoch_1.pt");
+  const std::string checkpoint = one_epoch_checkpoint(dir);
+  ASSERT_FALSE(checkpoint.empty());
   const std::string victim = dir + "/victim.txt", elsewhere = dir + "/elsewhere";
   edit_header(checkpoint, [&](nlohmann::json& h) {
     auto& c = h["config"];
@@ -205,10 +212,8 @@ TEST(Resume, AHeaderCannotPlaceTheJobOrNameAFileToWrite) {
 TEST(Resume, AHeaderValueTheCommandLineRefusesIsOneLineNamingTheCheckpoint) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("bad_header_value");
-  auto first = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "128",
-                                          "--test-samples", "64", "--workers", "0", "--sanity-val-steps", "0"}));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const std::string checkpoint = find_file(dir, "epoch_1.pt");
+  const std::string checkpoint = one_epoch_checkpoint(dir);
+  ASSERT_FALSE(checkpoint.empty());
   const std::vector<std::pair<nlohmann::json, std::string>> cases{
       {{{"save_epoch", 0}}, "--save_epoch must be positive, got 0."},
       {{{"batch", -3}}, "--batch must be positive, got -3."},

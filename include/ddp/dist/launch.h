@@ -23,6 +23,8 @@
 
 namespace ddp {
 
+struct Placement;  // ddp/dist/world.h
+
 struct LaunchOptions {
   int nproc_per_node = 1;
   int nnodes = 1;
@@ -61,7 +63,8 @@ std::string self_executable();
 /// The command line that runs `program args` again the way this process was
 /// started: under torchrun's agent, a torchrun command with this job's nodes,
 /// ranks per node and rendezvous; else `program args` (ddptrain's launcher
-/// and a plain start both start from the program itself).
-std::string relaunch_command(const std::string& program, const std::string& args);
+/// and a plain start both start from the program itself). `where` is this
+/// process's placement (World::placement()).
+std::string relaunch_command(const std::string& program, const std::string& args, const Placement& where);
 
 }  // namespace ddp
