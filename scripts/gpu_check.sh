@@ -45,7 +45,7 @@ if has resume; then
     ./build/ddptrain "${common[@]}" --save_path "$OUT/resume_$run" > "$OUT/resume_$run.log" 2>&1
     echo "$run: $(grep -E '^epoch 4/4' "$OUT/resume_$run.log")"
   done
-  DDPTRAIN_FAIL_AT_STEP=0:300 ./build/ddptrain "${common[@]}" --visible 0 --max-restarts 1 \
+  ./build/ddptrain "${common[@]}" --visible 0 --max-restarts 1 --inject-fault 0:300 \
     --save_path "$OUT/resume_restarted" > "$OUT/resume_restarted.log" 2>&1
   echo "restarted (rc $?): $(grep -E '^epoch 4/4' "$OUT/resume_restarted.log")"
   grep -E "restart|resume:|injected" "$OUT/resume_restarted.log" | head -5

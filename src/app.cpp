@@ -1,5 +1,6 @@
 // Entry point shared by ddptrain and the template.
 #include "ddp/app.h"
+#include "ddp/program.h"
 #include "ddp/data/gpu_images.h"
 
 #include <malloc.h>
@@ -9,6 +10,7 @@
 #include <ctime>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <iostream>
 #include <thread>
 #include <atomic>
@@ -20,6 +22,7 @@
 #include "ddp/data/idx.h"
 #include "ddp/cmd/bench.h"
 #include "ddp/io/checkpoint.h"
+#include "ddp/train/resume.h"
 #include "ddp/data/image_folder.h"
 #include "ddp/cmd/doctor.h"
 #include "ddp/cmd/generate.h"
@@ -83,8 +86,30 @@ void refuse_visible_without_gpus(const std::string& visible) {
                   "drop --visible to train on CPU ranks (--size N sets how many).");
 }
 
+// The ranks' command line: this one, with --resume naming the file this
+// process chose (choose_resume_checkpoint), so that every rank and every
+// restart reads its flags from that file and not from a newer one that
+// appeared under --save_path since. None chosen (--resume auto on an empty
+// --save_path): the ranks start fresh, without --resume or --reschedule.
+std::vector<std::string> with_resume_file(const std::vector<std::string>& argv, const std::string& file,
+                                          bool reschedule) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a == "--resume") {
+      ++i;  // and its value
+    } else if (a.rfind("--resume=", 0) != 0 && a != "--reschedule") {
+      out.push_back(a);
+    }
+  }
+  if (!file.empty()) out.insert(out.end(), {"--resume", file});
+  if (!file.empty() && reschedule) out.push_back("--reschedule");
+  return out;
+}
+
 // The parent side: check the GPU request, then start the local ranks.
-int launch(const Config& c, int argc, char** argv) {
+// `resolved_resume`: c.resume is the file this process chose to resume.
+int launch(const Config& c, int argc, char** argv, bool resolved_resume) {
   const int gpus = c.backend == "gloo" ? 0 : gpu_count();
   auto visible = split_commas(c.visible);
   refuse_visible_without_gpus(c.visible);
@@ -111,24 +136,25 @@ int launch(const Config& c, int argc, char** argv) {
   lo.program = c.program.name;
   lo.argv.push_back(self_executable());
   for (int i = 1; i < argc; ++i) lo.argv.push_back(argv[i]);
+  if (resolved_resume) lo.argv = with_resume_file(lo.argv, c.resume, c.reschedule);
   return launch_workers(lo);
 }
 
-// Fault injection for tests of restarts and crash reports:
-// DDPTRAIN_FAIL_AT_STEP=RANK:STEP throws on that rank after that optimizer
-// step (first attempt only); RANK:STEP:segv crashes there with SIGSEGV, and
-// RANK:STEP:user throws a bad-input error (as a corrupt sample would), and
-// RANK:STEP:term sends SIGTERM to the job's launcher (to the rank itself
-// when it has none), as a preemption would, at a step a test can rely on
-// however fast the steps are. It hooks the trainer from outside; the loop
-// knows nothing of it.
-void install_fault_injection_from_env() {
-  const char* fail = std::getenv("DDPTRAIN_FAIL_AT_STEP");
+// --inject-fault RANK:STEP[:how], for tests of restarts, crash reports and
+// preemption: throws on that rank after that optimizer step (first attempt
+// only); segv crashes there with SIGSEGV, user throws a bad-input error (as
+// a corrupt sample would), term sends SIGTERM to the job's launcher (to the
+// rank itself when it has none), as a preemption would, at a step a test
+// can rely on however fast the steps are. It hooks the trainer from
+// outside; the loop knows nothing of it. (validate() checked the form.)
+void install_fault_injection(const std::string& fault) {
   const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
   int rank = -1;
   long step = -1;
   char how[8] = "";
-  if (!fail || (attempt && std::atoi(attempt) > 0) || std::sscanf(fail, "%d:%ld:%7s", &rank, &step, how) < 2) return;
+  if (fault.empty() || (attempt && std::atoi(attempt) > 0) ||
+      std::sscanf(fault.c_str(), "%d:%ld:%7s", &rank, &step, how) < 2)
+    return;
   const bool segv = std::string(how) == "segv", user = std::string(how) == "user", term = std::string(how) == "term";
   Trainer::after_step_hook() = [rank, step, segv, user, term](const World& world, int64_t done) {
     if (world.rank() != rank || done != step) return;
@@ -138,9 +164,9 @@ void install_fault_injection_from_env() {
       return;
     }
     if (user)
-      throw UserError("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank " + std::to_string(rank) + " at step " +
+      throw UserError("injected bad input (--inject-fault) on rank " + std::to_string(rank) + " at step " +
                       std::to_string(step) + ".");
-    throw std::runtime_error("injected failure (DDPTRAIN_FAIL_AT_STEP) at step " + std::to_string(step));
+    throw std::runtime_error("injected failure (--inject-fault) at step " + std::to_string(step));
   };
 }
 
@@ -177,7 +203,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   DDP_PRINT0(world, "%s: rank %d of %d (%s launcher), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
-  install_fault_injection_from_env();
+  install_fault_injection(c.inject_fault);
   Trainer trainer(c, world, task);
   trainer.fit();
   return exit_code::kOk;
@@ -202,14 +228,20 @@ void print_synthetic_banner(const std::string& root) {
                root.c_str());
 }
 
-// --resume continues a run as it was started: the checkpoint's saved
-// flags, with only those that leave the job the same taken from the command
-// line (resumed_config() refuses the others).
-Config with_saved_flags(const Config& c) {
-  const std::string path = resume_checkpoint(c.resume, c.save_path);
+// --resume continues a run as it was started: the flags saved in `path`
+// (choose_resume_checkpoint's file), with only those that leave the job the
+// same taken from the command line (resumed_config() refuses the others).
+Config with_saved_flags(const Config& c, const std::string& path) {
   if (path.empty()) return c;
   const auto saved = read_checkpoint_meta(path).config;
   return saved.empty() ? c : resumed_config(c, saved, path);
+}
+
+// Whether this process prints the notes of the resume choice: rank 0, or a
+// process that is no rank (ddptrain's launcher, or a single process).
+bool speaks() {
+  const char* rank = std::getenv("RANK");
+  return !rank || std::string(rank) == "0";
 }
 
 }  // namespace
@@ -247,9 +279,9 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   }
   if (c.dataset == "imagefolder" && gpu_decode && verbose)
     std::fprintf(stderr,
-                 "ddptrain: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "
+                 "%s: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "
                  "nvJPEG the rest (--cpu-decode-share)\n",
-                 100 * c.cpu_decode_share);
+                 c.program.name.c_str(), 100 * c.cpu_decode_share);
   if (c.dataset == "imagefolder")
     return data::load_image_folder(data::ImageFolderSplitOptions()
                                        .root(c.data_root)
@@ -378,7 +410,7 @@ ProgramInfo program_info(const ProgramOptions& options, bool own_task, const cha
 // config file. Every built-in task's flags join this first parse, so that
 // theirs are not unknown yet (the second parse knows only the chosen
 // task's); --help is left to the second parse, which lists them.
-std::string builtin_task_of(std::vector<char*>& args) {
+std::string builtin_task_of(std::vector<char*>& args, std::optional<std::string>& resume_from) {
   std::string named;
   bool help = false;
   for (size_t i = 1; i < args.size(); ++i) {
@@ -394,10 +426,11 @@ std::string builtin_task_of(std::vector<char*>& args) {
     const auto saved = read_checkpoint_meta(c.checkpoint).config;
     if (saved.contains("task") && saved["task"].is_string()) return saved["task"].get<std::string>();
   }
-  if (named.empty() && !c.resume.empty()) {
+  if (named.empty() && (!c.resume.empty() || restart_attempt() > 0)) {
     // --resume without --task: the run's own task, from its checkpoint, as
-    // with_saved_flags restores the rest of its flags.
-    const std::string path = resume_checkpoint(c.resume, c.save_path);
+    // with_saved_flags restores the rest of its flags (from the same file).
+    const std::string path = choose_resume_checkpoint(c, speaks());
+    resume_from = path;
     if (!path.empty()) {
       const auto saved = read_checkpoint_meta(path).config;
       if (saved.contains("task") && saved["task"].is_string()) return saved["task"].get<std::string>();
@@ -413,6 +446,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
   const char* rank = std::getenv("RANK");
   const bool own_task = task != nullptr;
   const ProgramInfo info = program_info(program, own_task, argc > 0 ? argv[0] : nullptr);
+  set_program_name(info.name);
   const std::string who = info.name + (rank ? std::string(" rank ") + rank : "");
   try {
     // Subcommands: `PROGRAM doctor|bench [flags]` run instead of training;
@@ -438,18 +472,24 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
     // built-in task is the one --task names (so it is parsed twice).
     Config defaults;
     defaults.program = info;
-    if (!task) task = make_builtin_task(builtin_task_of(args));
+    std::optional<std::string> resume_from;  // --resume's file, chosen once
+    if (!task) task = make_builtin_task(builtin_task_of(args, resume_from));
     task->add_flags(defaults);
     if (own_task) defaults.program.unread_flags = task->ignored_flags();
     Config c = parse_cli(static_cast<int>(args.size()), args.data(), defaults);
     Placement where = placement_from_env();
     refuse_launcher_flags_under(where, c);
-    if (command.empty()) c = with_saved_flags(c);
+    const bool resumes = command.empty() && (!c.resume.empty() || restart_attempt() > 0);
+    if (resumes) {
+      if (!resume_from) resume_from = choose_resume_checkpoint(c, speaks());
+      c = with_saved_flags(c, *resume_from);
+      c.resume = *resume_from;  // the file itself from here on: the ranks and the trainer load it
+    }
     if (command == "predict") c = predict_config(c);  // the flags of the run that wrote --checkpoint
     // Restarts live in the launcher, so --max-restarts starts one even for
     // a single process.
     if (!where.launched() && (local_ranks(c) > 1 || c.nnodes > 1 || !c.visible.empty() || c.max_restarts > 0))
-      return launch(c, argc, argv);
+      return launch(c, argc, argv, resumes);
     return run_worker(c, where, *task, command);
   } catch (const UserError& e) {
     defer_to_rank_0(rank);

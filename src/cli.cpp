@@ -11,11 +11,13 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <regex>
 #include <sstream>
 #include <type_traits>
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/train/stop_rule.h"
 
 namespace ddp {
 
@@ -116,6 +118,8 @@ std::vector<Flag> flag_table(Config& c) {
       {"--reschedule", "with --resume and another --epochs: recompute a schedule that depends on the run's length (step, cosine, onecycle) for the new length", &c.reschedule, {}, "output", kMayChange},
       {"--progress", "auto: a bar on a terminal, plain lines otherwise", &c.progress, {"auto", "bar", "plain", "none"}, "output", kMayChange, kPerNode},
       {"--log-every", "plain-output line every N steps", &c.log_every, {}, "output", kMayChange},
+
+      {"--inject-fault", "for testing restarts, crash reports and preemption on a real job: RANK:STEP makes rank RANK fail after optimizer step STEP of the job's first attempt (an exception); RANK:STEP:segv crashes it (SIGSEGV), RANK:STEP:user stops it as bad input would, RANK:STEP:term sends SIGTERM to its launcher (to the rank without one), as a preemption. Never saved with the run", &c.inject_fault, {}, "testing", kNotRestored, kPerNode},
   };
   // The task's own flags, after the built-in ones.
   for (auto& f : c.task_flags)
@@ -202,20 +206,10 @@ void validate(const Config& c) {
   check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
              "e.g. --stop-at-acc 0.93.");
   positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");
-  if (!c.stop_at.empty()) {
-    const auto op = c.stop_at.find_first_of("<>=");
-    const auto eq = c.stop_at.find('=');
-    bool ok = op != std::string::npos && op > 0 && eq != std::string::npos && (eq == op || eq == op + 1) &&
-              (eq == op || c.stop_at[op] != '=');
-    if (ok) {
-      char* end = nullptr;
-      const std::string number = c.stop_at.substr(eq + 1);
-      std::strtod(number.c_str(), &end);
-      ok = !number.empty() && end && *end == '\0';
-    }
-    check_user(ok, "--stop-at '" + c.stop_at + "' is not METRIC=VALUE, METRIC>=VALUE or METRIC<=VALUE.",
-               "e.g. --stop-at test_acc=0.93 or --stop-at test_loss<=0.3.");
-  }
+  parse_stop_rule(c.stop_at);  // the trainer reads the same parse (src/train/stop_rule.cpp)
+  check_user(c.inject_fault.empty() || std::regex_match(c.inject_fault, std::regex("[0-9]+:[0-9]+(:(segv|user|term))?")),
+             "--inject-fault '" + c.inject_fault + "' is not RANK:STEP or RANK:STEP:segv|user|term.",
+             "e.g. --inject-fault 1:30 (rank 1 fails after step 30); it is for testing restarts.");
   // Flags that would be accepted and do nothing.
   check_user(!c.was_given("momentum") || c.optimizer == "sgd",
              "--momentum applies to --optimizer sgd only; " + c.optimizer + " does not read it.",
@@ -379,7 +373,7 @@ std::string help_group(const std::string& group) {
 
 int help_rank(const std::string& group) {
   static const std::vector<std::string> order = {"task",   "data",   "model",        "optimisation", "distributed",
-                                                 "output", "speed (CUDA)", "bench"};
+                                                 "output", "speed (CUDA)", "bench", "testing"};
   const auto it = std::find(order.begin(), order.end(), help_group(group));
   return it == order.end() ? static_cast<int>(order.size()) : static_cast<int>(it - order.begin());
 }

@@ -123,6 +123,17 @@ TEST(Cli, ImpossibleValuesNameTheFlagAndValue) {
   }
 }
 
+// --inject-fault (for tests of restarts) takes RANK:STEP[:segv|user|term]
+// and nothing else: a typo must not run a job without its fault.
+TEST(Cli, InjectFaultIsRankStepAndAKind) {
+  for (const char* good : {"0:5", "3:12:segv", "1:2:user", "0:20:term"})
+    EXPECT_EQ(parse_args({"--inject-fault", good}).inject_fault, good);
+  for (const char* bad : {"5", "a:b", "-1:3", "0:-2", "0:3:kill", "0:3:term:x", "0:3x"}) {
+    auto e = error_of({"--inject-fault", bad});
+    EXPECT_NE(e.find(std::string("--inject-fault '") + bad + "' is not RANK:STEP"), std::string::npos) << e;
+  }
+}
+
 // Values that pass a sign check but cannot be meant: infinities (--lr inf
 // trained NaN weights into best.pt), a timeout no collective layer takes,
 // and negative weight decay or momentum (accepted silently before).
@@ -271,7 +282,7 @@ std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
   for (const auto& f : ddp::flag_table(defaults)) {
     const auto& v = j[f.key()];
     std::string word = v.is_string() ? v.get<std::string>() : v.dump();
-    if (word.empty()) word = f.key() == "stop-at" ? "test_acc=0.9" : "x";
+    if (word.empty()) word = f.key() == "stop-at" ? "test_acc=0.9" : f.key() == "inject-fault" ? "0:1" : "x";
     out.push_back({f, word});
   }
   return out;
@@ -357,7 +368,9 @@ TEST(Cli, VersionNamesDdptrainLibTorchCudaAndNccl) {
 TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
   namespace fs = std::filesystem;
   const std::regex literal(R"re("((?:[^"\\\n]|\\.)*)")re");
-  const std::regex flag_value(R"re(--([a-z][a-z0-9_-]+)(=|\s)?([^\s,;:)'"\]\\]*))re");
+  // A value runs to a space, comma, colon, ... but a colon inside it joins
+  // its parts (--inject-fault 1:30).
+  const std::regex flag_value(R"re(--([a-z][a-z0-9_-]+)(=|\s)?([^\s,;:)'"\]\\]*(?::[^\s,;:)'"\]\\]+)*))re");
   const std::regex number(R"re(-?[0-9.][0-9.eE+-]*(,[0-9]+)*)re");
   // Flags of other programs that messages mention (apt-get, torchrun, ctest, cmake).
   const std::set<std::string> others = {"reinstall", "nproc-per-node", "nproc_per_node", "rdzv-id", "no-python", "test-dir",
@@ -399,7 +412,8 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
                                std::holds_alternative<double*>(f->second.target);
           const bool looks_like_value =
               std::regex_match(value, number) ||
-              (!numeric && (value_words.count(value) || (!value.empty() && (value[0] == '/' || value[0] == '.'))));
+              (!numeric && (value_words.count(value) || value.find(':') != std::string::npos ||
+                           (!value.empty() && (value[0] == '/' || value[0] == '.'))));
           if (sep.empty() || !looks_like_value || (is_bool && sep != "=")) continue;
           ++checked;
           auto args = sep == "=" ? std::vector<std::string>{"--" + name + "=" + value}
@@ -560,6 +574,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
     if (f.key() == "node-rank") value = "0";  // any other is outside --nnodes
     if (f.key() == "stop-at") value = "test_acc=0.5";
     if (f.key() == "stop-at-acc") value = "0.5";
+    if (f.key() == "inject-fault") value = "0:1";
     if (f.key() == "val-split") value = "0.25";
     if (f.key() == "label-smoothing") value = "0.25";
     if (f.key() == "cpu-decode-share") value = "0.5";  // a share: the default, 1, plus 3 is out of range

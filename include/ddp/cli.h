@@ -115,6 +115,7 @@ struct Config {
   std::string checkpoint;           // `predict`: the checkpoint whose weights predict (e.g. RUN/best.pt)
   std::string split = "test";       // `predict`: train, test, or data of the kind --data_root takes
   std::string out;                  // `predict`: the file written, .csv or .npy
+  std::string inject_fault;         // testing: RANK:STEP[:segv|user|term], a failure in a job's first attempt
 
   /// Not a flag: the program these flags belong to (ddp::main() sets it),
   /// named in --help, errors and the commands a run prints.

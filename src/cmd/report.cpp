@@ -146,6 +146,19 @@ std::string run_report(const std::string& run_dir, const std::string& program) {
   } else {
     out << "             no epoch has finished yet\n";
   }
+  // With a validation split, test is evaluated once, on best.pt, at the end.
+  if (fs::exists(dir / "test.json")) {
+    const auto test = read_json(dir, "test.json");
+    const std::string on = test.value("checkpoint", "").empty()
+                               ? "the last weights"
+                               : "best.pt (epoch " + std::to_string(test.value("epoch", 0)) + ")";
+    out << "test         on " << on << ":";
+    for (const auto& [name, v] : test.items())
+      if (v.is_number() && name != "epoch")
+        out << "  " << name << " "
+            << (is_fraction_metric(name) ? fixed(100 * v.get<double>(), 2) + "%" : fixed(v.get<double>(), 4));
+    out << "\n";
+  }
   std::vector<std::string> checkpoints;
   for (const auto& e : fs::directory_iterator(dir))
     if (e.path().extension() == ".pt") checkpoints.push_back(e.path().filename().string());

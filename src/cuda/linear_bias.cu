@@ -65,35 +65,6 @@ __device__ __forceinline__ float gelu_grad(float dy, float h) {
   }
 }
 
-// y = gelu(h) with the exact GELU, 0.5 h (1 + erf(h / sqrt 2)) in fp32 as
-// ATen's at::gelu computes it, rounded to bf16: 8 values a thread per
-// access, four accesses in flight, over n8 groups of 8.
-__global__ void gelu_erf_kernel(const __nv_bfloat16* __restrict__ h, __nv_bfloat16* __restrict__ y, int64_t n8) {
-  constexpr float kInvSqrt2 = 0.70710678118654752440f;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  auto gelu8 = [&](float* v) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = v[k] * 0.5f * (1.f + erff(v[k] * kInvSqrt2));
-  };
-  for (; i + (kUnroll - 1) * stride < n8; i += kUnroll * stride) {
-    float v[kUnroll][kVec];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load8(h + (i + u * stride) * kVec, v[u]);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      gelu8(v[u]);
-      store8(y + (i + u * stride) * kVec, v[u]);
-    }
-  }
-  for (; i < n8; i += stride) {
-    float v[kVec];
-    load8(h + i * kVec, v);
-    gelu8(v);
-    store8(y + i * kVec, v);
-  }
-}
-
 // Where a thread's 8 columns come from. kPlain: dy's [M, C] rows. kGelu:
 // the same, through the GELU's backward against h, with dh written. kHeads:
 // the heads of up to three [B, H, T, D] tensors (any strides, D's 1), side by
@@ -292,31 +263,6 @@ std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at:
     launch<Src::kGelu, Gelu::kErf>(dy, h, dh, HeadParts{}, M, C, out);
   }
   return {dh, out};
-}
-
-bool gelu_erf_supported(const at::Tensor& h) {
-  return h.defined() && h.is_cuda() && h.scalar_type() == at::kBFloat16 && h.is_contiguous() &&
-         h.numel() % kVec == 0 && aligned(h);
-}
-
-at::Tensor gelu_erf(const at::Tensor& h, const at::Tensor& out_in) {
-  TORCH_CHECK(gelu_erf_supported(h), "gelu_erf: unsupported input ", h.sizes(), " ", h.scalar_type(),
-              " (a contiguous, 16-byte aligned bf16 CUDA tensor of a multiple of 8 values)");
-  TORCH_CHECK(!out_in.defined() || (gelu_erf_supported(out_in) && out_in.numel() == h.numel() &&
-                                    out_in.device() == h.device()),
-              "gelu_erf: out must be like h (", h.numel(), " bf16 values on ", h.device(), "), got ", out_in.sizes(),
-              " ", out_in.scalar_type());
-  c10::cuda::CUDAGuard guard(h.device());
-  auto out = out_in.defined() ? out_in : at::empty_like(h);
-  const int64_t n8 = h.numel() / kVec;
-  if (n8 == 0) return out;
-  const int per_sm = resident_blocks_per_sm(reinterpret_cast<const void*>(gelu_erf_kernel), kThreads, 0);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>(sms * std::max(per_sm, 1), (n8 + kThreads - 1) / kThreads);
-  gelu_erf_kernel<<<static_cast<int>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      as<__nv_bfloat16>(h), as_mut<__nv_bfloat16>(out), n8);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
 namespace {

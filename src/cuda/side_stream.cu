@@ -1,5 +1,6 @@
 // The side stream for backward work off the critical path (side_stream.h).
 #include "ddp/cuda/side_stream.h"
+#include "ddp/program.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -156,7 +157,7 @@ SideWork::~SideWork() {
       close();
     } catch (const std::exception& e) {
       // A destructor must not throw; callers that can take the error call close().
-      std::fprintf(stderr, "ddptrain: joining the side stream failed: %s\n", e.what());
+      std::fprintf(stderr, "%s: joining the side stream failed: %s\n", program_name(), e.what());
     }
     return;
   }
@@ -164,7 +165,7 @@ SideWork::~SideWork() {
     close();
   } catch (const std::exception& e) {
     // Unwinding from a failed backward: the error that matters is that one.
-    std::fprintf(stderr, "ddptrain: joining the side stream failed too: %s\n", e.what());
+    std::fprintf(stderr, "%s: joining the side stream failed too: %s\n", program_name(), e.what());
   }
 }
 

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ddp/cuda/image_resample.h"
+#include "ddp/program.h"
 #include "ddp/data/gpu_images.h"
 #include "ddp/error.h"
 
@@ -188,7 +189,7 @@ class GpuJpegStage : public DeviceStage {
     };
     if (!jpegs.empty() && !dec.announced) {
       dec.announced = true;
-      std::fprintf(stderr, "ddptrain: decoding JPEGs on GPU %d with nvJPEG (%s)\n", static_cast<int>(device.index()),
+      std::fprintf(stderr, "%s: decoding JPEGs on GPU %d with nvJPEG (%s)\n", program_name(), static_cast<int>(device.index()),
                    dec.hardware ? "hardware engine" : "CUDA decoder");
     }
     if (!jpegs.empty()) {

@@ -1,5 +1,6 @@
 // Scanning, splitting and decoding of image folders.
 #include "ddp/data/image_folder.h"
+#include "ddp/program.h"
 #include "ddp/data/subset.h"
 
 #include <algorithm>
@@ -195,9 +196,9 @@ torch::Tensor ImageFolderDataset::decode(int64_t index, int64_t rank, int64_t* l
       // files, so each reports what it met.
       if (first)
         std::fprintf(stderr,
-                     "ddptrain rank %lld: warning: skipping corrupt image %s; its samples use the next image "
+                     "%s rank %lld: warning: skipping corrupt image %s; its samples use the next image "
                      "that decodes (--strict-data makes this an error).\n",
-                     static_cast<long long>(rank), e.what());
+                     program_name(), static_cast<long long>(rank), e.what());
     }
   }
   throw UserError("none of the " + std::to_string(n) + " images of " + name_ + " decodes.",

@@ -1,5 +1,6 @@
 // Stop and crash signals of a worker (see signals.h).
 #include "ddp/dist/signals.h"
+#include "ddp/program.h"
 
 #include <dlfcn.h>
 #include <execinfo.h>
@@ -9,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstring>
 #include <cstdint>
 #include <cstdio>
 #include <ctime>
@@ -66,8 +68,9 @@ void print_address(const char* what, void* a) {
 }
 
 void on_crash(int sig, siginfo_t* info, void* context) {
-  static const char head[] = "ddptrain: worker crashed; native stack:\n";
-  if (write(STDERR_FILENO, head, sizeof(head) - 1) < 0) {}
+  static const char head[] = ": worker crashed; native stack:\n";
+  const char* name = program_name();
+  if (write(STDERR_FILENO, name, std::strlen(name)) < 0 || write(STDERR_FILENO, head, sizeof(head) - 1) < 0) {}
   print_address("fault address", info->si_addr);
 #if defined(__x86_64__)
   const auto* uc = static_cast<ucontext_t*>(context);

@@ -28,13 +28,6 @@ namespace {
 
 std::atomic<bool> g_fused_linear{false};
 
-// Whether mlp_gelu runs the exact GELU's MLP in one function
-// (use_exact_mlp_fn).
-std::atomic<bool> g_exact_mlp_fn{false};
-
-// mlp_gelu's blocks of rows (set_mlp_blocks; 0: kMlpBlocksByL2).
-std::atomic<int64_t> g_mlp_blocks{1};
-
 // [B, T, C] -> `parts` column blocks of [B, heads, T, C / (parts heads)]:
 // views, as the model's split, view and transpose give.
 std::vector<torch::Tensor> split_heads(const torch::Tensor& y, int64_t parts, int64_t heads) {
@@ -225,60 +218,25 @@ struct LinearHeadsFn : torch::autograd::Function<LinearHeadsFn> {
   }
 };
 
-// Rows [begin, end) of each block of a [rows, ..] tensor cut in mlp_blocks().
-std::vector<std::pair<int64_t, int64_t>> row_blocks(int64_t rows, int64_t width) {
-  int64_t n = g_mlp_blocks.load();
-  if (n == kMlpBlocksByL2) n = mlp_blocks_for_l2(rows, width, at::cuda::getCurrentDeviceProperties()->l2CacheSize);
-  n = std::min<int64_t>(n, std::max<int64_t>(rows, 1));
-  const int64_t step = (rows + n - 1) / n;
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (int64_t r = 0; r < rows; r += step) out.emplace_back(r, std::min(rows, r + step));
-  return out;
-}
-
-// z = gelu(x W1^T + b1) W2^T + b2 with the exact or the tanh GELU, x in bf16
-// (cast by the caller), the weights and biases the fp32 parameters, read
-// in bf16. Forward, tanh: the first matmul with cuBLASLt's GELU_AUX_BIAS
-// epilogue (it keeps pre = x W1^T + b1); exact: the matmul with its bias
-// epilogue, then the GELU's pass (cuda::gelu_erf), a block of rows at a
-// time (set_mlp_blocks: each block's pre-activation is read back from L2);
-// the second matmul as linear16. Backward: db2 = column
-// sums of g; dW2 = g^T y; dh = (g W2) * gelu'(pre): tanh, in the matmul's
-// DGELU epilogue, then db1, its column sums; exact, the matmul, then the
-// GELU's backward and db1 in one pass, a block of rows at a time; dW1 =
-// dh^T x; dx = dh W1. The weight and bias gradients in fp32, into their
-// slots where they have them. With b2_grad false (BiasGrad::kInTheAdd) b2
-// gets no gradient here.
+// z = gelu_tanh(x W1^T + b1) W2^T + b2, x in bf16 (cast by the caller), the
+// weights and biases the fp32 parameters, read in bf16. Forward: the first
+// matmul with cuBLASLt's GELU_AUX_BIAS epilogue (it keeps pre = x W1^T +
+// b1), the second as linear16. Backward: db2 = column sums of g; dW2 =
+// g^T y; dh = (g W2) * gelu'(pre) in the matmul's DGELU epilogue, then
+// db1, its column sums; dW1 = dh^T x; dx = dh W1. The weight and bias
+// gradients in fp32, into their slots where they have them. With b2_grad
+// false (BiasGrad::kInTheAdd) b2 gets no gradient here.
 struct MlpGeluFn : torch::autograd::Function<MlpGeluFn> {
   static torch::Tensor forward(AutogradContext* ctx, torch::Tensor x, torch::Tensor w1, torch::Tensor b1,
-                               torch::Tensor w2, torch::Tensor b2, bool tanh, bool b2_grad) {
+                               torch::Tensor w2, torch::Tensor b2, bool b2_grad) {
     const int64_t in = x.size(-1);
     auto x2 = x.reshape({-1, in}).contiguous();
     auto w1_16 = in_bf16(w1), w2_16 = in_bf16(w2), b1_16 = in_bf16(b1);
-    torch::Tensor y;
-    std::vector<torch::Tensor> pre;  // the pre-activation, by block of rows
-    if (tanh) {
-      auto r = cuda::linear_gelu_tanh(x2, w1_16, b1_16);
-      y = r[0];
-      pre.push_back(r[1]);
-    } else {
-      y = torch::empty({x2.size(0), w1.size(0)}, x2.options());
-      for (auto [r0, r1] : row_blocks(x2.size(0), w1.size(0))) {
-        pre.push_back(linear16(x2.slice(0, r0, r1), w1_16, b1_16).contiguous());
-        auto block = y.slice(0, r0, r1);
-        if (cuda::gelu_erf_supported(pre.back()) && cuda::gelu_erf_supported(block)) {
-          cuda::gelu_erf(pre.back(), block);
-        } else {
-          block.copy_(at::gelu(pre.back()));
-        }
-      }
-    }
+    auto r = cuda::linear_gelu_tanh(x2, w1_16, b1_16);
+    const torch::Tensor y = r[0], pre = r[1];  // the output and the pre-activation
     auto z = linear16(y, w2_16, in_bf16(b2));
-    std::vector<torch::Tensor> saved{x2, w1_16, w2_16, y, w1, b1, w2, b2};
-    saved.insert(saved.end(), pre.begin(), pre.end());
-    ctx->save_for_backward(saved);
+    ctx->save_for_backward({x2, w1_16, w2_16, y, w1, b1, w2, b2, pre});
     ctx->saved_data["b2_grad"] = b2_grad;
-    ctx->saved_data["tanh"] = tanh;
     auto sizes = x.sizes().vec();
     sizes.back() = w2.size(0);
     return z.view(sizes);
@@ -286,54 +244,34 @@ struct MlpGeluFn : torch::autograd::Function<MlpGeluFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto s = ctx->get_saved_variables();
     const auto &x2 = s[0], &w1_16 = s[1], &w2_16 = s[2], &y = s[3];
-    const auto &w1 = s[4], &b1 = s[5], &w2 = s[6], &b2 = s[7];
-    const std::vector<torch::Tensor> pre(s.begin() + 8, s.end());
+    const auto &w1 = s[4], &b1 = s[5], &w2 = s[6], &b2 = s[7], &pre = s[8];
     auto g = as_rows(grads[0], w2_16.size(0));
     torch::Tensor db2, dw2, dw1;
     if (ctx->needs_input_grad(4) && ctx->saved_data["b2_grad"].toBool())
       db2 = bias_grad(b2, g, torch::Tensor(), std::nullopt)[1];
     if (ctx->needs_input_grad(3)) dw2 = weight_grad(w2, g, y);
     if (!ctx->needs_input_grad(0) && !ctx->needs_input_grad(1) && !ctx->needs_input_grad(2))
-      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2, torch::Tensor(), torch::Tensor()};
+      return {torch::Tensor(), torch::Tensor(), torch::Tensor(), dw2, db2, torch::Tensor()};
     const auto b1_wanted = ctx->needs_input_grad(2) ? b1 : torch::Tensor();
     torch::Tensor dh, db1;
-    if (ctx->saved_data["tanh"].toBool()) {
-      // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in
-      // a column sum of its own), else the matmul, then one pass for both.
-      dh = cuda::matmul_gelu_tanh_backward(g, w2_16, pre[0]);
-      if (dh.defined()) {
-        if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
-      } else {
-        auto r = bias_grad(b1_wanted, mm16(g, w2_16), pre[0], cuda::Gelu::kTanh);
-        dh = r[0];
-        db1 = r[1];
-      }
+    // dh out of the matmul's epilogue where cuBLASLt has it (db1 then in a
+    // column sum of its own), else the matmul, then one pass for both.
+    dh = cuda::matmul_gelu_tanh_backward(g, w2_16, pre);
+    if (dh.defined()) {
+      if (b1_wanted.defined()) db1 = bias_grad(b1_wanted, dh, torch::Tensor(), std::nullopt)[1];
     } else {
-      // By the forward's blocks of rows: (g W2) for a block, then its GELU
-      // backward and column sums, which read that product back from L2.
-      // The first block's sums are db1 (bias_grad: its slot where it has
-      // one), the others' are added.
-      dh = torch::empty_like(y);
-      int64_t r0 = 0;
-      for (size_t i = 0; i < pre.size(); ++i) {
-        const int64_t r1 = r0 + pre[i].size(0);
-        auto dg = mm16(g.slice(0, r0, r1), w2_16);
-        if (i == 0) {
-          db1 = bias_grad(b1_wanted, dg, pre[i], cuda::Gelu::kErf, dh.slice(0, r0, r1))[1];
-        } else {
-          db1.add_(cuda::gelu_backward_column_sum(dg, pre[i], cuda::Gelu::kErf, {}, dh.slice(0, r0, r1))[1]);
-        }
-        r0 = r1;
-      }
+      auto r = bias_grad(b1_wanted, mm16(g, w2_16), pre, cuda::Gelu::kTanh);
+      dh = r[0];
+      db1 = r[1];
     }
-    if (ctx->needs_input_grad(1) && !dw1.defined()) dw1 = weight_grad(w1, dh, x2);
+    if (ctx->needs_input_grad(1)) dw1 = weight_grad(w1, dh, x2);
     torch::Tensor dx;
     if (ctx->needs_input_grad(0)) {
       auto sizes = grads[0].sizes().vec();
       sizes.back() = w1_16.size(1);
       dx = mm16(dh, w1_16).view(sizes);
     }
-    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2, torch::Tensor(), torch::Tensor()};
+    return {dx, dw1, ctx->needs_input_grad(2) ? db1 : torch::Tensor(), dw2, db2, torch::Tensor()};
   }
 };
 
@@ -448,14 +386,6 @@ torch::Tensor TiedEmbedding::head(const torch::Tensor& x) {
 }
 
 void use_fused_linear(bool on) { g_fused_linear.store(on); }
-void use_exact_mlp_fn(bool on) { g_exact_mlp_fn.store(on); }
-bool exact_mlp_fn_enabled() { return g_exact_mlp_fn.load(); }
-void set_mlp_blocks(int64_t blocks) { g_mlp_blocks.store(std::max<int64_t>(kMlpBlocksByL2, blocks)); }
-int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes) {
-  const int64_t bytes = rows * width * 2, half = std::max<int64_t>(l2_bytes / 2, 1);
-  return std::clamp<int64_t>((bytes + half - 1) / half, 1, std::max<int64_t>(rows, 1));
-}
-int64_t mlp_blocks() { return g_mlp_blocks.load(); }
 bool fused_linear_enabled() { return g_fused_linear.load(); }
 
 bool fused_linear_applies(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias) {
@@ -497,8 +427,8 @@ torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const to
 #ifdef DDP_WITH_CUDA_KERNELS
   if (fused_linear_applies(x, w1, b1) && x.numel() > 0 && x.size(-1) % 8 == 0 && b1.defined() && b2.defined() &&
       b2.scalar_type() == torch::kFloat && w2.dim() == 2 && w2.scalar_type() == torch::kFloat && w2.size(0) % 8 == 0 &&
-      w2.size(1) == w1.size(0) && (tanh || g_exact_mlp_fn.load()))
-    return MlpGeluFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, tanh, b2_grad == BiasGrad::kHere);
+      w2.size(1) == w1.size(0) && tanh)
+    return MlpGeluFn::apply(x.to(torch::kBFloat16), w1, b1, w2, b2, b2_grad == BiasGrad::kHere);
 #endif
   // linear_bias takes b2 itself (not detached: its bf16 copy is found by the
   // parameter) and leaves it no gradient under kInTheAdd.

@@ -14,12 +14,13 @@ torch::Tensor compute_loss(const torch::Tensor& output, const torch::Tensor& tar
     check_user(!target.is_floating_point(), "cross-entropy needs integer class indices; got a " +
                    std::string(c10::toString(target.scalar_type())) + " target with " + shapes + ".",
                "convert labels with .to(torch::kLong).");
-    auto logp = torch::log_softmax(output.to(torch::kFloat), 1);
-    auto nll = torch::nll_loss(logp, target);
-    if (o.label_smoothing() <= 0) return nll;
-    // Smoothed target: (1 - eps) on the label, eps spread over all classes.
-    auto uniform = -logp.mean(1).mean();
-    return (1 - o.label_smoothing()) * nll + o.label_smoothing() * uniform;
+    // ATen's op, as F.cross_entropy calls it: with label smoothing (1 - eps
+    // on the label, eps spread over the classes) its own order of sums, so
+    // that the loss and gradients are PyTorch's to the bit (eps times a mean
+    // of means rounded otherwise on batches of other sizes than 2^k).
+    namespace F = torch::nn::functional;
+    return F::cross_entropy(output.to(torch::kFloat), target,
+                            F::CrossEntropyFuncOptions().label_smoothing(o.label_smoothing()));
   }
   check_user(o.kind() == "mse" || o.kind() == "l1" || o.kind() == "huber", "loss '" + o.kind() + "' is not known.",
              "use cross-entropy, mse, l1 or huber.");

@@ -1,6 +1,7 @@
 // The training step: autocast, loss scaling, clipping, the flat optimizer,
 // and CUDA graph capture of the whole thing.
 #include "ddp/train/train_step.h"
+#include "ddp/program.h"
 
 #include <cstdio>
 #ifdef DDP_WITH_CUDA
@@ -165,7 +166,7 @@ void TrainStep::fall_back(const std::string& why) {
   graph_wanted_ = false;
   fallback_ = why;
   graph_.reset();
-  if (world_.is_main()) std::fprintf(stderr, "ddptrain: --cuda-graph: %s; running eager.\n", why.c_str());
+  if (world_.is_main()) std::fprintf(stderr, "%s: --cuda-graph: %s; running eager.\n", program_name(), why.c_str());
 }
 
 bool TrainStep::graphed() const { return graph_ && graph_->ready; }
@@ -331,8 +332,9 @@ bool TrainStep::try_capture(const data::Batch& batch) {
   at::autocast::set_autocast_cache_enabled(cache);
   torch::cuda::synchronize();
   g.ready = true;
-  if (world_.is_main()) std::fprintf(stderr, "ddptrain: --cuda-graph: captured the training step after %lld eager steps.\n",
-                                     static_cast<long long>(eager_steps_));
+  if (world_.is_main())
+    std::fprintf(stderr, "%s: --cuda-graph: captured the training step after %lld eager steps.\n", program_name(),
+                 static_cast<long long>(eager_steps_));
   return true;
 #else
   (void)batch;

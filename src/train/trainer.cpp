@@ -39,6 +39,7 @@
 #include "ddp/train/early_stopping.h"
 #include "ddp/train/flag_agreement.h"
 #include "ddp/train/fused_cross_entropy.h"
+#include "ddp/train/resume.h"
 #include "ddp/train/validation.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/fused_linear.h"
@@ -266,100 +267,23 @@ struct Trainer::EpochFeed {
 
 Trainer::~Trainer() = default;
 
-namespace {
-
-// This job's id, the same across restarts: ddptrain's launcher's, or the
-// rendezvous id torchrun gives (--standalone makes a fresh one); "" when
-// neither says.
-std::string job_id() {
-  if (const char* id = std::getenv("DDPTRAIN_JOB_ID"); id && *id) return id;
-  if (const char* id = std::getenv("TORCHELASTIC_RUN_ID"); id && *id && std::string(id) != "none")
-    return std::string("torchelastic-") + id;
-  return "";
-}
-
-int restart_attempt() {
-  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return attempt ? std::atoi(attempt) : 0;
-}
-
-// A run directory's job_id file: the id of the job that trains in it, then
-// the file name of the newest checkpoint that job saved there (none yet:
-// the directory may still hold checkpoints of the run it resumed, later
-// ones included, which are not this job's).
-struct JobRecord {
-  std::string id, checkpoint;
-};
-
-JobRecord read_job_record(const std::filesystem::path& dir) {
-  JobRecord r;
-  std::ifstream f(dir / "job_id");
-  if (f && std::getline(f, r.id)) std::getline(f, r.checkpoint);
-  return r;
-}
-
-void write_job_record(const std::string& dir, const JobRecord& r) {
-  write_file_atomic(dir + "/job_id", r.id + "\n" + (r.checkpoint.empty() ? "" : r.checkpoint + "\n"));
-}
-
-// The run directory whose job_id file names `id`, or "": the one --resume
-// names (a run resumed where it was moved to, out of --save_path), else one
-// under `save_path`.
-std::string job_run_dir(const std::string& save_path, const std::string& resume, const std::string& id) {
-  namespace fs = std::filesystem;
-  auto is_jobs = [&](const fs::path& dir) { return read_job_record(dir).id == id; };
-  std::error_code ec;
-  if (id.empty()) return "";
-  if (!resume.empty() && resume != "auto") {
-    const fs::path dir = fs::is_directory(resume, ec) ? fs::path(resume) : fs::path(run_dir_of(resume));
-    if (is_jobs(dir)) return dir.string();
-  }
-  if (!fs::is_directory(save_path, ec)) return "";
-  for (const auto& e : fs::directory_iterator(save_path, ec))
-    if (is_jobs(e.path())) return e.path().string();
-  return "";
-}
-
-}  // namespace
-
+// ddp::main chose the file once for this process (choose_resume_checkpoint)
+// and put it in --resume: for a restart, this job's own newest. Rank 0's
+// choice is every rank's. (A Trainer built without ddp::main may still be
+// given a run directory or auto, resolved here.)
 std::string Trainer::find_resume_checkpoint() {
-  // A restart (--max-restarts, or torchrun's) goes on from this job's own
-  // newest checkpoint, in the run directory this job wrote its id into;
-  // with none yet it starts again there. Never another run's under the
-  // same --save_path.
-  if (restart_attempt() > 0) {
-    std::string dir, path;
-    if (world_.is_main()) {
-      const std::string id = job_id();
-      dir = job_run_dir(config_.save_path, config_.resume, id);
-      if (!dir.empty()) {
-        // The newest checkpoint this job saved; none: as the first attempt
-        // began (--resume's file, or afresh in `dir`).
-        const std::string saved = read_job_record(dir).checkpoint;
-        if (!saved.empty() && is_checkpoint(dir + "/" + saved)) path = dir + "/" + saved;
-      } else if (id.empty() && config_.resume.empty()) {
-        path = find_latest_checkpoint(config_.save_path);
-        std::fprintf(stderr, "%s: warning: restart %d cannot tell this job's checkpoints from other runs' "
-                             "(no DDPTRAIN_JOB_ID or TORCHELASTIC_RUN_ID); resuming the newest under %s. Hint: "
-                             "give torchrun --rdzv-id, or a --save_path of the job's own.\n",
-                     config_.program.name.c_str(), restart_attempt(), config_.save_path.c_str());
-      }
-    }
-    restart_dir_ = world_.share_string("restart_dir", dir);
-    path = world_.share_string("resume_path", path);
-    if (!path.empty()) return path;
-    if (config_.resume.empty()) {
-      DDP_PRINT0(world_, "restart %d: this job saved no checkpoint yet; starting again%s%s\n", restart_attempt(),
-                 restart_dir_.empty() ? "" : " in ", restart_dir_.c_str());
-      return "";
-    }
-    restart_dir_.clear();  // the --resume given, as in the first attempt
-  }
-  if (config_.resume.empty()) return "";
-  // Rank 0 picks the file; every rank loads that one.
   std::string path = world_.share_string(
       "resume_path", world_.is_main() ? resume_checkpoint(config_.resume, config_.save_path) : "");
-  if (path.empty()) DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
+  if (restart_attempt() > 0 && path.empty()) {
+    // A restart before the job's first checkpoint starts again in the run
+    // directory the job made, if it made one.
+    restart_dir_ = world_.share_string("restart_dir",
+                                       world_.is_main() ? job_run_dir(config_.save_path, "", job_id()) : "");
+    DDP_PRINT0(world_, "restart %d: this job saved no checkpoint yet; starting again%s%s\n", restart_attempt(),
+               restart_dir_.empty() ? "" : " in ", restart_dir_.c_str());
+  } else if (path.empty() && !config_.resume.empty()) {
+    DDP_PRINT0(world_, "resume: no checkpoint under %s; starting fresh\n", config_.save_path.c_str());
+  }
   return path;
 }
 
@@ -955,14 +879,13 @@ std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std
 // --stop-at NAME=V reaches V in the monitor's direction, so a plain '='
 // is for the monitor only: another metric's direction is not known.
 void Trainer::check_stop_rule() const {
-  const std::string& rule = stop_rule_;
-  if (config_.stop_at.empty()) return;
-  const auto op = rule.find_first_of("<>=");
-  const std::string name = rule.substr(0, op), value = rule.substr(rule.find('=') + 1);
-  check_user(rule[op] != '=' || name == monitor_.metric,
-             "--stop-at " + rule + " gives no direction, and " + name + " is not the task's monitor (" +
+  const StopRule& rule = stop_rule_;
+  if (rule.empty()) return;
+  check_user(rule.way != StopRule::Way::kMonitors || rule.metric == monitor_.metric,
+             "--stop-at " + rule.str() + " gives no direction, and " + rule.metric + " is not the task's monitor (" +
                  monitor_.metric + ", where " + (monitor_.goal == Goal::kMax ? "higher" : "lower") + " is better).",
-             "say which way: --stop-at " + name + "<=" + value + " or --stop-at " + name + ">=" + value + ".");
+             "say which way: --stop-at " + rule.metric + "<=" + rule.value_text + " or --stop-at " + rule.metric +
+                 ">=" + rule.value_text + ".");
 }
 
 // Warm-up in steps: at least one when asked for (a fraction of an epoch
@@ -987,7 +910,7 @@ void Trainer::sanity_validation() {
   generators.restore();
   if (!validated) save_and_stop(run_dir_ + "/preempt.pt");  // the run as it starts (or resumed)
   const Metrics& metrics = *validated;
-  const std::string name = stop_rule_.substr(0, stop_rule_.find_first_of("<>="));
+  const std::string& name = stop_rule_.metric;
   if (name.empty() || metrics.count(name)) return;
   std::string names;
   for (const auto& [n, v] : metrics) names += (names.empty() ? "" : ", ") + n;
@@ -1000,13 +923,8 @@ void Trainer::sanity_validation() {
 }
 
 bool Trainer::reached_stop_at(const Metrics& metrics) const {
-  const std::string& rule = stop_rule_;
-  if (rule.empty()) return false;
-  // NAME>=V, NAME<=V, or NAME=V (reaching V in the monitor's direction).
-  const auto op = rule.find_first_of("<>=");
-  const std::string name = rule.substr(0, op);
-  const bool at_least = rule.compare(op, 2, ">=") == 0, at_most = rule.compare(op, 2, "<=") == 0;
-  const double target = std::stod(rule.substr(rule.find('=') + 1));
+  if (stop_rule_.empty()) return false;
+  const std::string& name = stop_rule_.metric;
   auto it = metrics.find(name);
   if (it == metrics.end()) {
     std::string names;
@@ -1014,8 +932,7 @@ bool Trainer::reached_stop_at(const Metrics& metrics) const {
     throw UserError("--stop-at names '" + name + "', which this task does not report (it reports " + names + ").",
                     "use one of those names, e.g. --stop-at " + monitor_.metric + "=VALUE.");
   }
-  const bool up = at_least || (!at_most && monitor_.goal == Goal::kMax);  // '=': the monitor (check_stop_rule)
-  return up ? it->second >= target : it->second <= target;
+  return stop_rule_.reached(it->second, monitor_.goal == Goal::kMax);
 }
 
 void Trainer::save_and_stop(const std::string& path) {
@@ -1026,11 +943,13 @@ void Trainer::save_and_stop(const std::string& path) {
 }
 
 // The flags that describe the job, without those of this one invocation
-// (--resume, --reschedule): what config.toml and checkpoints keep.
+// (--resume, --reschedule, --inject-fault): what config.toml and
+// checkpoints keep.
 Config Trainer::job_config() const {
   Config c = config_;
   c.resume.clear();
   c.reschedule = false;
+  c.inject_fault.clear();
   return c;
 }
 
@@ -1142,12 +1061,12 @@ void Trainer::print_choosing_split() const {
   if (data_.val)
     std::printf("choosing on: validation, %s (%lld samples): %s, best.pt%s; test (%lld samples) on best.pt at the end%s\n",
                 data_.val->name().c_str(), static_cast<long long>(data_.val->size()), monitor_.metric.c_str(),
-                stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_).c_str(),
+                stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_.str()).c_str(),
                 static_cast<long long>(data_.test->size()), config_.test_every_epoch ? " and every epoch" : "");
   else
     std::printf("choosing on: test (no validation split): %s, best.pt%s. Hint: --val-split 0.1 holds out 10%% of the "
                 "training set to choose on, and keeps test for reporting.\n",
-                monitor_.metric.c_str(), stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_).c_str());
+                monitor_.metric.c_str(), stop_rule_.empty() ? "" : (", --stop-at " + stop_rule_.str()).c_str());
   std::fflush(stdout);
 }
 

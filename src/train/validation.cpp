@@ -44,12 +44,15 @@ void add_validation_split(data::Splits& data, const Config& c) {
   if (data.val && !data.test) data.test = data::empty_like(data.val, "no test split");
 }
 
-std::string stop_rule_for_split(const Config& c, const std::string& prefix) {
-  std::string rule = c.stop_at;
-  if (rule.empty() && c.stop_at_acc > 0) rule = "test_acc>=" + std::to_string(c.stop_at_acc);
-  if (rule.empty()) return rule;
-  const auto op = rule.find_first_of("<>=");
-  return metric_for_split(rule.substr(0, op), prefix) + rule.substr(op);
+StopRule stop_rule_for_split(const Config& c, const std::string& prefix) {
+  StopRule rule = parse_stop_rule(c.stop_at);
+  if (rule.empty() && c.stop_at_acc > 0) {
+    std::ostringstream value;
+    value << c.stop_at_acc;
+    rule = {"test_acc", StopRule::Way::kAtLeast, c.stop_at_acc, value.str()};
+  }
+  if (!rule.empty()) rule.metric = metric_for_split(rule.metric, prefix);
+  return rule;
 }
 
 }  // namespace ddp

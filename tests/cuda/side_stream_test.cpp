@@ -84,9 +84,8 @@ TEST(SideStream, GptGradientsAreTheOneStreamsToTheBit_CUDA) {
   FusedLinearOn on;
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
-  for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 3}}) {
-    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu, blocks));
-    ddp::testing::MlpBlocks mlp_blocks(blocks);
+  for (auto gelu : {GptGelu::kTanh, GptGelu::kExact}) {
+    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu));
     const auto options = GptOptions().n_layer(2).n_head(8).n_embd(512).block_size(32).vocab_size(1024).gelu(gelu);
     torch::manual_seed(27);
     Gpt aside(options), inline_(options);

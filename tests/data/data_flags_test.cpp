@@ -179,9 +179,9 @@ TEST(ValSplit, MetricNamesTakeTheSplitsPrefix) {
   EXPECT_EQ(ddp::metric_for_split("val_acc", "test_"), "test_acc");
   EXPECT_EQ(ddp::metric_for_split("mae", "val_"), "val_mae");
   EXPECT_EQ(ddp::metric_for_split("test_loss", "test_"), "test_loss");
-  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at", "test_loss<=0.3"}), "val_"), "val_loss<=0.3");
-  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at-acc", "0.5"}), "val_").rfind("val_acc>=0.5", 0), 0u);
-  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({}), "val_"), "");
+  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at", "test_loss<=0.3"}), "val_").str(), "val_loss<=0.3");
+  EXPECT_EQ(ddp::stop_rule_for_split(parse_args({"--stop-at-acc", "0.5"}), "val_").str(), "val_acc>=0.5");
+  EXPECT_TRUE(ddp::stop_rule_for_split(parse_args({}), "val_").empty());
 }
 
 }  // namespace

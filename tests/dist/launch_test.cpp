@@ -72,10 +72,10 @@ TEST(Launcher, BadInputOnOneRankIsTheErrorPrinted) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("rank1_bad_input");
   auto r = run_process(train_args(dir, {"--model", "cnn", "--epochs", "1", "--train-samples", "640", "--test-samples",
-                                        "64", "--max-restarts", "1"}),
-                       {{"DDPTRAIN_FAIL_AT_STEP", "1:2:user"}}, 120);
+                                        "64", "--max-restarts", "1", "--inject-fault", "1:2:user"}),
+                       {}, 120);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
-  const std::string error = "injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank 1 at step 2";
+  const std::string error = "injected bad input (--inject-fault) on rank 1 at step 2";
   const auto at = r.output.find(error);
   EXPECT_NE(at, std::string::npos) << r.output;
   if (at != std::string::npos) {

@@ -168,10 +168,9 @@ TEST_P(MultiNodeFailure, StopsTheOtherNodeAndNamesTheRank) {
   const auto save = ddp::testing::temp_dir("mn_fail");
   // Long enough that only a failure ends it early.
   const std::vector<std::string> run{"--epochs", "50", "--train-samples", "4096", "--test-samples", "256",
-                                     "--log-every", "1"};
-  const std::map<std::string, std::string> env{{"DDPTRAIN_FAIL_AT_STEP", std::to_string(failed_rank) + ":5"}};
-  Child c0 = start_process(node_args(net, 0, port, save + "/0", run), env);
-  Child c1 = start_process(node_args(net, 1, port, save + "/1", run), env);
+                                     "--log-every", "1", "--inject-fault", std::to_string(failed_rank) + ":5"};
+  Child c0 = start_process(node_args(net, 0, port, save + "/0", run));
+  Child c1 = start_process(node_args(net, 1, port, save + "/1", run));
   Child& failing = failed_node == 0 ? c0 : c1;
   Child& other = failed_node == 0 ? c1 : c0;
 
@@ -184,7 +183,7 @@ TEST_P(MultiNodeFailure, StopsTheOtherNodeAndNamesTheRank) {
 
   const std::string cause = "rank " + std::to_string(failed_rank) + " exited with code 1 on node " +
                             std::to_string(failed_node);
-  EXPECT_NE(rf.output.find("injected failure (DDPTRAIN_FAIL_AT_STEP) at step 5"), std::string::npos) << both;
+  EXPECT_NE(rf.output.find("injected failure (--inject-fault) at step 5"), std::string::npos) << both;
   EXPECT_EQ(rf.exit_code, 1) << both;
   EXPECT_NE(rf.output.find("ddptrain: worker failed: " + cause), std::string::npos) << both;
   // The other node's launcher stops too, names the rank, and does so quickly
@@ -209,11 +208,10 @@ TEST(MultiNode, MaxRestartsRestartsEveryNode) {
   const int port = ddp::find_free_port();
   const auto save = ddp::testing::temp_dir("mn_restart");
   const std::vector<std::string> run{"--epochs", "1", "--train-samples", "1024", "--test-samples", "256",
-                                     "--max-restarts", "1"};
+                                     "--max-restarts", "1", "--inject-fault", "3:2"};
   // The injected failure fires in the first attempt only.
-  const std::map<std::string, std::string> env{{"DDPTRAIN_FAIL_AT_STEP", "3:2"}};
-  Child c0 = start_process(node_args(net, 0, port, save, run), env);
-  Child c1 = start_process(node_args(net, 1, port, save + "/1", run), env);
+  Child c0 = start_process(node_args(net, 0, port, save, run));
+  Child c1 = start_process(node_args(net, 1, port, save + "/1", run));
   ProcessResult r0 = finish_process(c0, 300), r1 = finish_process(c1, 60);
   const std::string both = r0.output + "\n--- node 1 ---\n" + r1.output;
   ASSERT_EQ(r0.exit_code, 0) << both;

@@ -1,7 +1,9 @@
-// ddptrain under a real torchrun (Debian's python3-torch, which
-// `./setup.sh --tests` installs): the README's command trains one job, and
+// ddptrain under a real torchrun (Debian's python3-torch 1.13, which
+// `./setup.sh --tests` installs, or the first torchrun on PATH, e.g. the CUDA
+// wheel's 2.x on the GPU machine): the README's command trains one job, and
 // bad input that every rank meets is printed once, not once per rank.
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
 #include <sstream>
 #include <thread>
@@ -18,7 +20,18 @@ namespace {
 
 using ddp::testing::run_process;
 
-constexpr const char* kTorchrun = "/usr/bin/torchrun";
+// Debian's torchrun if installed, else the first one on PATH ("" if none).
+const std::string& torchrun_exe() {
+  static const std::string exe = [] {
+    if (fs::exists("/usr/bin/torchrun")) return std::string("/usr/bin/torchrun");
+    const char* path = std::getenv("PATH");
+    std::istringstream dirs(path ? path : "");
+    for (std::string d; std::getline(dirs, d, ':');)
+      if (!d.empty() && fs::exists(d + "/torchrun")) return d + "/torchrun";
+    return std::string();
+  }();
+  return exe;
+}
 
 // The README's command. torchrun 1.13 spells its flags with underscores
 // only (2.x takes both). Debian's 1.13 on Python 3.11 cannot turn its default
@@ -27,7 +40,7 @@ constexpr const char* kTorchrun = "/usr/bin/torchrun";
 // redirected and teed (2), which it can; that also prefixes each line with
 // the rank.
 std::vector<std::string> torchrun(int ranks, std::vector<std::string> flags) {
-  std::vector<std::string> a{kTorchrun, "--nproc_per_node", std::to_string(ranks), "--master_port",
+  std::vector<std::string> a{torchrun_exe(), "--nproc_per_node", std::to_string(ranks), "--master_port",
                              std::to_string(ddp::find_free_port()), "--redirects", "2", "--tee", "2", "--no_python", DDPTRAIN_EXE,
                              "--backend", "gloo", "--progress", "plain", "--timeout", "60"};
   a.insert(a.end(), flags.begin(), flags.end());
@@ -39,7 +52,7 @@ using ddp::testing::count;
 #define SKIP_UNLESS_TORCHRUN()                                                                     \
   do {                                                                                             \
     DDP_SKIP_UNLESS_GLOO();                                                                        \
-    if (!fs::exists(kTorchrun)) GTEST_SKIP() << "no " << kTorchrun << " (./setup.sh --tests installs python3-torch)"; \
+    if (torchrun_exe().empty()) GTEST_SKIP() << "no torchrun (./setup.sh --tests installs python3-torch)"; \
   } while (0)
 
 // The README's `torchrun --nproc_per_node N --no_python ./build/ddptrain`.
@@ -75,10 +88,10 @@ TEST(Torchrun, BadInputOnOneRankIsTheOnlyErrorPrinted) {
   SKIP_UNLESS_TORCHRUN();
   const auto dir = ddp::testing::temp_dir("torchrun_one_bad");
   auto r = run_process(torchrun(2, {"--dataset", "synthetic", "--epochs", "1", "--train-samples", "512",
-                                    "--test-samples", "128", "--save_path", dir}),
-                       {{"DDPTRAIN_FAIL_AT_STEP", "1:1:user"}}, 240);
+                                    "--test-samples", "128", "--save_path", dir, "--inject-fault", "1:1:user"}),
+                       {}, 240);
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("injected bad input (DDPTRAIN_FAIL_AT_STEP) on rank 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("injected bad input (--inject-fault) on rank 1"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, ": error: "), 1u) << r.output;
 }
 
@@ -111,7 +124,7 @@ ddp::testing::ProcessResult run_as_written(std::vector<std::string> cmd, const s
     if (cmd[i].rfind("--nproc", 0) == 0) cmd[i + 1] = "2";
   for (auto& w : cmd)
     if (w.rfind("./build/", 0) == 0) w = program;
-  cmd[0] = kTorchrun;
+  cmd[0] = torchrun_exe();
   cmd.insert(cmd.begin() + 1, {"--master_port", std::to_string(ddp::find_free_port())});
   if (short_run) {
     for (const char* f : {"--backend", "gloo", "--progress", "plain", "--timeout", "60", "--epochs", "1",

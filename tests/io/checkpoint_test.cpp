@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <thread>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -37,6 +38,12 @@ std::vector<std::string> run_args(const std::string& save_path, std::vector<std:
   else a.insert(a.end(), {"--data_root", root});
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
+}
+
+// `args` with --inject-fault `fault` (RANK:STEP[:how]) added.
+std::vector<std::string> with_fault(std::vector<std::string> args, const std::string& fault) {
+  args.insert(args.end(), {"--inject-fault", fault});
+  return args;
 }
 
 using ddp::testing::find_file;
@@ -300,8 +307,8 @@ TEST(Resume, OnAnotherNumberOfRanksEqualsTheStraightRun) {
   // after epoch_1.pt, then resume on the other number of ranks.
   for (auto [from, to] : {std::pair<const char*, const char*>{"2", "1"}, {"1", "2"}}) {
     auto dir = ddp::testing::temp_dir(std::string("ranks_") + from + to);
-    auto first = run_process(run_args(dir, with({"--size", from, "--batch", from == std::string("2") ? "32" : "64"})),
-                             {{"DDPTRAIN_FAIL_AT_STEP", "0:33"}});
+    auto first = run_process(
+        with_fault(run_args(dir, with({"--size", from, "--batch", from == std::string("2") ? "32" : "64"})), "0:33"));
     ASSERT_NE(first.exit_code, 0) << first.output;
     ASSERT_FALSE(find_file(dir, "epoch_1.pt").empty()) << first.output;
     auto second = run_process({DDPTRAIN_EXE, "--resume", find_file(dir, "epoch_1.pt"), "--size", to});
@@ -331,7 +338,7 @@ TEST(Resume, OnAnotherNumberOfRanksEqualsTheStraightRun) {
 TEST(Launcher, CrashedWorkerPrintsItsStackAndIsNamed) {
   DDP_SKIP_UNLESS_GLOO();
   auto dir = ddp::testing::temp_dir("segv");
-  auto r = run_process(run_args(dir, kSmall), {{"DDPTRAIN_FAIL_AT_STEP", "1:3:segv"}});
+  auto r = run_process(with_fault(run_args(dir, kSmall), "1:3:segv"));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_LT(r.seconds, 60);
   EXPECT_NE(r.output.find("ddptrain: worker crashed; native stack:"), std::string::npos) << r.output;
@@ -380,7 +387,7 @@ TEST(Resume, MaxRestartsResumesFromLastCheckpoint) {
   // 3000 samples / 2 ranks / batch 64 = 24 steps per epoch: fail in epoch 2.
   auto args = kSmall;
   args.insert(args.end(), {"--save_epoch", "1", "--max-restarts", "1"});
-  auto r = run_process(run_args(restarted, args), {{"DDPTRAIN_FAIL_AT_STEP", "1:30"}});
+  auto r = run_process(with_fault(run_args(restarted, args), "1:30"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 exited with code 1; restart 1 of 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("injected failure"), std::string::npos);
@@ -404,7 +411,7 @@ TEST(Resume, RestartNeverResumesAnotherRunsCheckpoint) {
   auto args = one_epoch;
   args.insert(args.end(), {"--lr", "0.05", "--max-restarts", "1"});
   // 640 samples / 2 ranks / batch 64 = 5 steps an epoch: fail at step 2.
-  auto b = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "1:2"}});
+  auto b = run_process(with_fault(run_args(dir, args), "1:2"));
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
   EXPECT_EQ(b.output.find("resume: " + a_dir), std::string::npos) << b.output;
@@ -438,7 +445,7 @@ TEST(Resume, RestartOfAMovedRunGoesOnFromItsNewestCheckpoint) {
   // after this attempt saved epoch_2.pt in the moved directory.
   args = small;
   args.insert(args.end(), {"--epochs", "3", "--reschedule", "--resume", to + "/epoch_1.pt", "--max-restarts", "1"});
-  auto b = run_process(run_args(first, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:20"}});
+  auto b = run_process(with_fault(run_args(first, args), "0:20"));
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resume: " + to + "/epoch_2.pt"), std::string::npos) << b.output;
@@ -463,7 +470,7 @@ TEST(Resume, RestartOfARunResumedFromAnEarlierCheckpointIgnoresTheLaterOnes) {
   // before this job has saved anything.
   auto args = small;
   args.insert(args.end(), {"--resume", run + "/epoch_1.pt", "--max-restarts", "1"});
-  auto b = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:12"}});
+  auto b = run_process(with_fault(run_args(dir, args), "0:12"));
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
   EXPECT_EQ(b.output.find("resume: " + run + "/epoch_3.pt"), std::string::npos) << b.output;
@@ -476,11 +483,55 @@ TEST(Resume, RestartOfARunResumedFromAnEarlierCheckpointIgnoresTheLaterOnes) {
   EXPECT_EQ(metrics_jsonl(run).size(), 3u) << b.output;
 
   // Fail again, in epoch 3 (step 20), after this job saved epoch_2.pt.
-  auto c = run_process(run_args(dir, args), {{"DDPTRAIN_FAIL_AT_STEP", "0:20"}});
+  auto c = run_process(with_fault(run_args(dir, args), "0:20"));
   ASSERT_EQ(c.exit_code, 0) << c.output;
   EXPECT_NE(c.output.find("restart 1 of 1"), std::string::npos) << c.output;
   EXPECT_NE(c.output.find("resume: " + run + "/epoch_2.pt"), std::string::npos) << c.output;
   EXPECT_EQ(metrics_jsonl(run).size(), 3u) << c.output;
+}
+
+// --resume auto is resolved once, by the process that reads the flags, and
+// the file itself is handed to the ranks and their restarts: a restart goes
+// on from the file the job began with (here run A's epoch 2) even when
+// another run's checkpoint has become the newest under --save_path since.
+// (Each process resolved "auto" again: the restart resumed run O, its
+// flags and its weights.)
+TEST(Resume, ResumeAutoIsResolvedOnceAndARestartKeepsTheFile) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("resume_once");
+  // 2048 samples / batch 64 = 32 steps an epoch.
+  const std::vector<std::string> small{"--size", "1", "--train-samples", "2048", "--test-samples", "128",
+                                       "--save_epoch", "1", "--workers", "0"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto args = small;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_args(dir, args);
+  };
+  auto o = run_process(with({"--epochs", "1", "--lr", "0.07"}));
+  ASSERT_EQ(o.exit_code, 0) << o.output;
+  const std::string o_ckpt = find_file(dir, "epoch_1.pt"), o_dir = fs::path(o_ckpt).parent_path().string();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // a later file time for A's checkpoints
+  auto a = run_process(with({"--epochs", "2", "--lr", "0.02"}));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const std::string a_dir = fs::path(find_file(dir, "epoch_2.pt")).parent_path().string();
+  ASSERT_NE(a_dir, o_dir);
+  // Job J resumes A's epoch 2 (step 64) and fails at step 90, in epoch 3,
+  // before it saves anything; meanwhile O's checkpoint becomes the newest.
+  auto child = ddp::testing::start_process(
+      with({"--resume", "auto", "--epochs", "3", "--reschedule", "--max-restarts", "1", "--inject-fault", "0:90"}));
+  ASSERT_TRUE(ddp::testing::wait_for_output(child, "resume: " + a_dir + "/epoch_2.pt", 120))
+      << ddp::testing::read_file(child.log);
+  fs::last_write_time(o_ckpt, fs::file_time_type::clock::now() + std::chrono::seconds(5));
+  auto j = ddp::testing::finish_process(child, 240);
+  ASSERT_EQ(j.exit_code, 0) << j.output;
+  EXPECT_NE(j.output.find("restart 1 of 1"), std::string::npos) << j.output;
+  EXPECT_EQ(j.output.find("resume: " + o_dir), std::string::npos) << j.output;
+  const std::string from_a = "resume: " + a_dir + "/epoch_2.pt";
+  EXPECT_NE(j.output.find(from_a, j.output.find(from_a) + 1), std::string::npos)
+      << "the restart did not go on from A's epoch 2\n" << j.output;
+  EXPECT_EQ(metrics_jsonl(a_dir).size(), 3u) << j.output;
+  EXPECT_EQ(metrics_jsonl(o_dir).size(), 1u) << j.output;
+  EXPECT_NE(ddp::testing::read_file(a_dir + "/config.json").find("0.02"), std::string::npos);
 }
 
 // --max-restarts restarts a single process too (restarts live in the
@@ -488,9 +539,8 @@ TEST(Resume, RestartOfARunResumedFromAnEarlierCheckpointIgnoresTheLaterOnes) {
 TEST(Resume, MaxRestartsRestartsASingleProcess) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("restart_single");
-  auto r = run_process(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "512", "--test-samples", "128",
-                                      "--max-restarts", "1"}),
-                       {{"DDPTRAIN_FAIL_AT_STEP", "0:2"}});
+  auto r = run_process(with_fault(run_args(dir, {"--size", "1", "--epochs", "1", "--train-samples", "512", "--test-samples", "128",
+                                      "--max-restarts", "1"}), "0:2"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("injected failure"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("restart 1 of 1"), std::string::npos) << r.output;

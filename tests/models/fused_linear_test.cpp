@@ -31,12 +31,9 @@ namespace {
 
 using ddp::testing::FusedLayerNormOn;
 using ddp::testing::FusedLinearOn;
-using ddp::testing::MlpBlocks;
 
 TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_FALSE(fused_linear_enabled());
-  EXPECT_FALSE(exact_mlp_fn_enabled()) << "an experiment not yet run on a GPU";
-  EXPECT_EQ(mlp_blocks(), 1);
   FusedLinearOn on;
   torch::manual_seed(3);
   auto x = torch::randn({2, 3, 8}), w = torch::randn({16, 8}), b = torch::randn({16});
@@ -54,24 +51,6 @@ TEST(FusedLinear, OffByDefaultAndCpuTensorsTakeLibTorchsOps) {
   EXPECT_TRUE(torch::equal(heads[1], y.narrow(2, 8, 8).reshape({2, 3, 2, 4}).transpose(1, 2)));
   EXPECT_EQ(heads[1].sizes(), (std::vector<int64_t>{2, 2, 3, 4}));
   EXPECT_THROW(linear_heads(x, w, b, 3, 2), c10::Error);  // 16 rows are not 3 x 2 heads
-}
-
-// The exact MLP's blocks by L2: GPT-2's 16 x 1024 rows of 3072 (96 MiB of
-// bf16) in 4 blocks of at most 25 MiB on a 50 MiB L2 (an H100's), 1 for a
-// small MLP; never more blocks than rows.
-TEST(FusedLinear, MlpBlocksFitHalfTheL2) {
-  const int64_t mib = 1 << 20;
-  EXPECT_EQ(mlp_blocks_for_l2(16 * 1024, 3072, 50 * mib), 4);
-  EXPECT_EQ(mlp_blocks_for_l2(16 * 1024, 3072, 40 * mib), 5);  // an A100's 40 MiB
-  EXPECT_EQ(mlp_blocks_for_l2(256, 384, 50 * mib), 1);
-  EXPECT_EQ(mlp_blocks_for_l2(3, 1 << 20, 1 * mib), 3);
-  EXPECT_EQ(mlp_blocks_for_l2(0, 3072, 50 * mib), 1);
-  const int64_t before = mlp_blocks();
-  set_mlp_blocks(kMlpBlocksByL2);
-  EXPECT_EQ(mlp_blocks(), kMlpBlocksByL2);
-  set_mlp_blocks(-3);
-  EXPECT_EQ(mlp_blocks(), kMlpBlocksByL2);
-  set_mlp_blocks(before);
 }
 
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -128,38 +107,6 @@ TEST(FusedLinear, GeluBackwardMatchesATen_CUDA) {
       EXPECT_LE(rel_err(r[1], sums), 1e-5) << "the sums of the bf16 result it wrote";
     }
   }
-}
-
-// The exact GELU's forward against at::gelu: within one unit of bf16
-// rounding (the same formula in fp32; erf may round differently in the
-// last fp32 bit), into a block of rows of a larger tensor without touching
-// the rest; inputs it cannot take are refused.
-TEST(FusedLinear, GeluErfMatchesATen_CUDA) {
-  DDP_SKIP_UNLESS_CUDA();
-  const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  torch::manual_seed(9);
-  // GPT-2's MLP (16 x 1024 rows: the kernel's unrolled loop), smaller ones
-  // (its tail loop alone).
-  for (auto shape : std::vector<std::vector<int64_t>>{{16384, 3072}, {2048, 3072}, {3, 17, 64}, {1, 8}}) {
-    SCOPED_TRACE(::testing::PrintToString(shape));
-    auto h = (torch::randn(shape, opts) * 3).to(torch::kBFloat16);
-    auto got = cuda::gelu_erf(h);
-    auto want = at::gelu(h);
-    ASSERT_EQ(got.scalar_type(), torch::kBFloat16);
-    auto diff = (got.to(torch::kFloat) - want.to(torch::kFloat)).abs();
-    EXPECT_TRUE(diff.le(want.to(torch::kFloat).abs() * (1.0 / 128) + 1e-30).all().item<bool>())
-        << diff.max().item<double>();
-    if (h.numel() >= 1000) EXPECT_FALSE(torch::equal(got, at::gelu(h, "tanh"))) << "the exact GELU, not the tanh one";
-  }
-  auto big = torch::zeros({6, 64}, opts).to(torch::kBFloat16);
-  auto h = torch::randn({2, 64}, opts).to(torch::kBFloat16);
-  cuda::gelu_erf(h, big.slice(0, 2, 4));
-  EXPECT_TRUE(torch::equal(big.slice(0, 2, 4), cuda::gelu_erf(h)));
-  EXPECT_EQ(big.slice(0, 0, 2).abs().sum().item<float>(), 0.f);
-  EXPECT_EQ(big.slice(0, 4, 6).abs().sum().item<float>(), 0.f);
-  EXPECT_FALSE(cuda::gelu_erf_supported(torch::randn({4, 16}, opts)));                            // fp32
-  EXPECT_FALSE(cuda::gelu_erf_supported(torch::randn({3, 3}, opts).to(torch::kBFloat16)));        // 9 values
-  EXPECT_THROW(cuda::gelu_erf(h, torch::empty({3, 64}, opts).to(torch::kBFloat16)), c10::Error);  // out's size
 }
 
 // Attention's q, k and v gradients side by side with their column sums:
@@ -358,62 +305,50 @@ TEST(FusedLinear, LayersMatchLibTorchUnderAutocast_CUDA) {
   }
 }
 
-// The MLP in one function under bf16 autocast against LibTorch's linear,
-// gelu and linear: tanh (cuBLASLt's epilogues) and exact (the GELU's own
-// passes), the exact one whole, in 3 blocks of rows (86, 86 and 84 of 256)
-// and in the L2's (one, here). Outputs within bf16 rounding (tanh's
-// epilogue rounds the GELU of the fp32 sum once, LibTorch rounds the
-// pre-activation first), gradients within 2^-7 of the largest.
+// The tanh GELU's MLP in one function (cuBLASLt's epilogues) under bf16
+// autocast against LibTorch's linear, gelu and linear. Outputs within bf16
+// rounding (the epilogue rounds the GELU of the fp32 sum once, LibTorch
+// rounds the pre-activation first), gradients within 2^-7 of the largest.
 TEST(FusedLinear, MlpMatchesLibTorchUnderAutocast_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
   ASSERT_TRUE(cuda::gemm_gelu_available());
   FusedLinearOn on;
   const auto opts = torch::TensorOptions().device(torch::kCUDA, 0);
-  struct Case {
-    MlpGelu gelu;
-    int64_t blocks;
-  };
-  for (auto c : {Case{MlpGelu::kTanh, 1}, Case{MlpGelu::kExact, 1}, Case{MlpGelu::kExact, 3},
-                 Case{MlpGelu::kExact, kMlpBlocksByL2}}) {
-    const bool tanh = c.gelu == MlpGelu::kTanh;
-    SCOPED_TRACE(std::string(tanh ? "tanh" : "exact") + ", " + std::to_string(c.blocks) + " blocks");
-    MlpBlocks blocks(c.blocks);
-    torch::manual_seed(8);
-    auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
-    auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
-    auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
-    std::vector<torch::Tensor> ref;
-    for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
-    auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
-    torch::Tensor y, ry;
-    {
-      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-      y = mlp_gelu(x, w1, b1, w2, b2, c.gelu);
-      ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), tanh ? "tanh" : "none"), ref[3], ref[4]);
-    }
-    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
-    ASSERT_EQ(y.sizes(), ry.sizes());
-    ASSERT_TRUE(y.grad_fn());
-    EXPECT_NE(y.grad_fn()->name().find("MlpGeluFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
-    EXPECT_LE(rel_err(y, ry), 1.0 / 64);
-    (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-    (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-    const char* names[] = {"x", "w1", "b1", "w2", "b2"};
-    const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
-    for (size_t i = 0; i < got.size(); ++i) {
-      ASSERT_TRUE(got[i].grad().defined()) << names[i];
-      EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
-    }
-    EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
-    // Frozen weights and biases: the input's gradient alone, the same.
-    auto x2 = x.detach().clone().requires_grad_();
-    {
-      compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-      y = mlp_gelu(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach(), c.gelu);
-    }
-    (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
-    EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
+  torch::manual_seed(8);
+  auto x = torch::randn({4, 64, 96}, opts).requires_grad_();
+  auto w1 = (torch::randn({384, 96}, opts) * 0.1).requires_grad_(), b1 = torch::randn({384}, opts).requires_grad_();
+  auto w2 = (torch::randn({96, 384}, opts) * 0.05).requires_grad_(), b2 = torch::randn({96}, opts).requires_grad_();
+  std::vector<torch::Tensor> ref;
+  for (const auto& t : {x, w1, b1, w2, b2}) ref.push_back(t.detach().clone().requires_grad_());
+  auto g = torch::randn({4, 64, 96}, opts).to(torch::kBFloat16);
+  torch::Tensor y, ry;
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu(x, w1, b1, w2, b2, MlpGelu::kTanh);
+    ry = torch::linear(torch::gelu(torch::linear(ref[0], ref[1], ref[2]), "tanh"), ref[3], ref[4]);
   }
+  ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+  ASSERT_EQ(y.sizes(), ry.sizes());
+  ASSERT_TRUE(y.grad_fn());
+  EXPECT_NE(y.grad_fn()->name().find("MlpGeluFn"), std::string::npos) << "the fused MLP, not LibTorch's ops";
+  EXPECT_LE(rel_err(y, ry), 1.0 / 64);
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  (ry.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  const char* names[] = {"x", "w1", "b1", "w2", "b2"};
+  const std::vector<torch::Tensor> got{x, w1, b1, w2, b2};
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_TRUE(got[i].grad().defined()) << names[i];
+    EXPECT_LE(rel_err(got[i].grad(), ref[i].grad()), 1.0 / 128) << names[i];
+  }
+  EXPECT_EQ(b1.grad().scalar_type(), torch::kFloat);
+  // Frozen weights and biases: the input's gradient alone, the same.
+  auto x2 = x.detach().clone().requires_grad_();
+  {
+    compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
+    y = mlp_gelu(x2, w1.detach(), b1.detach(), w2.detach(), b2.detach(), MlpGelu::kTanh);
+  }
+  (y.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  EXPECT_LE(rel_err(x2.grad(), x.grad()), 1e-6) << "the same kernels on the same values";
 }
 
 // ATen ops dispatched while `fn` runs, by name.
@@ -442,8 +377,8 @@ std::map<std::string, int> ops_during(const std::function<void()>& fn) {
 // the flat buffer, read the step's bf16 copies of the weights, and give the
 // gradients, to the bit, that the same kernels give without the slots (with
 // casts and fresh tensors): the same fp32 matmuls on the same bf16 values.
-// Both GELUs: the exact one's MLP as two layers (the default) and in one
-// function (whole and in 3 blocks of rows). With the copies made, each
+// Both GELUs: the tanh one's MLP in one function, the exact one's as two
+// layers. With the copies made, each
 // forward casts the same tensors (no parameter: a cast more is a copy
 // missed).
 TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
@@ -452,11 +387,8 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
   FusedLayerNormOn ln_on;
   const torch::Device gpu(torch::kCUDA, 0);
   std::vector<int> casts;  // the second step's forward's, by case
-  for (auto [gelu, blocks] : {std::pair{GptGelu::kTanh, 1}, std::pair{GptGelu::kExact, 0},
-                              std::pair{GptGelu::kExact, 1}, std::pair{GptGelu::kExact, 3}}) {
-    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu, blocks));
-    std::optional<MlpBlocks> mlp_blocks;  // none: the default
-    if (blocks > 0) mlp_blocks.emplace(blocks);
+  for (auto gelu : {GptGelu::kTanh, GptGelu::kExact}) {
+    SCOPED_TRACE(ddp::testing::mlp_case_name(gelu));
     const auto options = GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(96).gelu(gelu);
     torch::manual_seed(21);
     Gpt model(options), plain(options);
@@ -497,7 +429,7 @@ TEST(FusedLinear, GptGradientsGoStraightIntoTheFlatBuffer_CUDA) {
           << p.key() << ": " << (got[p.key()].grad() - p.value().grad()).abs().max().item<double>();
     }
   }
-  ASSERT_EQ(casts.size(), 4u);
+  ASSERT_EQ(casts.size(), 2u);
   EXPECT_GT(casts[0], 0) << "the logits' cast, at least: the count is seen";
   for (size_t i = 1; i < casts.size(); ++i) EXPECT_EQ(casts[i], casts[0]) << "case " << i;
 }

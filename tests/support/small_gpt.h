@@ -31,25 +31,9 @@ struct FusedLayerNormOn {
   FusedLayerNormOn() { ddp::models::use_fused_layer_norm(true); }
   ~FusedLayerNormOn() { ddp::models::use_fused_layer_norm(false); }
 };
-/// mlp_gelu's exact MLP in one function (use_exact_mlp_fn), by `blocks`
-/// blocks of rows (set_mlp_blocks), for a scope.
-struct MlpBlocks {
-  explicit MlpBlocks(int64_t blocks) : before(ddp::models::mlp_blocks()), fn(ddp::models::exact_mlp_fn_enabled()) {
-    ddp::models::set_mlp_blocks(blocks);
-    ddp::models::use_exact_mlp_fn(true);
-  }
-  ~MlpBlocks() {
-    ddp::models::set_mlp_blocks(before);
-    ddp::models::use_exact_mlp_fn(fn);
-  }
-  int64_t before;
-  bool fn;
-};
-
-/// A trace's name for a GPT test's MLP: its GELU and, for `blocks` > 0, the
-/// exact MLP in one function by that many blocks (MlpBlocks); 0: as two
-/// layers, the default.
-std::string mlp_case_name(ddp::models::GptGelu gelu, int64_t blocks);
+/// A trace's name for a GPT test's MLP: its GELU (tanh: the MLP in one
+/// function; exact: two layers).
+std::string mlp_case_name(ddp::models::GptGelu gelu);
 
 /// `to`'s parameters set to `from`'s (a model of the same architecture).
 void copy_parameters(torch::nn::Module& from, torch::nn::Module& to);

@@ -226,6 +226,12 @@ TEST(Task, ValSplitChoosesBestPtAndTestIsEvaluatedOnIt) {
   EXPECT_FALSE(test.contains("val_loss"));
   EXPECT_NE(r.output.find("test on best.pt (epoch " + std::to_string(best + 1) + "):  test_loss"), std::string::npos)
       << r.output;
+  // `report` shows it: the one test result, apart from the epochs'.
+  const auto report = run_process({EXAMPLE_regression, "report", run});
+  ASSERT_EQ(report.exit_code, 0) << report.output;
+  EXPECT_NE(report.output.find("test         on best.pt (epoch " + std::to_string(best + 1) + "):"),
+            std::string::npos) << report.output;
+  EXPECT_NE(report.output.find("test_r2"), std::string::npos) << report.output;
 }
 
 // The carve depends on the seed alone, and evaluation counts each
@@ -306,7 +312,9 @@ TEST(Task, TabularExampleTrainsOnTwoRanksAndResumesBitExactlyAfterSigterm) {
   const std::string val_rows = read_file(straight + "/val.csv");
   EXPECT_EQ(std::count(val_rows.begin(), val_rows.end(), '\n'), 601) << "a header and the 600 validation rows";
 
-  auto b1 = run_process(cpu_run(EXAMPLE_tabular, split, common), {{"DDPTRAIN_FAIL_AT_STEP", "0:20:term"}});
+  auto interrupted = common;
+  interrupted.insert(interrupted.end(), {"--inject-fault", "0:20:term"});
+  auto b1 = run_process(cpu_run(EXAMPLE_tabular, split, interrupted));
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   EXPECT_NE(b1.output.find("stopped by a signal at step"), std::string::npos) << "not mid-epoch:\n" << b1.output;
   const auto at = b1.output.find("Resume: ");
@@ -893,6 +901,18 @@ TEST(Program, ErrorsNameTheProgram) {
   EXPECT_NE(pos(r.output, name + ": error: unknown flag '--epochz'"), std::string::npos) << r.output;
   EXPECT_NE(pos(r.output, "Run '" + name + " --help'"), std::string::npos) << r.output;
   EXPECT_EQ(pos(r.output, "ddptrain"), std::string::npos) << r.output;
+}
+
+// A crash names the program too: the handler's line is the program's, not
+// ddptrain's (it said "ddptrain: worker crashed").
+TEST(Program, ACrashNamesTheProgram) {
+  DDP_SKIP_UNLESS_GLOO();
+  const std::string name = file_name(EXAMPLE_two_inputs);
+  const auto dir = ddp::testing::temp_dir("program_crash");
+  auto r = run_process(cpu_run(EXAMPLE_two_inputs, dir, {"--size", "1", "--epochs", "1", "--inject-fault", "0:1:segv"}));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(pos(r.output, name + ": worker crashed; native stack:"), std::string::npos) << r.output;
+  EXPECT_EQ(pos(r.output, "ddptrain: worker crashed"), std::string::npos) << r.output;
 }
 
 // The start banner and `report` speak of the task's model and data (its

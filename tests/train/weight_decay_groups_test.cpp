@@ -124,13 +124,29 @@ TEST_P(FlatOptimizerNoDecay1d, DefaultMatchesOneGroupAndNotTheTwo) {
   EXPECT_GT(two, 1e-3) << GetParam() << ": decaying the 1-D parameters must show";
 }
 
-// The fused kernels, one call per weight decay; their arithmetic differs
-// from torch.optim's in the last bits.
+// On the GPU: the fused kernels, one call per weight decay. PyTorch's
+// reference ran on the CPU, and the GPU's forward and backward round
+// otherwise, which a few steps carry to ~1e-4 (sgd's 7.8e-5 on an H100,
+// 2026-12-07). So the tolerance is measured in the same run: the default
+// grouping against torch.optim's one group is that drift, as no grouping
+// is involved; the grouping must stay within a few times it, and the
+// reference of the other grouping must be well outside, or the check
+// could not tell them apart.
+void expect_grouping_on_gpu(const std::string& optimizer, Rule rule, const std::string& right,
+                            const std::string& wrong) {
+  const torch::Device gpu(torch::kCUDA, 0);
+  const double drift = against_pytorch(optimizer, Rule::kDecayAll, "one_group", gpu).all;
+  const double tolerance = std::max(5e-5, 3 * drift);
+  const double diff = against_pytorch(optimizer, rule, right, gpu).all;
+  const double other = against_pytorch(optimizer, rule, wrong, gpu).all;
+  ::testing::Test::RecordProperty("max_abs_diff", c10::str(diff));
+  EXPECT_LE(diff, tolerance) << optimizer << ": max abs diff " << diff << " (one group's drift " << drift << ")";
+  EXPECT_GT(other, 3 * tolerance) << optimizer << ": the other grouping's reference is too close to tell apart";
+}
+
 TEST_P(FlatOptimizerNoDecay1d, MatchesTwoParamGroupsOnGpu_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  const double diff = against_pytorch(GetParam(), Rule::kNoDecay1d, "two_groups", torch::Device(torch::kCUDA, 0)).all;
-  RecordProperty("max_abs_diff", c10::str(diff));
-  EXPECT_LE(diff, 5e-5) << GetParam() << ": max abs diff " << diff;
+  expect_grouping_on_gpu(GetParam(), Rule::kNoDecay1d, "two_groups", "one_group");
 }
 
 // The grouping is part of the state's layout: no_decay_1d needs GradSync's
@@ -182,9 +198,9 @@ TEST_P(FlatOptimizerNoDecay1d, DecayMatricesOnlyMatchesTorchOptimWithTheEmbeddin
 
 TEST_P(FlatOptimizerNoDecay1d, DecayMatricesOnlyOnGpu_CUDA) {
   DDP_SKIP_UNLESS_CUDA();
-  const double diff =
-      against_pytorch(GetParam(), Rule::kMatricesOnly, "matrices_only", torch::Device(torch::kCUDA, 0)).all;
-  EXPECT_LE(diff, 5e-5) << GetParam() << ": max abs diff " << diff;
+  // (The embedding's decay alone, two_groups' difference, is within the
+  // GPU's drift; the CPU test above tells those two apart.)
+  expect_grouping_on_gpu(GetParam(), Rule::kMatricesOnly, "matrices_only", "one_group");
 }
 
 // Parameters exempt by name sit in the 1-D buffers, a name the model lacks

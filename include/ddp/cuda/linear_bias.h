@@ -43,16 +43,6 @@ enum class Gelu { kErf, kTanh };
 std::vector<at::Tensor> gelu_backward_column_sum(const at::Tensor& dy, const at::Tensor& h, Gelu form = Gelu::kErf,
                                                  const at::Tensor& out = {}, const at::Tensor& dh_out = {});
 
-/// True where gelu_erf applies: a contiguous, 16-byte aligned bf16 CUDA
-/// tensor of a multiple of 8 values.
-bool gelu_erf_supported(const at::Tensor& h);
-
-/// The exact GELU's forward, at::gelu(h)'s formula in fp32, rounded to bf16,
-/// written into `out` where given (a tensor like h: a block of rows of a
-/// larger one). The exact MLP's pass that cuBLASLt's epilogues (tanh only)
-/// cannot do; by hand so that it can write into a slice.
-at::Tensor gelu_erf(const at::Tensor& h, const at::Tensor& out = {});
-
 /// The backward of splitting a projection into attention's heads, with its
 /// bias gradient: for parts (dq, dk, dv: 1 to 3 bf16 tensors [B, H, T, D] of
 /// one shape, any strides, D a multiple of 8) {g, db}, g = [B T, n H D]

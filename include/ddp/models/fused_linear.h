@@ -72,32 +72,12 @@ enum class MlpGelu { kExact, kTanh };
 /// function: the first matmul computes the bias and GELU in its epilogue,
 /// keeping the pre-activation (cuda/gemm_gelu.h), and the second's backward
 /// applies the GELU's derivative in its own. The exact GELU's MLP is
-/// linear_bias(linear_gelu(...)) unless use_exact_mlp_fn(true): then it is
-/// one function too, its GELU a pass of its own each way (cuda/linear_bias.h,
-/// the backward's with b1's sums), by blocks of rows (set_mlp_blocks).
+/// linear_bias(linear_gelu(...)). (One function for the exact GELU's MLP,
+/// its GELU a pass of its own each way, was an experiment never run on a
+/// GPU, removed: bench/RESULTS.md, session 31.)
 torch::Tensor mlp_gelu(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                        const torch::Tensor& b2, MlpGelu gelu, BiasGrad b2_grad = BiasGrad::kHere);
 
-/// Whether mlp_gelu runs the exact GELU's MLP in one function where the
-/// kernels apply. Process-wide; off by default: an experiment written on
-/// 2026-12-06 that has not run on a GPU (bench/RESULTS.md, session 29),
-/// reached by its tests only.
-void use_exact_mlp_fn(bool on);
-bool exact_mlp_fn_enabled();
-
-/// How many blocks of rows mlp_gelu's exact GELU runs in where the kernels
-/// apply: the first matmul and the GELU, then in the backward the second
-/// matmul's input gradient and the GELU's backward, a block at a time, so
-/// that each block is read back while still in L2. kMlpBlocksByL2 (0):
-/// mlp_blocks_for_l2 of the GPU's L2. Process-wide; 1 by default (part of
-/// use_exact_mlp_fn's experiment).
-constexpr int64_t kMlpBlocksByL2 = 0;
-void set_mlp_blocks(int64_t blocks);
-int64_t mlp_blocks();
-/// The fewest blocks of `rows` rows whose bf16 [block rows, width]
-/// pre-activation each fit in half of an L2 cache of `l2_bytes` (at least
-/// 1, at most rows).
-int64_t mlp_blocks_for_l2(int64_t rows, int64_t width, int64_t l2_bytes);
 
 /// The GPT's token embedding and its output head, which share one weight
 /// (GPT-2 ties them): embed(idx, pos) is weight[idx] + pos (pos: the

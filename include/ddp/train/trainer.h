@@ -19,6 +19,7 @@
 #include "ddp/io/metrics.h"
 #include "ddp/models/net.h"
 #include "ddp/train/lr_schedule.h"
+#include "ddp/train/stop_rule.h"
 #include "ddp/train/task.h"
 #include "ddp/train/train_step.h"
 #include "ddp/dist/world.h"
@@ -96,7 +97,7 @@ class Trainer {
   ModulePtr model_;
   Monitor monitor_;          // named as the choosing split reports it (val_* or test_*)
   std::string choosing_;     // that split's metric prefix: "val_" with a validation split, else "test_"
-  std::string stop_rule_;    // --stop-at (or --stop-at-acc) naming the choosing split's metric
+  StopRule stop_rule_;       // --stop-at (or --stop-at-acc) naming the choosing split's metric
   std::unique_ptr<TrainStep> step_;
   std::unique_ptr<LrSchedule> schedule_;
   TrainState state_;

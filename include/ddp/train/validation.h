@@ -14,6 +14,7 @@
 
 #include "ddp/cli.h"
 #include "ddp/data/dataset.h"
+#include "ddp/train/stop_rule.h"
 #include "ddp/train/task.h"
 
 namespace ddp {
@@ -36,7 +37,7 @@ Metrics with_split_prefix(const Metrics& metrics, const std::string& prefix);
 void add_validation_split(data::Splits& data, const Config& config);
 
 /// The --stop-at rule (or --stop-at-acc's) with its metric named as the
-/// choosing split reports it; "" when neither flag is given.
-std::string stop_rule_for_split(const Config& config, const std::string& prefix);
+/// choosing split reports it; empty when neither flag is given.
+StopRule stop_rule_for_split(const Config& config, const std::string& prefix);
 
 }  // namespace ddp
