@@ -962,6 +962,35 @@ TEST(Program, AugmentAppliesToImageDataOnly) {
   EXPECT_NE(pos(line, "rows"), std::string::npos) << line;
 }
 
+// A task that gives its own validation split (Splits::val from make_data)
+// chooses on it, as --val-split's carve does: the banner says so, the
+// epochs log val_*, test is evaluated on best.pt at the end; --val-split
+// beside it is an error that names both.
+TEST(Program, ATasksOwnValidationSplitChooses) {
+  DDP_SKIP_UNLESS_GLOO();
+  auto args = [](const std::string& dir) {
+    return std::vector<std::string>{DDP_TESTWORKER, "--rows-program", "--save_path", dir, "--size", "1", "--backend",
+                                    "gloo", "--progress", "plain", "--epochs", "2", "--workers", "0", "--own-val", "48"};
+  };
+  const auto dir = ddp::testing::temp_dir("rows_own_val");
+  auto r = run_process(args(dir));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(pos(r.output, "choosing on: validation, rows (48 samples): val_abs_error, best.pt; test (64 samples)"),
+            std::string::npos) << r.output;
+  const auto m = ddp::testing::metrics_jsonl(run_dir_of(dir));
+  ASSERT_EQ(m.size(), 2u);
+  EXPECT_EQ(m[1]["monitor"], "val_abs_error");
+  EXPECT_FALSE(m[1].contains("test_abs_error")) << m[1].dump();
+  const auto test = nlohmann::json::parse(read_file(run_dir_of(dir) + "/test.json"));
+  EXPECT_TRUE(test.contains("test_abs_error")) << test.dump();
+
+  auto both = args(ddp::testing::temp_dir("rows_own_val_and_carve"));
+  both.insert(both.end(), {"--val-split", "0.1"});
+  auto bad = run_process(both);
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(pos(bad.output, "but the task's make_data() gives its own (rows)"), std::string::npos) << bad.output;
+}
+
 // A task whose configure_optimizer exempts biases and its embedding from
 // weight decay (ddp::decay_matrices_only) resumes from a checkpoint to the
 // same numbers as the run that went straight on.

@@ -755,10 +755,13 @@ TORCH_MODULE(RowsNet);
 
 struct RowsTask : Task {
   RowsNet net{nullptr};
+  // --own-val N: the task gives its own validation split of N rows (0: none).
+  void add_flags(Config& c) override { c.add_flag("--own-val", "rows of the task's own validation split (0: none)", 0); }
   data::Splits make_data(const Config& c, World&) override {
     data::Splits s;
     s.train = std::make_shared<RowsDataset>(c.train_samples > 0 ? c.train_samples : 256, 1);
     s.test = std::make_shared<RowsDataset>(c.test_samples > 0 ? c.test_samples : 64, 2);
+    if (const int val = c.flag<int>("own-val"); val > 0) s.val = std::make_shared<RowsDataset>(val, 3);
     return s;
   }
   ModulePtr make_model(const Config&, const data::Splits&) override {
