@@ -991,6 +991,30 @@ TEST(Program, ATasksOwnValidationSplitChooses) {
   EXPECT_NE(pos(bad.output, "but the task's make_data() gives its own (rows)"), std::string::npos) << bad.output;
 }
 
+// With --ema, validation, best.pt and the final test all use the average:
+// test.json's numbers (evaluated on best.pt at the end) are those logged at
+// best.pt's epoch with --test-every-epoch. (The end's test once evaluated
+// best.pt's average averaged again.)
+TEST(Program, EmaTestOnBestIsTheAverageItChose) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("rows_ema_best");
+  auto r = run_process({DDP_TESTWORKER, "--rows-program", "--save_path", dir, "--size", "1", "--backend", "gloo",
+                        "--progress", "plain", "--epochs", "3", "--workers", "0", "--own-val", "48", "--ema", "0.5",
+                        "--test-every-epoch", "--lr", "1", "--schedule", "constant", "--sanity-val-steps", "0"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto m = ddp::testing::metrics_jsonl(run_dir_of(dir));
+  ASSERT_EQ(m.size(), 3u);
+  size_t best = 0;
+  for (size_t e = 1; e < m.size(); ++e)
+    if (m[e]["val_abs_error"].get<double>() < m[best]["val_abs_error"].get<double>()) best = e;
+  // An earlier epoch than the last, whose average the end's weights no longer hold.
+  ASSERT_LT(best + 1, m.size()) << "this learning rate no longer makes an earlier epoch the best";
+  const auto test = nlohmann::json::parse(read_file(run_dir_of(dir) + "/test.json"));
+  EXPECT_EQ(test["epoch"], best + 1);
+  EXPECT_NEAR(test["test_abs_error"].get<double>(), m[best]["test_abs_error"].get<double>(), 1e-9)
+      << "epochs: " << m[0].dump() << "\n" << m[1].dump() << "\n" << m[2].dump();
+}
+
 // A task whose configure_optimizer exempts biases and its embedding from
 // weight decay (ddp::decay_matrices_only) resumes from a checkpoint to the
 // same numbers as the run that went straight on.
