@@ -472,6 +472,10 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
     // built-in task is the one --task names (so it is parsed twice).
     Config defaults;
     defaults.program = info;
+    // A program of the user's reads its own data: ./data unless its task's
+    // add_flags() says otherwise (ddptrain's own default is Fashion-MNIST's
+    // Debian folder).
+    if (own_task) defaults.data_root = "data";
     std::optional<std::string> resume_from;  // --resume's file, chosen once
     if (!task) task = make_builtin_task(builtin_task_of(args, resume_from));
     task->add_flags(defaults);

@@ -878,6 +878,9 @@ TEST(Program, HelpIsTheProgramsOwn) {
   const std::string name = file_name(EXAMPLE_two_inputs);
   EXPECT_EQ(help.output.rfind(name + ": ", 0), 0u) << help.output;
   EXPECT_EQ(pos(help.output, "Fashion-MNIST"), std::string::npos) << help.output;
+  // Its data is its own, by default in ./data (not Fashion-MNIST's folder).
+  EXPECT_NE(pos(help.output, "--data_root,--data-root TEXT=data\n"), std::string::npos) << help.output;
+  EXPECT_EQ(pos(help.output, "/usr/share/datasets"), std::string::npos) << help.output;
   for (const char* unread : {"--task", "--model", "--dataset", "--loss", "--stem", "--val-root", "--image-size",
                              "--image-decode", "--cpu-decode-share", "--label-smoothing"})
     EXPECT_FALSE(lists_flag(help.output, unread)) << unread << "\n" << help.output;
