@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <cstdlib>
+#include <filesystem>
 #include <regex>
 #include <sstream>
 #include <type_traits>
@@ -37,7 +38,6 @@ std::string TaskFlag::key() const { return key_of(names); }
 
 std::vector<Flag> flag_table(Config& c) {
   constexpr OnResume kMayChange = OnResume::kMayChange;  // the rest: OnResume::kSame
-  constexpr OnResume kSame = OnResume::kSame;
   constexpr OnResume kNotRestored = OnResume::kNotRestored;
   constexpr AcrossRanks kPerNode = AcrossRanks::kPerNode;  // the rest: AcrossRanks::kMustAgree
   std::vector<Flag> table = {
@@ -52,12 +52,12 @@ std::vector<Flag> flag_table(Config& c) {
       {"--timeout", "seconds any collective may wait before the run fails, naming the rank", &c.timeout, {}, "launch", kNotRestored, kPerNode},
       {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kNotRestored},
 
-      {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data", kSame, kPerNode},
+      {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data", kMayChange, kPerNode},
       {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
       {"--cpu-decode-share", "imagefolder with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange, kPerNode},
-      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data", kSame, kPerNode},
+      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data", kMayChange, kPerNode},
       {"--val-split", "fraction of the training set held out as the validation split, which then chooses best.pt, the monitor and --stop-at (test is evaluated on best.pt at the end): seeded, the same on any number of ranks; imagefolder holds out this fraction of each class (default there 0.1, unless --val-root). 0: none, test chooses", &c.val_split, {}, "data"},
       {"--test-every-epoch", "with a validation split: also evaluate the test split every epoch (logged as test_*; it never chooses)", &c.test_every_epoch, {}, "data", kMayChange},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
@@ -546,6 +546,18 @@ bool assign(T* p, const nlohmann::json& v) {
   return true;
 }
 
+// A data folder given anew on resume, spelt with the run's trailing '/' or
+// without it, as the run had it: an image folder carves its validation
+// split by a hash of each path below the root as spelt ("data/" and "data"
+// differ by that '/', split_image_folder), so the same folder at a new
+// place keeps the run's split.
+void keep_trailing_slash(std::string& now, const std::string& saved) {
+  if (now.empty() || saved.empty()) return;
+  const bool slash = saved.back() == '/';
+  while (!slash && now.size() > 1 && now.back() == '/') now.pop_back();
+  if (slash && now.back() != '/') now += '/';
+}
+
 }  // namespace
 
 Config resumed_config(const Config& now, const nlohmann::json& saved, const std::string& checkpoint) {
@@ -568,6 +580,7 @@ Config resumed_config(const Config& now, const nlohmann::json& saved, const std:
       const std::string was = spelled(saved_table[i].target);
       if (f.on_resume == OnResume::kSame && differs)
         changed.push_back("--" + key + " " + spelled(f.target) + " (the run's: " + (was.empty() ? "''" : was) + ")");
+      if (key == "data_root" || key == "val-root") keep_trailing_slash(*std::get<std::string*>(f.target), was);
       continue;
     }
     // A restored --batch is not the user's: the trainer derives the per-rank
@@ -607,6 +620,36 @@ nlohmann::json config_to_json(const Config& config) {
   nlohmann::json j = nlohmann::json::object();
   for (auto& f : flag_table(c)) std::visit([&](auto* p) { j[f.key()] = *p; }, f.target);
   return j;
+}
+
+namespace {
+
+// `path` absolute and without "." or ".." steps, from this process's
+// working directory. Not canonical: a symbolic link the user named (a node's
+// own data link) stays. A trailing '/' stays as typed: an image folder
+// carves its validation split by the paths below the root as spelt
+// (split_image_folder), so "data/" must not become "data" or back.
+std::string absolute_path(const std::string& path) {
+  if (path.empty()) return path;
+  std::error_code ec;
+  const auto absolute = std::filesystem::absolute(path, ec);
+  if (ec) return path;
+  std::string out = absolute.lexically_normal().string();
+  const bool slash = path.back() == '/';
+  if (!slash && out.size() > 1 && out.back() == '/') out.pop_back();  // "data/." is "data"
+  if (slash && out.back() != '/') out += '/';                           // "data/x/../" is "data/"
+  return out;
+}
+
+}  // namespace
+
+Config with_absolute_paths(const Config& config) {
+  Config c = config;
+  // The flags that name files or folders. Not --split: it is a word
+  // (test, val, train) as often as a path, and only predict reads it.
+  for (std::string* path : {&c.data_root, &c.val_root, &c.pretrain, &c.save_path, &c.profile_trace, &c.checkpoint, &c.out})
+    *path = absolute_path(*path);
+  return c;
 }
 
 namespace {

@@ -591,4 +591,37 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
   }
 }
 
+// A run can move: its data folders may be given anew on resume (the
+// trainer checks that the data is the same, data/identity.h), and one not
+// given comes from the checkpoint. A new folder keeps the run's trailing
+// '/', which an image folder's validation carve hashes with the paths.
+TEST(CliResume, DataFoldersMayMoveAndKeepTheRunsTrailingSlash) {
+  const auto saved = ddp::config_to_json(
+      parse_args({"--dataset", "imagefolder", "--data_root", "/old/imgs/", "--val-root", "/old/val"}));
+  auto moved = ddp::resumed_config(parse_args({"--resume", "auto", "--data_root", "/new/imgs", "--val-root", "/new/val/"}),
+                                   saved, "run/epoch_1.pt");
+  EXPECT_EQ(moved.data_root, "/new/imgs/");
+  EXPECT_EQ(moved.val_root, "/new/val");
+  auto kept = ddp::resumed_config(parse_args({"--resume", "auto"}), saved, "run/epoch_1.pt");
+  EXPECT_EQ(kept.data_root, "/old/imgs/");
+  EXPECT_EQ(kept.val_root, "/old/val");
+  EXPECT_TRUE(kept.was_given("data_root"));
+}
+
+// What a run saves names its files absolutely, so that it resumes (or
+// repeats with --config) from any working directory; a folder's trailing
+// '/' stays, as above.
+TEST(CliResume, SavedPathsAreAbsoluteAndNormalised) {
+  const std::string cwd = std::filesystem::current_path().string();
+  auto c = ddp::with_absolute_paths(parse_args({"--data_root", "data/./fm/../fm", "--val-root", "val/", "--save_path",
+                                                "runs", "--pretrain", "/w/./a.pt", "--split", "test"}));
+  EXPECT_EQ(c.data_root, cwd + "/data/fm");
+  EXPECT_EQ(c.val_root, cwd + "/val/");
+  EXPECT_EQ(c.save_path, cwd + "/runs");
+  EXPECT_EQ(c.pretrain, "/w/a.pt");
+  EXPECT_EQ(c.split, "test");       // a word here, not a path
+  EXPECT_EQ(c.profile_trace, "");   // not given: nothing to resolve
+  EXPECT_EQ(ddp::with_absolute_paths(parse_args({"--data_root", "."})).data_root, cwd);
+}
+
 }  // namespace resume

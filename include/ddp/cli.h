@@ -156,7 +156,9 @@ using FlagTarget = std::variant<int*, double*, std::string*, bool*>;
 /// optimisation, seed), so the run's saved value is restored and a
 /// different value is refused. kMayChange: it does not change what is
 /// learnt (where and how fast the job runs, what it writes), so a value
-/// given now replaces the saved one. --batch and --epochs are kMayChange
+/// given now replaces the saved one. --data_root and --val-root are
+/// kMayChange: a run may find its data elsewhere, and the trainer checks
+/// that it is the same data (data/identity.h). --batch and --epochs are kMayChange
 /// here and checked by the trainer, which knows the world size and the
 /// schedule: the global batch must stay, and a schedule that depends on the
 /// run's length changes only with --reschedule. kNotRestored: where this
@@ -207,6 +209,11 @@ Config parse_cli(int argc, const char* const* argv, Config defaults = Config());
 Config resumed_config(const Config& now, const nlohmann::json& saved, const std::string& checkpoint);
 
 nlohmann::json config_to_json(const Config& config);
+/// `config` with the flags that name files or folders (--data_root,
+/// --val-root, --pretrain, --save_path, ...) absolute and normalised, as a
+/// run saves them: resumed (or repeated with --config) from another working
+/// directory, the run finds what it named.
+Config with_absolute_paths(const Config& config);
 /// The config as TOML that `--config FILE` reads back to the same values
 /// (written to each run directory as config.toml).
 std::string config_to_toml(const Config& config);

@@ -84,13 +84,12 @@ Config predict_config(const Config& now) {
   check_output_is_no_checkpoint(now.out, now.checkpoint);
   const auto saved = read_checkpoint_meta(now.checkpoint).config;
   // Flags that build the model or its data are the run's; a path may
-  // differ (the data on another machine).
+  // differ (the data on another machine: --data_root is not kSame).
   Config copy = now;
   const auto given = config_to_json(now);
   for (const auto& f : flag_table(copy)) {
     const std::string key = f.key();
-    if (f.on_resume != OnResume::kSame || !now.was_given(key) || !saved.contains(key) || key == "data_root" ||
-        key == "val-root" || saved[key] == given[key])
+    if (f.on_resume != OnResume::kSame || !now.was_given(key) || !saved.contains(key) || saved[key] == given[key])
       continue;
     throw UserError("--" + key + " " + given[key].dump() + " differs from the run's " + saved[key].dump() +
                         ": predict builds the model and data of the run that wrote " + now.checkpoint + ".",

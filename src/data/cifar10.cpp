@@ -8,6 +8,7 @@
 #include <fstream>
 #include <vector>
 
+#include "ddp/data/identity.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
 
@@ -71,7 +72,8 @@ Splits load_cifar10(const std::string& root, int64_t max_train, int64_t max_test
     labels.push_back(y);
   }
   auto [test_x, test_y] = read_cifar10_batch((fs::path(dir) / "test_batch.bin").string());
-  const torch::Tensor train_x = first_rows(torch::cat(images), max_train), train_y = first_rows(torch::cat(labels), max_train);
+  const torch::Tensor all_x = torch::cat(images), all_y = torch::cat(labels);
+  const torch::Tensor train_x = first_rows(all_x, max_train), train_y = first_rows(all_y, max_train);
 
   // Per-channel statistics of the training images, with exact integer sums.
   Splits splits;
@@ -93,9 +95,10 @@ Splits load_cifar10(const std::string& root, int64_t max_train, int64_t max_test
     splits.std.push_back(std::sqrt(std::max(var, 1e-12)));
   }
   splits.train = std::make_shared<ImageTensorDataset>(train_x, train_y, splits.mean, splits.std, kCifar10Classes,
-                                                      "cifar10 (train)");
+                                                      "cifar10 (train)", Fingerprint().add(all_x).add(all_y).hex());
   splits.test = std::make_shared<ImageTensorDataset>(first_rows(test_x, max_test), first_rows(test_y, max_test), splits.mean,
-                                                     splits.std, kCifar10Classes, "cifar10 (test)");
+                                                     splits.std, kCifar10Classes, "cifar10 (test)",
+                                                     Fingerprint().add(test_x).add(test_y).hex());
   return splits;
 }
 

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/data/identity.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
 
@@ -194,10 +195,13 @@ Splits load_mnist_like(const std::string& root, const std::string& name, int64_t
                images_path + " holds " + std::to_string(images.size(0)) + " images but " +
                    labels_path + " holds " + std::to_string(labels.size(0)) + " labels.",
                corrupt_hint(name));
+    // Of the files' contents, not their bytes on disk: the same data
+    // compressed or not (or copied elsewhere) keeps its fingerprint.
+    const std::string fingerprint = Fingerprint().add(images).add(labels).hex();
     return std::make_shared<ImageTensorDataset>(first_rows(images, max), first_rows(labels, max),
                                                 std::vector<double>{mean},
                                                 std::vector<double>{std}, kClasses,
-                                                name + " (" + split + ")");
+                                                name + " (" + split + ")", fingerprint);
   };
   Splits splits;
   splits.train = load("train", max_train, "train");

@@ -12,6 +12,7 @@
 #include <tuple>
 #include <utility>
 
+#include "ddp/data/identity.h"
 #include "ddp/data/image_codec.h"
 #include "ddp/error.h"
 
@@ -303,6 +304,21 @@ Batch ImageFolderDataset::get_batch(const std::vector<int64_t>& indices) const {
 Example ImageFolderDataset::get(int64_t index) const {
   Batch b = get_batch({index});
   return {b.input()[0], b.target()[0]};
+}
+
+std::string ImageFolderDataset::fingerprint() const {
+  Fingerprint f;
+  for (const auto& c : files_.classes) f.add(c);
+  // Every path starts with the root as scanned; what follows it, less the
+  // separator ("data" and "data/" spell one root), is where the file lies
+  // in the folder.
+  const size_t prefix = files_.root.size();
+  for (size_t i = 0; i < files_.paths.size(); ++i) {
+    const std::string& p = files_.paths[i];
+    const size_t from = std::min(p.find_first_not_of('/', prefix), p.size());
+    f.add(p.substr(from)).add(files_.labels[i]);
+  }
+  return f.hex();
 }
 
 std::vector<int64_t> ImageFolderDataset::input_shape() const {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ddp/data/counter_rng.h"
+#include "ddp/data/identity.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
 
@@ -172,10 +173,14 @@ Splits make_synthetic(int64_t n_train, int64_t n_test, uint64_t seed) {
   splits.mean = {mean};
   splits.std = {std};
   splits.synthetic = true;
-  splits.train = std::make_shared<ImageTensorDataset>(train_images, train_labels, splits.mean,
-                                                      splits.std, kClasses, "synthetic (train)");
-  splits.test = std::make_shared<ImageTensorDataset>(test_images, test_labels, splits.mean,
-                                                     splits.std, kClasses, "synthetic (test)");
+  // Of the images made, not of the parameters that made them: a resumed
+  // run of another ddptrain whose generator draws differently stops.
+  splits.train = std::make_shared<ImageTensorDataset>(train_images, train_labels, splits.mean, splits.std, kClasses,
+                                                      "synthetic (train)",
+                                                      Fingerprint().add(train_images).add(train_labels).hex());
+  splits.test = std::make_shared<ImageTensorDataset>(test_images, test_labels, splits.mean, splits.std, kClasses,
+                                                     "synthetic (test)",
+                                                     Fingerprint().add(test_images).add(test_labels).hex());
   return splits;
 }
 
@@ -199,6 +204,8 @@ class DiscRadiusDataset : public Dataset {
   }
   std::vector<int64_t> input_shape() const override { return {1, 28, 28}; }
   std::string name() const override { return name_; }
+  // Made per sample from (seed, index) alone: its parameters say it all.
+  std::string fingerprint() const override { return "disc-radius seed " + std::to_string(seed_); }
 
  private:
   int64_t size_;

@@ -10,11 +10,12 @@ namespace ddp::data {
 
 ImageTensorDataset::ImageTensorDataset(torch::Tensor images, torch::Tensor labels,
                                        std::vector<double> mean, std::vector<double> std,
-                                       int64_t num_classes, std::string name)
+                                       int64_t num_classes, std::string name, std::string fingerprint)
     : images_(images.contiguous()),
       labels_(labels.contiguous()),
       num_classes_(num_classes),
-      name_(std::move(name)) {
+      name_(std::move(name)),
+      fingerprint_(std::move(fingerprint)) {
   // The loaders in this module build these tensors, so a mismatch is a bug
   // in the caller, not a user mistake.
   TORCH_CHECK(images_.dim() == 4 && images_.scalar_type() == torch::kByte,

@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "ddp/data/counter_rng.h"
+#include "ddp/data/identity.h"
 #include "ddp/error.h"
 
 namespace fs = std::filesystem;
@@ -193,6 +194,14 @@ Batch TokenWindows::gather(const std::vector<int64_t>& starts) const {
     }
   }
   return Batch(input, target);  // every id is below the vocabulary (the constructor checked)
+}
+
+std::string TokenWindows::fingerprint() const {
+  // The count and evenly spread runs of the tokens, mapped or in memory:
+  // a few pages of a token file of any size.
+  constexpr int64_t kRun = 16;
+  const int64_t n = tokens_->size();
+  return Fingerprint().add(n).add_rows(tokens_->data(), n / kRun, kRun * sizeof(uint16_t)).hex();
 }
 
 Example TokenWindows::get(int64_t index) const {

@@ -193,9 +193,10 @@ void save_checkpoint(const std::string& path, const torch::nn::Module& model,
   // weights_only=True) does too: "ddptrain" (the JSON header as bytes),
   // "model/<name>", "optimizer/<name>" (with --ema also the weights' average,
   // "optimizer/ema/<name>"), "rng/cpu" and "rng/cuda".
-  const nlohmann::json header = {
+  nlohmann::json header = {
       {"format", kCheckpointFormat}, {"arch", meta.arch},         {"state", state_to_json(meta.state)},
       {"config", meta.config},         {"world_size", meta.world_size}};
+  if (!meta.data.is_null()) header["data"] = meta.data;
   NamedTensors tensors{{kHeader, string_tensor(header.dump())}};
   for (const auto& p : model.named_parameters()) tensors.emplace_back("model/" + p.key(), p.value());
   for (const auto& b : model.named_buffers()) tensors.emplace_back("model/" + b.key(), b.value());
@@ -235,6 +236,7 @@ CheckpointMeta meta_of(const std::string& path, const std::map<std::string, torc
   meta.state = state_from_json(h.value("state", nlohmann::json::object()));
   meta.config = h.value("config", nlohmann::json::object());
   meta.world_size = h.value("world_size", 0);
+  if (h.contains("data")) meta.data = h["data"];
   return meta;
 }
 

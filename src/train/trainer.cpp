@@ -27,6 +27,7 @@
 #endif
 #include "ddp/data/device_feeder.h"
 #include "ddp/data/gpu_images.h"  // gpu_decode_chosen
+#include "ddp/data/identity.h"
 #include "ddp/data/loader.h"
 #include "ddp/data/sampler.h"
 #include "ddp/data/transforms.h"
@@ -198,6 +199,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && (data_.test || data_.val), "make_data() returned no train, or no test and no validation dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
+  data_identity_ = data::data_identity(data_, {config_.data_root, config_.val_root});
   note_fewer_samples_than_asked();  // of the data as it came: --train-samples counts before the carve
   add_validation_split(data_, config_);
   choosing_ = data_.val ? kValPrefix : kTestPrefix;
@@ -229,6 +231,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   //    them. A resumed run keeps its global batch on any number of ranks,
   //    and its schedule's length unless --reschedule.
   const CheckpointMeta saved = resume_from.empty() ? CheckpointMeta{} : read_checkpoint_meta(resume_from);
+  if (!resume_from.empty()) check_same_data(saved, resume_from);  // first: other data fails the checks below too
   keep_global_batch(saved);
   const int64_t per_rank = DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
   const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
@@ -307,6 +310,24 @@ void Trainer::keep_global_batch(const CheckpointMeta& saved) {
   check_user(config_.batch * ranks == global,
              "--batch " + std::to_string(config_.batch) + " on " + std::to_string(ranks) + " rank(s) changes the run's global batch " + was + ".",
              "drop --batch: a resumed run sets the per-rank batch to keep the global one.");
+}
+
+// A resumed run may read its data from elsewhere (--data_root and --val-root
+// may change), but not other data: the checkpoint's weights, optimizer and
+// sampler position belong to the samples it trained on. Checked before
+// anything is loaded or written. A checkpoint from before the record has
+// none, and resumes unchecked as it always did.
+void Trainer::check_same_data(const CheckpointMeta& saved, const std::string& checkpoint) const {
+  const std::string difference = data::data_difference(saved.data, data_identity_);
+  if (difference.empty()) return;
+  auto saved_flag = [&](const char* key) {
+    return saved.config.contains(key) && saved.config[key].is_string() ? saved.config[key].get<std::string>() : "";
+  };
+  const std::string root = saved_flag("data_root"), val_root = saved_flag("val-root");
+  throw UserError("checkpoint " + checkpoint + " trained on other data than this run reads: " + difference + ".",
+                  "pass the --data_root" + std::string(val_root.empty() ? "" : " and --val-root") +
+                      " the run trained on (" + root + (val_root.empty() ? "" : ", " + val_root) +
+                      ") or a copy of that data, or start a new run without --resume.");
 }
 
 // More (or fewer) --epochs stretch a schedule that depends on the run's
@@ -946,7 +967,7 @@ void Trainer::save_and_stop(const std::string& path) {
 // (--resume, --reschedule, --inject-fault): what config.toml and
 // checkpoints keep.
 Config Trainer::job_config() const {
-  Config c = config_;
+  Config c = with_absolute_paths(config_);  // a run resumed from another directory finds its files
   c.resume.clear();
   c.reschedule = false;
   c.inject_fault.clear();
@@ -956,6 +977,7 @@ Config Trainer::job_config() const {
 CheckpointMeta Trainer::meta() const {
   CheckpointMeta m{state_, task_.arch(), config_to_json(job_config())};
   m.world_size = world_.size();
+  m.data = data_identity_;
   return m;
 }
 

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+#include <zlib.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -239,6 +240,33 @@ void write_sales_csvs(const std::string& dir, int train_rows, int test_rows) {
       std::fprintf(f, "%d,%.6g\n", store, sales);
     }
     std::fclose(f);
+  }
+}
+
+void write_mnist_like(const std::string& dir, int n_train, int n_test, unsigned seed, bool gz) {
+  std::filesystem::create_directories(dir);
+  auto put = [&](const std::string& name, const std::string& bytes) {
+    const std::string path = dir + "/" + name + (gz ? ".gz" : "");
+    if (!gz) {
+      std::ofstream(path, std::ios::binary) << bytes;
+      return;
+    }
+    gzFile f = gzopen(path.c_str(), "wb");
+    if (!f || gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) != static_cast<int>(bytes.size()))
+      throw std::runtime_error("cannot write " + path);
+    gzclose(f);
+  };
+  auto be32 = [](uint32_t v) { return std::string{char(v >> 24), char(v >> 16), char(v >> 8), char(v)}; };
+  for (const auto& [prefix, n] : {std::pair<std::string, int>{"train", n_train}, {"t10k", n_test}}) {
+    // A stream per split: the same seed gives the same test split beside
+    // training sets of any size.
+    std::seed_seq seeds{seed, prefix == "train" ? 0u : 1u};
+    std::mt19937 random(seeds);
+    std::string images = be32(2051) + be32(n) + be32(28) + be32(28), labels = be32(2049) + be32(n);
+    for (int i = 0; i < n * 784; ++i) images += static_cast<char>(random() & 0xff);
+    for (int i = 0; i < n; ++i) labels += static_cast<char>(random() % 10);
+    put(prefix + "-images-idx3-ubyte", images);
+    put(prefix + "-labels-idx1-ubyte", labels);
   }
 }
 

@@ -91,6 +91,12 @@ std::unique_ptr<ddp::World> one_rank_world(bool cuda = false);
 /// among them) and on the store (12 of them), with a little noise.
 void write_sales_csvs(const std::string& dir, int train_rows, int test_rows);
 
+/// MNIST-shaped data for --dataset mnist (or auto): DIR's four IDX files of
+/// n_train and n_test 28 x 28 images of random pixels and labels 0..9, drawn
+/// from `seed` (each split its own draws: the test split does not depend on
+/// n_train); raw files, or gzip-compressed (.gz) with `gz`.
+void write_mnist_like(const std::string& dir, int n_train, int n_test, unsigned seed, bool gz = false);
+
 }  // namespace ddp::testing
 
 /// Tests that need CPU ranks (Gloo) skip in NCCL-only builds.

@@ -104,6 +104,14 @@ class Dataset {
   virtual int64_t num_classes() const { return 0; }
   /// Shown in logs, e.g. "fashion-mnist (train)".
   virtual std::string name() const { return "dataset"; }
+  /// A short text that changes when the data does, kept in checkpoints: a
+  /// resumed run whose data has another fingerprint (or name, or size) stops
+  /// before training (data/identity.h). It must be cheap (file sizes, a
+  /// header, a hash of a file list or of a few samples; never every sample)
+  /// and the same on every start with the same data, wherever it lies: so
+  /// no path, time or random draw. "" (the default): not compared, only the
+  /// name and size are.
+  virtual std::string fingerprint() const { return ""; }
 };
 
 using DatasetPtr = std::shared_ptr<const Dataset>;

@@ -118,6 +118,11 @@ class ImageFolderDataset : public Dataset {
   std::vector<int64_t> input_shape() const override;
   int64_t num_classes() const override { return static_cast<int64_t>(files_.classes.size()); }
   std::string name() const override { return name_; }
+  /// A hash of the class names and of each file's path below the root and
+  /// label, in order: what the scan found, without reading a file. The
+  /// same folder elsewhere (or spelt otherwise) keeps it; a file added,
+  /// removed or renamed changes it.
+  std::string fingerprint() const override;
 
   /// With gpu_decode, the stage that decodes and transforms on the device.
   /// Made on first use; UserError if this build has no nvJPEG.

@@ -19,8 +19,10 @@ class ImageTensorDataset : public Dataset {
  public:
   /// images: uint8 N x C x H x W; labels: int64 N, each in [0, num_classes).
   /// mean and std have one entry per channel, on the 0..1 pixel scale.
+  /// `fingerprint`: of the source the loader read (Dataset::fingerprint).
   ImageTensorDataset(torch::Tensor images, torch::Tensor labels, std::vector<double> mean,
-                     std::vector<double> std, int64_t num_classes, std::string name);
+                     std::vector<double> std, int64_t num_classes, std::string name,
+                     std::string fingerprint = "");
 
   int64_t size() const override { return images_.size(0); }
   /// Input is float32 C x H x W, ((pixel / 255) - mean) / std; target int64.
@@ -29,6 +31,7 @@ class ImageTensorDataset : public Dataset {
   std::vector<int64_t> input_shape() const override;
   int64_t num_classes() const override { return num_classes_; }
   std::string name() const override { return name_; }
+  std::string fingerprint() const override { return fingerprint_; }
 
   /// The raw bytes and labels, e.g. for tests and statistics.
   const torch::Tensor& images() const { return images_; }
@@ -41,6 +44,7 @@ class ImageTensorDataset : public Dataset {
   torch::Tensor mean_, std_;  // float32 C x 1 x 1, broadcast over H x W
   int64_t num_classes_;
   std::string name_;
+  std::string fingerprint_;
 };
 
 /// Named tensors held in memory, one sample per row: tabular data (from

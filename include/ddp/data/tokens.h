@@ -116,6 +116,7 @@ class TokenWindows : public Dataset {
   /// The vocabulary: next-token prediction has one class per token id.
   int64_t num_classes() const override { return o_.vocab_size(); }
   std::string name() const override { return o_.name(); }
+  std::string fingerprint() const override;
 
   /// Where window `index` starts in the token buffer, for this seed and
   /// epoch (training), or at index * context (validation).

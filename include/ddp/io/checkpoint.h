@@ -57,6 +57,7 @@ struct CheckpointMeta {
   std::string arch;         // e.g. "resnet18/small/1x28x28/10"
   nlohmann::json config;
   int world_size = 0;       // ranks of the run that wrote it (0: not recorded)
+  nlohmann::json data = nullptr;  // what identifies its data (data/identity.h); null: not recorded
 };
 
 /// Named tensors: a part's state inside a checkpoint.

@@ -81,6 +81,7 @@ class Trainer {
   bool patience_run_out_on_rank_0(double monitored);
   void save_top_k(int64_t epoch, double monitored);
   void keep_global_batch(const CheckpointMeta& saved);
+  void check_same_data(const CheckpointMeta& saved, const std::string& checkpoint) const;
   void hint_if_slow(int64_t batches_done, int64_t batches_per_epoch, double seconds);
   void hint_if_data_bound(int64_t epoch, double wait_share, int64_t samples);
   void warn_if_not_finite(int64_t epoch, const Metrics& metrics);
@@ -94,6 +95,7 @@ class Trainer {
   World& world_;
   Task& task_;
   data::Splits data_;
+  nlohmann::json data_identity_;  // of the splits as make_data() gave them (data/identity.h), saved in checkpoints
   ModulePtr model_;
   Monitor monitor_;          // named as the choosing split reports it (val_* or test_*)
   std::string choosing_;     // that split's metric prefix: "val_" with a validation split, else "test_"
