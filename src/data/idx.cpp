@@ -60,6 +60,24 @@ size_t gzip_size_hint(const std::string& path) {
   return std::min<size_t>(size, size_t{1} << 30);  // a corrupt trailer must not exhaust memory
 }
 
+// Once `bytes` holds an IDX header (magic, then one 32-bit size per
+// dimension): lowers `limit` to one byte past the file it promises, and
+// returns true; false while the header is incomplete.
+bool idx_promise(const std::string& bytes, size_t& limit) {
+  if (bytes.size() < 4) return false;
+  const size_t ndim = static_cast<unsigned char>(bytes[3]);
+  const size_t header = 4 + 4 * ndim;
+  if (bytes.size() < header) return false;
+  uint64_t promised = 1;
+  for (size_t d = 0; d < ndim; ++d) {
+    const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + 4 + 4 * d;
+    const uint64_t dim = (uint64_t{p[0]} << 24) | (uint64_t{p[1]} << 16) | (uint64_t{p[2]} << 8) | uint64_t{p[3]};
+    if (__builtin_mul_overflow(promised, dim, &promised)) return true;  // parse() refuses it
+  }
+  if (promised < limit - header) limit = header + static_cast<size_t>(promised);
+  return true;
+}
+
 // The whole file, decompressed if its name ends in .gz.
 std::string read_all(const std::string& path, const std::string& hint) {
   if (!ends_with(path, ".gz")) {
@@ -72,17 +90,39 @@ std::string read_all(const std::string& path, const std::string& hint) {
   std::unique_ptr<gzFile_s, int (*)(gzFile)> gz(gzopen(path.c_str(), "rb"), gzclose);
   check_user(gz != nullptr, path + ": cannot open for reading.", hint);
   gzbuffer(gz.get(), 1 << 17);
+  // What a file may make this allocate is bounded by the file: no gzip
+  // decompresses to more than deflate's largest ratio (1032:1) of its size,
+  // and once the IDX header is in, reading stops a byte past what it
+  // promises (parse() then names the excess). A small hostile file cannot
+  // claim gigabytes.
+  std::error_code ec;
+  const auto compressed = fs::file_size(path, ec);
+  const size_t by_ratio = (ec ? 0 : static_cast<size_t>(compressed)) * 1032 + (size_t{1} << 16);
+  size_t limit = by_ratio;
+  bool header_read = false;
   std::string bytes;
-  bytes.reserve(gzip_size_hint(path));
   std::vector<char> chunk(1 << 20);
   int n = 0;
-  while ((n = gzread(gz.get(), chunk.data(), static_cast<unsigned>(chunk.size()))) > 0)
+  while (bytes.size() <= limit && (n = gzread(gz.get(), chunk.data(), static_cast<unsigned>(chunk.size()))) > 0) {
     bytes.append(chunk.data(), static_cast<size_t>(n));
+    if (!header_read && (header_read = idx_promise(bytes, limit)))
+      bytes.reserve(std::min(gzip_size_hint(path), limit + 1));  // the trailer's size, within the bounds
+  }
+  // Past the bound before the stream's end: stop here. (A stream that ended
+  // too long is parse()'s to describe, to the byte.)
+  if (bytes.size() > limit && !gzeof(gz.get())) {
+    check_user(limit != by_ratio, path + ": decompresses to more than " + std::to_string(by_ratio) +
+                                      " bytes, more than any gzip file of its size holds: it is damaged or not IDX data.",
+               hint);
+    throw UserError(path + ": decompresses to more than the " + std::to_string(limit) +
+                        " bytes its IDX header promises: it is damaged or not IDX data.",
+                    hint);
+  }
   // A truncated stream ends with 0 like a complete one (or with -1); only
   // gzerror tells them apart.
   int code = Z_OK;
   const char* msg = gzerror(gz.get(), &code);
-  check_user(n == 0 && (code == Z_OK || code == Z_STREAM_END),
+  check_user((n == 0 || gzeof(gz.get())) && (code == Z_OK || code == Z_STREAM_END),
              path + ": gzip data is truncated or corrupt (" + std::string(msg ? msg : "") + ").",
              hint);
   return bytes;

@@ -14,6 +14,7 @@
 #include "ddp/data/idx.h"
 #include "ddp/data/tensor_dataset.h"
 #include "ddp/error.h"
+#include "support/capped_child.h"
 #include "support/testing.h"
 
 namespace {
@@ -196,6 +197,35 @@ TEST(Idx, TruncatedGzipStreamIsRejected) {
   std::ofstream(fake.labels("train"), std::ios::binary) << gz.substr(0, gz.size() / 2);
   expect_contains(user_error([&] { load_mnist_like(fake.root); }),
                   {fake.labels("train"), "gzip", "truncated or corrupt"});
+}
+
+// A gzip bomb: a header that promises 20 images of 4 x 3 (256 bytes in
+// all), then 1.5 GB of zeros, in a file of about 1.5 MB. Reading stops a
+// byte past the promise, inside a child that may grow by 512 MB. (It
+// decompressed the whole stream first, which the cap turns into bad_alloc.)
+TEST(Idx, GzipThatDecompressesPastItsHeaderStopsEarly) {
+  FakeMnist fake(true);
+  {
+    gzFile gz = gzopen(fake.images("train").c_str(), "wb1");
+    ASSERT_NE(gz, nullptr);
+    const std::string header = idx_bytes(2051, {20, 4, 3}, "");
+    gzwrite(gz, header.data(), static_cast<unsigned>(header.size()));
+    const std::string zeros(16 << 20, '\0');
+    for (int i = 0; i < 96; ++i) ASSERT_EQ(gzwrite(gz, zeros.data(), static_cast<unsigned>(zeros.size())), 16 << 20);
+    gzclose(gz);
+  }
+  ASSERT_LT(fs::file_size(fake.images("train")), 8u << 20);
+  const std::string out = ddp::testing::in_capped_child(
+      [&] {
+        try {
+          load_mnist_like(fake.root);
+          return std::string("loaded");
+        } catch (const ddp::UserError& e) {
+          return std::string("user error: ") + e.what();
+        }
+      },
+      size_t{512} << 20);
+  expect_contains(out, {"user error: ", fake.images("train"), "decompresses to more than the 256 bytes its IDX header promises"});
 }
 
 TEST(Idx, CountMismatchNamesBothFiles) {
