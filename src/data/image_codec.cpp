@@ -90,6 +90,14 @@ CropBox checked_box(const CropBox& b, int64_t height, int64_t width) {
   return b;
 }
 
+// The most pixels a JPEG may claim: Pillow's decompression-bomb error
+// threshold (twice Image.MAX_IMAGE_PIXELS), which users of PyTorch's image
+// loaders already know. A JPEG's size does not bound its pixels as a PNG's
+// does (progressive scans code runs of empty blocks in a few bits), so a
+// header of a few hundred bytes could otherwise claim 65500 x 65500 and
+// have its rows allocated before the first scan is read.
+constexpr int64_t kMaxJpegPixels = 2 * 89478485;
+
 // Decodes a JPEG whole (box_of empty), or only the rows of box_of's box and,
 // to within a block, its columns (see decode_image_box).
 torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& path, const DecodeOptions& options,
@@ -110,6 +118,12 @@ torch::Tensor decode_jpeg(const uint8_t* bytes, size_t size, const std::string& 
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, const_cast<unsigned char*>(bytes), static_cast<unsigned long>(size));  // const in newer libjpeg
   jpeg_read_header(&cinfo, TRUE);
+  if (int64_t{cinfo.image_width} * int64_t{cinfo.image_height} > kMaxJpegPixels) {
+    const std::string claimed = std::to_string(cinfo.image_width) + " x " + std::to_string(cinfo.image_height);
+    jpeg_destroy_decompress(&cinfo);
+    throw CorruptImage(path, "a JPEG header of " + claimed + " pixels, more than the " +
+                                 std::to_string(kMaxJpegPixels) + " an image may have (Pillow's limit)");
+  }
   // libjpeg-turbo converts grayscale and YCbCr to RGB itself; CMYK it only
   // passes through, and it is converted below.
   const bool cmyk = cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK;
@@ -343,7 +357,9 @@ std::optional<JpegInfo> plain_jpeg_info(const uint8_t* bytes, size_t size) {
   jpeg_read_header(&cinfo, TRUE);
   const bool colour = cinfo.jpeg_color_space == JCS_YCbCr && cinfo.num_components == 3;
   const bool gray = cinfo.jpeg_color_space == JCS_GRAYSCALE && cinfo.num_components == 1;
-  const bool plain = (colour || gray) && !cinfo.progressive_mode && !cinfo.arith_code;
+  // Too many pixels: not for the GPU either; decode_image says why.
+  const bool plain = (colour || gray) && !cinfo.progressive_mode && !cinfo.arith_code &&
+                     int64_t{cinfo.image_width} * int64_t{cinfo.image_height} <= kMaxJpegPixels;
   const JpegInfo info{cinfo.image_height, cinfo.image_width, cinfo.num_components};
   jpeg_destroy_decompress(&cinfo);
   if (!plain) return std::nullopt;

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ddp/data/image_codec.h"
+#include "support/capped_child.h"
 #include "support/testing.h"
 
 namespace {
@@ -161,6 +162,45 @@ TEST(ImageCodec, PngThatPromisesMorePixelsThanItsFileCanHoldIsCorrupt) {
   put_be32(ihdr + 17, static_cast<uint32_t>(::crc32(0, reinterpret_cast<const Bytef*>(bytes.data() + ihdr), 17)));
   write_bytes(dir + "/huge.png", bytes);
   EXPECT_NE(corrupt_reason(dir + "/huge.png").find("1000000 x 1000000"), std::string::npos);
+}
+
+// A JPEG whose frame header claims 65500 x 65500 pixels (12.9 GB of RGB)
+// in a file of a few hundred bytes: refused before anything is allocated,
+// as Pillow refuses a decompression bomb, inside a child that may grow by
+// 1 GB. (Its rows were allocated first: bad_alloc.)
+TEST(ImageCodec, JpegThatClaimsMorePixelsThanPillowAllowsIsCorrupt) {
+  const auto dir = ddp::testing::temp_dir("codec");
+  ddp::data::write_jpeg(dir + "/small.jpg", gradient_image(16, 16), 90);
+  std::string bytes = bytes_of(dir + "/small.jpg");
+  size_t sof = std::string::npos;
+  for (size_t i = 0; i + 9 < bytes.size(); ++i)
+    if (static_cast<unsigned char>(bytes[i]) == 0xFF && (static_cast<unsigned char>(bytes[i + 1]) == 0xC0 ||
+                                                          static_cast<unsigned char>(bytes[i + 1]) == 0xC2)) {
+      sof = i;
+      break;
+    }
+  ASSERT_NE(sof, std::string::npos) << "no SOF0/SOF2 marker";
+  for (size_t at : {sof + 5, sof + 7}) {  // height, then width: 65500 = 0xFFDC
+    bytes[at] = static_cast<char>(0xFF);
+    bytes[at + 1] = static_cast<char>(0xDC);
+  }
+  write_bytes(dir + "/huge.jpg", bytes);
+  const std::string out = ddp::testing::in_capped_child(
+      [&] {
+        try {
+          decode_image_file(dir + "/huge.jpg");
+          return std::string("decoded");
+        } catch (const CorruptImage& e) {
+          return std::string("corrupt: ") + e.reason();
+        }
+      },
+      size_t{1} << 30);
+  EXPECT_NE(out.find("corrupt: "), std::string::npos) << out;
+  EXPECT_NE(out.find("65500 x 65500"), std::string::npos) << out;
+  // Nor is it handed to the GPU's decoder (nvJPEG) as a plain JPEG.
+  EXPECT_FALSE(ddp::data::plain_jpeg_info(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+  EXPECT_TRUE(ddp::data::plain_jpeg_info(reinterpret_cast<const uint8_t*>(bytes_of(dir + "/small.jpg").data()),
+                                         bytes_of(dir + "/small.jpg").size()));
 }
 
 TEST(ImageCodec, GarbageAndEmptyAndMissingFilesAreCorrupt) {

@@ -2,7 +2,7 @@
 // that a reader which believes a hostile length field fails inside the child
 // (std::bad_alloc, or a signal) instead of taking the test machine's memory.
 // The tests of the file readers share it (torch_pickle_fuzz_test.cpp,
-// csv_test.cpp, idx_test.cpp). Header-only and inline: only those test files include it.
+// csv_test.cpp, idx_test.cpp, image_codec_test.cpp). Header-only and inline: only those test files include it.
 #pragma once
 
 #include <sys/resource.h>
