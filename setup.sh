@@ -69,8 +69,8 @@ PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev l
 # fortunes: 2.6 MB of English text, the default corpus of --task lm (read as bytes).
 [[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist fortunes libopenblas0-pthread)
 # The tests' real PyTorch (the same 1.13.1): torchrun launching ddptrain, and
-# torch.load reading ddptrain's checkpoints.
-[[ -z "$TORCH_PREFIX" && ${#TARGETS[@]} -gt 1 ]] && PKGS+=(python3-torch)
+# torch.load reading ddptrain's checkpoints; Open MPI's mpirun launching it.
+[[ -z "$TORCH_PREFIX" && ${#TARGETS[@]} -gt 1 ]] && PKGS+=(python3-torch openmpi-bin)
 missing=()
 have_headers() { for h in CLI/CLI.hpp nlohmann/json.hpp gtest/gtest.h zlib.h jpeglib.h png.h; do [[ -f /usr/include/$h ]] || return 1; done; }
 if [[ -n "$TORCH_PREFIX" ]] && have_headers; then
