@@ -2,6 +2,7 @@
 // `./setup.sh --tests` installs, or the first torchrun on PATH, e.g. the CUDA
 // wheel's 2.x on the GPU machine): the README's command trains one job, and
 // bad input that every rank meets is printed once, not once per rank.
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
@@ -39,12 +40,24 @@ const std::string& torchrun_exe() {
 // AttributeError 'NoneType' object has no attribute 'get'), so stderr is
 // redirected and teed (2), which it can; that also prefixes each line with
 // the rank.
-std::vector<std::string> torchrun(int ranks, std::vector<std::string> flags) {
+std::vector<std::string> torchrun(int ranks, std::vector<std::string> flags, const std::string& backend = "gloo") {
   std::vector<std::string> a{torchrun_exe(), "--nproc_per_node", std::to_string(ranks), "--master_port",
                              std::to_string(ddp::find_free_port()), "--redirects", "2", "--tee", "2", "--no_python", DDPTRAIN_EXE,
-                             "--backend", "gloo", "--progress", "plain", "--timeout", "60"};
+                             "--backend", backend, "--progress", "plain", "--timeout", "60"};
   a.insert(a.end(), flags.begin(), flags.end());
   return a;
+}
+
+// The ranks the documented commands run with here: 2 CPU ranks over Gloo
+// (Debian's LibTorch and torchrun 1.13), or, where LibTorch has no Gloo
+// (the CUDA wheel's, whose torchrun is 2.x), one NCCL rank per GPU, at most 2.
+struct DocumentedRanks {
+  int count;
+  std::string backend;
+};
+DocumentedRanks documented_ranks() {
+  if (ddp::compat::kHasGloo) return {2, "gloo"};
+  return {static_cast<int>(std::min<int64_t>(2, static_cast<int64_t>(torch::cuda::device_count()))), "nccl"};
 }
 
 using ddp::testing::count;
@@ -52,6 +65,13 @@ using ddp::testing::count;
 #define SKIP_UNLESS_TORCHRUN()                                                                     \
   do {                                                                                             \
     DDP_SKIP_UNLESS_GLOO();                                                                        \
+    if (torchrun_exe().empty()) GTEST_SKIP() << "no torchrun (./setup.sh --tests installs python3-torch)"; \
+  } while (0)
+
+// The documented commands: on Gloo ranks, or on NCCL ranks where there is no Gloo.
+#define SKIP_UNLESS_TORCHRUN_AND_RANKS()                                                           \
+  do {                                                                                             \
+    if (documented_ranks().count == 0) GTEST_SKIP() << "neither Gloo nor a GPU here";              \
     if (torchrun_exe().empty()) GTEST_SKIP() << "no torchrun (./setup.sh --tests installs python3-torch)"; \
   } while (0)
 
@@ -116,19 +136,22 @@ std::vector<std::string> words(const std::string& line) {
 }
 
 // A documented command, run with this build's `program` in place of the one
-// it names, 2 ranks, a free port, and a short CPU run after its own flags.
+// it names, documented_ranks(), a free port, and a short run after its own
+// flags.
 ddp::testing::ProcessResult run_as_written(std::vector<std::string> cmd, const std::string& program,
                                            const std::string& dir, std::vector<std::string> extra = {},
                                            bool short_run = true) {
+  const auto ranks = documented_ranks();
   for (size_t i = 0; i + 1 < cmd.size(); ++i)
-    if (cmd[i].rfind("--nproc", 0) == 0) cmd[i + 1] = "2";
+    if (cmd[i].rfind("--nproc", 0) == 0) cmd[i + 1] = std::to_string(ranks.count);
   for (auto& w : cmd)
     if (w.rfind("./build/", 0) == 0) w = program;
   cmd[0] = torchrun_exe();
   cmd.insert(cmd.begin() + 1, {"--master_port", std::to_string(ddp::find_free_port())});
   if (short_run) {
-    for (const char* f : {"--backend", "gloo", "--progress", "plain", "--timeout", "60", "--epochs", "1",
-                          "--train-samples", "256", "--test-samples", "64", "--workers", "0", "--save_path"})
+    cmd.insert(cmd.end(), {"--backend", ranks.backend});
+    for (const char* f : {"--progress", "plain", "--timeout", "60", "--epochs", "1", "--train-samples", "256",
+                          "--test-samples", "64", "--workers", "0", "--save_path"})
       cmd.push_back(f);
     cmd.push_back(dir);
   }
@@ -141,7 +164,7 @@ ddp::testing::ProcessResult run_as_written(std::vector<std::string> cmd, const s
 // "unrecognized", the README's form crashed with 'NoneType' object has no
 // attribute 'get'.)
 TEST(Torchrun, DocumentedCommandsRunAsWritten) {
-  SKIP_UNLESS_TORCHRUN();
+  SKIP_UNLESS_TORCHRUN_AND_RANKS();
   const std::vector<std::pair<std::string, std::string>> docs = {
       {DDP_SOURCE_DIR "/README.md", DDPTRAIN_EXE}, {DDP_SOURCE_DIR "/template/train.cpp", EXAMPLE_regression}};
   for (const auto& [file, program] : docs) {
@@ -160,10 +183,11 @@ TEST(Torchrun, DocumentedCommandsRunAsWritten) {
 // torchrun command, and that command resumes it. torchrun itself exits 1
 // (the rank's 75 is in its report), as the README says.
 TEST(Torchrun, PreemptedRunPrintsATorchrunResumeCommand) {
-  SKIP_UNLESS_TORCHRUN();
+  SKIP_UNLESS_TORCHRUN_AND_RANKS();
   const auto dir = ddp::testing::temp_dir("torchrun_preempt");
-  auto args = torchrun(2, {"--dataset", "synthetic", "--epochs", "3", "--train-samples", "2048", "--test-samples",
-                           "64", "--workers", "0", "--save_path", dir});
+  const auto ranks = documented_ranks();
+  auto args = torchrun(ranks.count, {"--dataset", "synthetic", "--epochs", "3", "--train-samples", "2048", "--test-samples",
+                                     "64", "--workers", "0", "--save_path", dir}, ranks.backend);
   auto child = ddp::testing::start_process(args);
   ASSERT_TRUE(ddp::testing::wait_for_output(child, "world: ")) << "training never started";
   std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -174,7 +198,8 @@ TEST(Torchrun, PreemptedRunPrintsATorchrunResumeCommand) {
   const auto at = r.output.find(said);
   ASSERT_NE(at, std::string::npos) << r.output;
   const std::string command = r.output.substr(at + said.size(), r.output.find('\n', at) - at - said.size());
-  EXPECT_EQ(command.rfind("torchrun --nproc_per_node 2 --redirects 2 --tee 2 --no_python " + std::string(DDPTRAIN_EXE) +
+  EXPECT_EQ(command.rfind("torchrun --nproc_per_node " + std::to_string(ranks.count) +
+                              " --redirects 2 --tee 2 --no_python " + std::string(DDPTRAIN_EXE) +
                               " --resume ",
                           0),
             0u)
