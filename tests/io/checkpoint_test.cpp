@@ -21,6 +21,7 @@
 #include "ddp/dist/launch.h"
 #include "ddp/models/registry.h"
 #include "ddp/dist/sync_batchnorm.h"
+#include "support/checkpoint_weights.h"
 #include "support/testing.h"
 #include "support/tfevents.h"
 
@@ -64,21 +65,7 @@ std::vector<std::pair<int64_t, double>> step_rows(const std::string& dir) {
   return out;
 }
 
-std::vector<torch::Tensor> weights(const std::string& checkpoint) {
-  ddp::models::ModelSpec spec;
-  auto model = ddp::models::make_model(spec);
-  ddp::load_checkpoint(checkpoint, *model, nullptr, torch::kCPU, "");
-  std::vector<torch::Tensor> out;
-  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
-  for (auto& b : model->buffers()) out.push_back(b.detach().clone());
-  return out;
-}
-
-void expect_bit_equal(const std::string& a, const std::string& b) {
-  auto wa = weights(a), wb = weights(b);
-  ASSERT_EQ(wa.size(), wb.size());
-  for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(torch::equal(wa[i], wb[i])) << "tensor " << i;
-}
+using ddp::testing::expect_bit_equal;
 
 const std::vector<std::string> kSmall{"--size", "2", "--epochs", "2", "--train-samples", "3000", "--test-samples", "500"};
 

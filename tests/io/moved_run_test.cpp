@@ -14,6 +14,7 @@
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
 #include "ddp/models/registry.h"
+#include "support/checkpoint_weights.h"
 #include "support/testing.h"
 
 namespace fs = std::filesystem;
@@ -61,20 +62,7 @@ std::vector<std::string> lines_after_start(const std::string& output) {
   return out;
 }
 
-std::vector<torch::Tensor> weights(const std::string& checkpoint) {
-  auto model = ddp::models::make_model(ddp::models::ModelSpec{});
-  ddp::load_checkpoint(checkpoint, *model, nullptr, torch::kCPU, "");
-  std::vector<torch::Tensor> out;
-  for (auto& p : model->parameters()) out.push_back(p.detach().clone());
-  for (auto& b : model->buffers()) out.push_back(b.detach().clone());
-  return out;
-}
-
-void expect_bit_equal(const std::string& a, const std::string& b) {
-  auto wa = weights(a), wb = weights(b);
-  ASSERT_EQ(wa.size(), wb.size());
-  for (size_t i = 0; i < wa.size(); ++i) EXPECT_TRUE(torch::equal(wa[i], wb[i])) << "tensor " << i;
-}
+using ddp::testing::expect_bit_equal;
 
 // Trained with a relative --data_root in one directory, resumed from
 // another without --data_root: the run saved the path resolved. On main it
