@@ -60,6 +60,11 @@ size_t gzip_size_hint(const std::string& path) {
   return std::min<size_t>(size, size_t{1} << 30);  // a corrupt trailer must not exhaust memory
 }
 
+int64_t big_endian_u32(const std::string& bytes, size_t offset) {
+  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + offset;
+  return (int64_t{p[0]} << 24) | (int64_t{p[1]} << 16) | (int64_t{p[2]} << 8) | int64_t{p[3]};
+}
+
 // Once `bytes` holds an IDX header (magic, then one 32-bit size per
 // dimension): lowers `limit` to one byte past the file it promises, and
 // returns true; false while the header is incomplete.
@@ -69,11 +74,9 @@ bool idx_promise(const std::string& bytes, size_t& limit) {
   const size_t header = 4 + 4 * ndim;
   if (bytes.size() < header) return false;
   uint64_t promised = 1;
-  for (size_t d = 0; d < ndim; ++d) {
-    const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + 4 + 4 * d;
-    const uint64_t dim = (uint64_t{p[0]} << 24) | (uint64_t{p[1]} << 16) | (uint64_t{p[2]} << 8) | uint64_t{p[3]};
-    if (__builtin_mul_overflow(promised, dim, &promised)) return true;  // parse() refuses it
-  }
+  for (size_t d = 0; d < ndim; ++d)
+    if (__builtin_mul_overflow(promised, static_cast<uint64_t>(big_endian_u32(bytes, 4 + 4 * d)), &promised))
+      return true;  // parse() refuses it
   if (promised < limit - header) limit = header + static_cast<size_t>(promised);
   return true;
 }
@@ -126,11 +129,6 @@ std::string read_all(const std::string& path, const std::string& hint) {
              path + ": gzip data is truncated or corrupt (" + std::string(msg ? msg : "") + ").",
              hint);
   return bytes;
-}
-
-int64_t big_endian_u32(const std::string& bytes, size_t offset) {
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data()) + offset;
-  return (int64_t{p[0]} << 24) | (int64_t{p[1]} << 16) | (int64_t{p[2]} << 8) | int64_t{p[3]};
 }
 
 struct IdxContent {
