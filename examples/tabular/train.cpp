@@ -28,23 +28,25 @@ ddp::data::TensorDict read_sales(const std::string& path) {
 }
 
 // ---------------------------------------------------------------------------
-// 2. My model: the store's embedding beside the features, then an MLP.
+// 2. My model: the store's embedding beside the features, then an MLP. The
+//    MLP is plain LibTorch layers in a Sequential: at start ddptrain turns
+//    its Linears into ddp::nn::Linear, each ReLU folded into the Linear
+//    before it (--convert-layers; the start line says so), with the same
+//    state_dict names and values.
 // ---------------------------------------------------------------------------
 struct SalesMlpImpl : torch::nn::Module {
   SalesMlpImpl(int64_t stores, int64_t embedding, int64_t hidden)
       : store(register_module("store", torch::nn::Embedding(stores, embedding))),
-        fc1(register_module("fc1", torch::nn::Linear(8 + embedding, hidden))),
-        fc2(register_module("fc2", torch::nn::Linear(hidden, hidden))),
-        out(register_module("out", torch::nn::Linear(hidden, 1))) {}
+        mlp(register_module("mlp", torch::nn::Sequential(torch::nn::Linear(8 + embedding, hidden), torch::nn::ReLU(),
+                                                         torch::nn::Linear(hidden, hidden), torch::nn::ReLU(),
+                                                         torch::nn::Linear(hidden, 1)))) {}
 
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& store_id) {
-    auto h = torch::cat({x, store(store_id)}, 1);
-    h = torch::relu(fc2(torch::relu(fc1(h))));
-    return out(h);  // B x 1, like the target
+    return mlp->forward(torch::cat({x, store(store_id)}, 1));  // B x 1, like the target
   }
 
   torch::nn::Embedding store;
-  torch::nn::Linear fc1, fc2, out;
+  torch::nn::Sequential mlp;
 };
 TORCH_MODULE(SalesMlp);
 

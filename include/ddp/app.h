@@ -11,6 +11,7 @@
 #include <string>
 
 #include "ddp/cli.h"
+#include "ddp/nn.h"
 #include "ddp/train/task.h"
 #include "ddp/train/trainer.h"
 #include "ddp/dist/world.h"

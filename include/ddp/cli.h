@@ -100,6 +100,7 @@ struct Config {
   bool cuda_graph = false;
   std::string channels_last = "auto";  // auto: on for CUDA
   bool tf32 = true;
+  std::string convert_layers = "on";   // on: torch::nn layers in Sequentials become ddp::nn's at start
   std::string bn_kernel = "auto";      // auto: ddptrain's NHWC bf16 kernels where they apply
   std::string ln_kernel = "auto";      // auto: ddptrain's fused residual add + LayerNorm (--task lm, CUDA, bf16)
   std::string linear_kernel = "auto";   // auto: bias gradients from ddptrain's column-sum kernels (--task lm, CUDA, bf16)

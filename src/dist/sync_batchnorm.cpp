@@ -216,10 +216,33 @@ void BatchNormImpl::reset() {
   }
 }
 
+void BatchNormImpl::share_tensors_of(const torch::nn::Module& other) {
+  // Parameters: the same tensors. Buffers (Module keeps its registry of
+  // them private): the same storage, which their in-place updates share.
+  auto take = [&](auto& mine, const torch::OrderedDict<std::string, torch::Tensor>& theirs, bool same_tensor) {
+    for (const auto& item : theirs) {
+      auto* slot = mine.find(item.key());
+      TORCH_CHECK(slot != nullptr && slot->defined() && slot->sizes() == item.value().sizes() &&
+                      slot->scalar_type() == item.value().scalar_type(),
+                  "BatchNorm::share_tensors_of: '", item.key(), "' ", item.value().sizes(), " has no match here");
+      if (same_tensor) *slot = item.value();
+      else slot->set_data(item.value());
+    }
+  };
+  take(parameters_, other.named_parameters(/*recurse=*/false), true);
+  auto buffers = named_buffers(/*recurse=*/false);
+  take(buffers, other.named_buffers(/*recurse=*/false), false);
+  auto* w = parameters_.find("weight");
+  auto* b = parameters_.find("bias");
+  weight = w ? *w : torch::Tensor();
+  bias = b ? *b : torch::Tensor();
+  train(other.is_training());
+}
+
 void BatchNormImpl::pretty_print(std::ostream& stream) const {
   stream << "ddp::BatchNorm" << options.dim() << "d(" << options.num_features()
          << ", eps=" << options.eps() << ", momentum=" << options.momentum()
-         << (synced() ? ", synced" : "") << ")";
+         << (options.relu() ? ", relu" : "") << (synced() ? ", synced" : "") << ")";
 }
 
 void BatchNormImpl::check_input(const torch::Tensor& input) const {
@@ -235,6 +258,10 @@ void BatchNormImpl::check_input(const torch::Tensor& input) const {
 }
 
 torch::Tensor BatchNormImpl::forward(const torch::Tensor& input) {
+  return options.relu() ? forward_relu(input) : normalize(input);
+}
+
+torch::Tensor BatchNormImpl::normalize(const torch::Tensor& input) {
   check_input(input);
   const bool use_batch_stats = is_training() || !options.track_running_stats();
   if (is_training() && options.track_running_stats()) num_batches_tracked.add_(1);
@@ -294,7 +321,7 @@ torch::Tensor BatchNormImpl::forward_relu(const torch::Tensor& input, const torc
                                   true);
   }
 #endif
-  auto y = forward(input);
+  auto y = normalize(input);
   return torch::relu(residual.defined() ? y + residual : y);
 }
 

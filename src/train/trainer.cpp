@@ -36,6 +36,7 @@
 #include "ddp/dist/signals.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/error.h"
+#include "ddp/nn/convert.h"
 #include "ddp/io/progress.h"
 #include "ddp/train/early_stopping.h"
 #include "ddp/train/flag_agreement.h"
@@ -208,6 +209,11 @@ Trainer::Trainer(Config config, World& world, Task& task)
   check_stop_rule();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
+  if (config_.convert_layers == "on") {
+    const auto conversion = nn::convert_layers(*model_);
+    if (conversion.converted() > 0 || (!conversion.kept.empty() && world_.device().is_cuda()))
+      DDP_PRINT0(world_, "%s\n", conversion.summary().c_str());
+  }
   check_flags_apply(config_, task_);
   augment_ = data::augment_applies(config_.augment, task_.uses_builtin_data(), data_);
   check_profile_trace_flag(config_);

@@ -32,14 +32,18 @@ struct BatchNormOptions {
   TORCH_ARG(double, momentum) = 0.1;
   TORCH_ARG(bool, affine) = true;
   TORCH_ARG(bool, track_running_stats) = true;
+  /// forward() is relu(batch_norm(x)): the ReLU that follows, fused into the
+  /// kernels' pass where they apply (forward_relu's path).
+  TORCH_ARG(bool, relu) = false;
 };
 
 class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
  public:
   explicit BatchNormImpl(BatchNormOptions options);
   void reset() override;
+  /// The batch norm (followed by the ReLU with options.relu).
   torch::Tensor forward(const torch::Tensor& input);
-  /// relu(forward(input) + residual), the residual optional: a residual
+  /// relu(batch_norm(input) + residual), the residual optional: a residual
   /// block's tail. In training on channels-last bf16 CUDA input it is one
   /// pass of ddptrain's kernels forward, with the ReLU folded into the batch
   /// norm's backward; elsewhere it is the separate ops, with equal results.
@@ -54,6 +58,11 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
                                                              const torch::Tensor& residual);
   void pretty_print(std::ostream& stream) const override;
 
+  /// Takes `other`'s parameters and buffers of this layer's names and
+  /// shapes (a torch::nn::BatchNorm's: the same tensors, so handles to them
+  /// stay valid); ddp::nn::convert_layers uses it.
+  void share_tensors_of(const torch::nn::Module& other);
+
   /// Makes training statistics global over `world` (nullptr: local again).
   void set_world(World* world) { world_ = world; }
   bool synced() const { return world_ != nullptr && world_->size() > 1; }
@@ -63,6 +72,7 @@ class BatchNormImpl : public torch::nn::Cloneable<BatchNormImpl> {
 
  private:
   void check_input(const torch::Tensor& input) const;
+  torch::Tensor normalize(const torch::Tensor& input);  // forward() without options.relu
   bool fused_relu_applies(const torch::Tensor& input, const torch::Tensor& residual) const;
   World* world_ = nullptr;
 };
