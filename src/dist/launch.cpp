@@ -77,6 +77,11 @@ pid_t spawn(const LaunchOptions& o, int local_rank, int port, int attempt) {
     for (const auto& d : o.visible) v += (v.empty() ? "" : ",") + d;
     setenv("CUDA_VISIBLE_DEVICES", v.c_str(), 1);
   }
+  // The worker starts with no signal blocked (signals.h: a process that
+  // took stop signals on a thread of its own blocks them elsewhere).
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
   std::vector<char*> args;
   for (const auto& a : o.argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);

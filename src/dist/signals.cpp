@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 #include <execinfo.h>
+#include <pthread.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -14,6 +15,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <ctime>
+#include <mutex>
+#include <thread>
 
 namespace ddp {
 namespace {
@@ -114,10 +117,31 @@ void install_stop_handlers(int launcher_pid) {
   g_launcher_pid = launcher_pid;
   struct sigaction sa {};
   sa.sa_sigaction = on_stop_signal;
-  sa.sa_flags = SA_SIGINFO;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  // The threads started from here on (autograd's, CUDA's, cuDNN's, the
+  // loader's) never take these signals: one that lands in a library's
+  // thread interrupts whatever system call it is in, and under torchrun
+  // 2.x a SIGTERM crashed a worker inside cuDNN's runtime compiler (nvrtc)
+  // that way. A thread of ours waits for them instead; the handler above
+  // stays for a thread that started earlier.
+  static std::once_flag once;
+  std::call_once(once, [] {
+    sigset_t stop;
+    sigemptyset(&stop);
+    sigaddset(&stop, SIGTERM);
+    sigaddset(&stop, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+    std::thread([stop] {
+      for (;;) {
+        siginfo_t info{};
+        const int sig = sigwaitinfo(&stop, &info);
+        if (sig > 0) on_stop_signal(sig, &info, nullptr);
+      }
+    }).detach();
+  });
 }
 
 }  // namespace ddp

@@ -213,38 +213,56 @@ TEST(NnLayers, TakeTheKernelsUnderBf16Autocast_CUDA) {
   ddp::models::use_fused_linear(true);
   ddp::models::use_fused_layer_norm(true);
   ddp::compat::AutocastGuard autocast(c10::DeviceType::CUDA, torch::kBFloat16, true);
-  for (auto activation : {Activation::kNone, Activation::kRelu, Activation::kGelu, Activation::kGeluTanh}) {
-    torch::manual_seed(1);
-    torch::nn::Linear plain(256, 512);
-    torch::manual_seed(1);
-    ddp::nn::Linear fast(256, 512, activation);
-    plain->to(cuda);
-    fast->to(cuda);
-    auto x = torch::randn({4, 64, 256}, cuda);
-    EXPECT_TRUE(ddp::models::fused_linear_applies(x, fast->weight, fast->bias));
-    auto ya = plain(x);
-    ya = activation == Activation::kRelu ? torch::relu(ya)
-         : activation == Activation::kGelu ? torch::gelu(ya)
-         : activation == Activation::kGeluTanh ? torch::gelu(ya, "tanh") : ya;
-    auto yb = fast(x);
+  // Without an activation, against LibTorch's linear.
+  torch::manual_seed(1);
+  torch::nn::Linear plain(256, 512);
+  torch::manual_seed(1);
+  ddp::nn::Linear fast(256, 512);
+  plain->to(cuda);
+  fast->to(cuda);
+  auto x = torch::randn({4, 64, 256}, cuda);
+  EXPECT_TRUE(ddp::models::fused_linear_applies(x, fast->weight, fast->bias));
+  auto ya = plain(x), yb = fast(x);
+  expect_close(yb, ya, 1e-2, "linear output");
+  auto g = torch::randn_like(ya);
+  ya.backward(g);
+  yb.backward(g);
+  expect_close(fast->weight.grad(), plain->weight.grad(), 2e-2, "linear weight grad");
+  expect_close(fast->bias.grad(), plain->bias.grad(), 2e-2, "linear bias grad");
+  // Each activation inside the layer, against the same layer's output
+  // (the same products, so the same ReLU mask) then LibTorch's activation.
+  for (auto activation : {Activation::kRelu, Activation::kGelu, Activation::kGeluTanh}) {
     const std::string what = ddp::nn::activation_name(activation);
-    expect_close(yb, ya, 1e-2, what + " output");
-    auto g = torch::randn_like(ya);
-    ya.backward(g);
-    yb.backward(g);
-    expect_close(fast->weight.grad(), plain->weight.grad(), 2e-2, what + " weight grad");
-    expect_close(fast->bias.grad(), plain->bias.grad(), 2e-2, what + " bias grad");
+    torch::manual_seed(2);
+    ddp::nn::Linear bare(256, 512);
+    torch::manual_seed(2);
+    ddp::nn::Linear with(256, 512, activation);
+    bare->to(cuda);
+    with->to(cuda);
+    auto h = bare(x);
+    auto za = activation == Activation::kRelu   ? torch::relu(h)
+              : activation == Activation::kGelu ? torch::gelu(h)
+                                                : torch::gelu(h, "tanh");
+    auto zb = with(x);
+    expect_close(zb, za, 1e-2, what + " output");
+    auto gz = torch::randn_like(za);
+    za.backward(gz);
+    zb.backward(gz);
+    expect_close(with->weight.grad(), bare->weight.grad(), 2e-2, what + " weight grad");
+    expect_close(with->bias.grad(), bare->bias.grad(), 2e-2, what + " bias grad");
   }
   torch::nn::LayerNorm plain_ln(torch::nn::LayerNormOptions({768}));
   ddp::nn::LayerNorm fast_ln(torch::nn::LayerNormOptions({768}));
   plain_ln->to(cuda);
   fast_ln->to(cuda);
-  auto h = torch::randn({8, 128, 768}, cuda), branch = torch::randn({8, 128, 768}, cuda);
-  EXPECT_TRUE(ddp::models::fused_layer_norm_applies(h, branch, fast_ln->weight, fast_ln->bias));
-  auto [sum, normed] = fast_ln->forward_add(h, branch);
+  // The residual stream in fp32, the branch in bf16 (a matmul's output):
+  // the case the kernels take.
+  auto stream = torch::randn({8, 128, 768}, cuda), branch = torch::randn({8, 128, 768}, cuda).to(torch::kBFloat16);
+  EXPECT_TRUE(ddp::models::fused_layer_norm_applies(stream, branch, fast_ln->weight, fast_ln->bias));
+  auto [sum, normed] = fast_ln->forward_add(stream, branch);
   EXPECT_EQ(normed.scalar_type(), torch::kBFloat16) << "the kernels' output is bf16";
-  expect_close(sum, h + branch, 0, "residual sum");
-  expect_close(normed, plain_ln(h + branch), 1e-2, "layer norm");
+  expect_close(sum, stream + branch, 0, "residual sum");
+  expect_close(normed, plain_ln(stream + branch), 1e-2, "layer norm");
   ddp::nn::CrossEntropyLoss ce;
   auto logits = torch::randn({64, 1000}, cuda).to(torch::kBFloat16);
   auto target = torch::randint(0, 1000, {64}, torch::TensorOptions(cuda).dtype(torch::kLong));
