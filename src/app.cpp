@@ -198,7 +198,7 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
     torch::set_num_threads(std::max(1, cores / std::max(1, where.local_world_size)));
   }
   if (command == "doctor") return run_doctor(world);
-  if (command == "bench") return run_bench(c, world);
+  if (command == "bench") return run_bench(c, world, c.program.description.empty() ? nullptr : &task);
   if (command == "predict") return run_predict(c, world, task);
   DDP_PRINT0(world, "%s: rank %d of %d (%s launcher), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());

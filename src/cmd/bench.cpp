@@ -12,6 +12,7 @@
 #include "ddp/error.h"
 #include "ddp/models/gpt.h"
 #include "ddp/models/registry.h"
+#include "ddp/nn/convert.h"
 #include "ddp/train/lm_task.h"
 #include "ddp/train/trainer.h"
 
@@ -133,10 +134,60 @@ int run_gpt_bench(const Config& c, World& world) {
   return 0;
 }
 
+// A program's own task: its model and training_step on the first --batch
+// samples of its training split, resident on the device.
+int run_task_bench(const Config& c, World& world, Task& task) {
+  const auto dev = world.device();
+  auto data = task.make_data(c, world);
+  check_user(data.train && data.train->size() > 0, "make_data() returned no training samples to time.",
+             "check --data_root.");
+  auto model = task.make_model(c, data);
+  check_user(model != nullptr, "make_model() returned no model.", "return your model's .ptr().");
+  nn::LayerConversion conversion;
+  if (c.convert_layers == "on") conversion = nn::convert_layers(*model);
+  model->to(dev);
+  model->train();
+  OptimizerSetup setup{train_step_options(c, dev).optimizer(), LrScheduleOptions()};
+  task.configure_optimizer(c, setup);
+  TrainStep step(task, *model, world, train_step_options(c, dev).optimizer(setup.optimizer));
+  std::vector<int64_t> indices(static_cast<size_t>(c.batch));
+  for (size_t i = 0; i < indices.size(); ++i) indices[i] = static_cast<int64_t>(i) % data.train->size();
+  data::Batch batch = data.train->get_batch(indices);
+  for (auto& [name, t] : batch) {
+    t = t.to(dev);
+    if (name == "input" && t.dim() == 4 && t.is_floating_point()) t = step.prepare(t);
+  }
+  const double lr = setup.optimizer.lr();
+  auto run_step = [&] { return step.run(batch, true, lr).loss; };
+  const auto [ms, last_loss] =
+      time_steps(run_step, std::max(10, train_step_options(c, dev).graph_warmup() + 3), c.bench_steps, world);
+  profile_steps(run_step, c.bench_steps, c, world);
+  if (world.is_main()) {
+    nlohmann::json j = {{"contender", std::string(c.cuda_graph ? "cuda-graph" : "eager")},
+                        {"program", c.program.name},
+                        {"model", task.arch()},
+                        {"converted_layers", conversion.converted()},
+                        {"kept_layers", conversion.kept.size()},
+                        {"batch", c.batch},
+                        {"ranks", world.size()},
+                        {"amp", c.amp},
+                        {"graphed", step.graphed()},
+                        {"device", dev.str()},
+                        {"ms_per_step", ms},
+                        {"samples_per_s", c.batch * world.size() * 1000.0 / ms},
+                        {"peak_mem_mib", dev.is_cuda() ? compat::peak_cuda_bytes(dev.index()) / (1024.0 * 1024.0) : 0.0},
+                        {"final_loss", last_loss}};
+    std::printf("%s\n", j.dump().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
-int run_bench(const Config& c, World& world) {
+int run_bench(const Config& c, World& world, Task* own_task) {
   check_profile_trace_flag(c);
+  if (own_task) return run_task_bench(c, world, *own_task);
   if (models::is_gpt(c.model)) return run_gpt_bench(c, world);
   const auto dev = world.device();
   const int64_t size = c.image_size > 0 ? c.image_size : 64;
