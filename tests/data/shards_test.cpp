@@ -442,3 +442,89 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   ASSERT_EQ(mb.size(), 2u);
   EXPECT_EQ(ma[1]["val_loss"], mb[1]["val_loss"]);
 }
+
+// The global batch at each step is the same samples on any world size that
+// divides the run's streams: a 2-rank run preempted mid-epoch and resumed
+// on 1 rank (batch 8 for 2 x 4) ends where the straight 2-rank run ends, to
+// fp32 rounding (plain SGD, no augmentation), as map-style data does
+// (Resume.OnAnotherNumberOfRanksEqualsTheStraightRun). A 1-rank run has one
+// stream, which 2 ranks cannot share: that resume is refused in one line.
+TEST(ShardsResume, MidEpochOnAnotherNumberOfRanksEqualsTheStraightRun) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_ranks");
+  const auto train = write_shards(dir, {9, 7, 11, 5, 8}, 3);
+  fs::create_directories(dir + "/v");
+  const auto val = write_shards(dir + "/v", {6}, 3);
+  const std::vector<std::string> sgd{"--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--augment", "none",
+                                     "--seed", "3"};
+  auto straight = ddp::testing::temp_dir("shards_ranks_straight"), split = ddp::testing::temp_dir("shards_ranks_split");
+  auto args = shard_run_args(straight, train, val);
+  args.insert(args.end(), sgd.begin(), sgd.end());
+  auto a = ddp::testing::run_process(args);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+
+  args = shard_run_args(split, train, val);
+  args.insert(args.end(), sgd.begin(), sgd.end());
+  args.insert(args.end(), {"--inject-fault", "1:7:term"});
+  auto b1 = ddp::testing::run_process(args);
+  ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
+  auto b2 = ddp::testing::run_process({DDPTRAIN_EXE, "--resume", ddp::testing::find_file(split, "preempt.pt"), "--size",
+                                       "1", "--backend", "gloo", "--progress", "plain", "--log-every", "1"});
+  ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  EXPECT_NE(b2.output.find("resume: 1 rank(s) instead of 2; --batch 8 per rank keeps the global batch 8"),
+            std::string::npos) << b2.output;
+  EXPECT_NE(b2.output.find("epoch 2/2 step 5/5"), std::string::npos) << b2.output;
+  auto want = ddp::testing::metrics_jsonl(straight), got = ddp::testing::metrics_jsonl(split);
+  ASSERT_EQ(want.size(), 2u);
+  ASSERT_EQ(got.size(), 2u);
+  // (train_loss is left out: the trainer averages per-rank batch means, so
+  // an epoch split over 2 ranks and then 1 weights its steps otherwise.)
+  for (const char* key : {"val_loss", "val_acc"})
+    EXPECT_NEAR(got[1][key].get<double>(), want[1][key].get<double>(), 1e-4) << key;
+  EXPECT_EQ(got[1]["lr"], want[1]["lr"]);
+  const auto wa = ddp::read_state_dict(ddp::testing::find_file(straight, "epoch_2.pt"));
+  const auto wb = ddp::read_state_dict(ddp::testing::find_file(split, "epoch_2.pt"));
+  ASSERT_EQ(wa.size(), wb.size());
+  int compared = 0;
+  for (size_t i = 0; i < wa.size(); ++i) {
+    if (wa[i].first.rfind("model/", 0) != 0 || !wa[i].second.is_floating_point()) continue;
+    EXPECT_TRUE(torch::allclose(wa[i].second, wb[i].second, 1e-4, 1e-5)) << wa[i].first;
+    ++compared;
+  }
+  EXPECT_GT(compared, 4);
+
+  // A 1-rank run (one stream) resumed on 2 ranks.
+  auto one = ddp::testing::temp_dir("shards_ranks_one");
+  args = shard_run_args(one, train, val);
+  args[std::find(args.begin(), args.end(), "--size") - args.begin() + 1] = "1";
+  args[std::find(args.begin(), args.end(), "--epochs") - args.begin() + 1] = "1";
+  auto c = ddp::testing::run_process(args);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  auto d = ddp::testing::run_process({DDPTRAIN_EXE, "--resume", ddp::testing::find_file(one, "epoch_1.pt"), "--size",
+                                      "2", "--backend", "gloo", "--epochs", "2"});
+  EXPECT_EQ(d.exit_code, ddp::exit_code::kUsage) << d.output;
+  EXPECT_NE(d.output.find("--shard-streams 1 is not a multiple of the world size 2."), std::string::npos) << d.output;
+}
+
+// A build without libarchive (the GPU machine's, when libarchive-dev is
+// absent) refuses shards in one line that says how to get it; where
+// libarchive is present this has nothing to check.
+TEST(ShardsWithoutLibarchive, RefusedInOneLineSayingHowToGetIt) {
+  if (ddp::data::have_libarchive()) GTEST_SKIP() << "this build has libarchive";
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("no_libarchive");
+  auto r = ddp::testing::run_process({DDPTRAIN_EXE, "--dataset", "shards", "--data_root", dir + "/t-{0..1}.tar",
+                                      "--val-root", dir + "/v.tar", "--size", "1", "--backend", "gloo",
+                                      "--save_path", dir});
+  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+  EXPECT_NE(r.output.find("--dataset shards reads and writes tar shards, but this build has no libarchive. Hint: "
+                          "install libarchive-dev"),
+            std::string::npos)
+      << r.output;
+  auto w = ddp::testing::run_process({DDPTRAIN_EXE, "shards", dir, dir + "/out"});
+  EXPECT_EQ(w.exit_code, ddp::exit_code::kUsage) << w.output;
+  EXPECT_NE(w.output.find("ddptrain shards reads and writes tar shards, but this build has no libarchive."),
+            std::string::npos)
+      << w.output;
+}
