@@ -250,9 +250,12 @@ bool speaks() {
 
 data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
-  check_user(c.dataset == "imagefolder" || (c.image_decode != "gpu" && !c.was_given("strict-data") && !c.was_given("cpu-decode-share")),
-             "--strict-data, --image-decode gpu and --cpu-decode-share apply to --dataset imagefolder only.",
-             "drop them, or pass --dataset imagefolder.");
+  check_user(c.dataset == "imagefolder" || c.dataset == "shards" || (c.image_decode != "gpu" && !c.was_given("cpu-decode-share")),
+             "--image-decode gpu and --cpu-decode-share apply to --dataset imagefolder and shards only.",
+             "drop them, or pass --dataset imagefolder or shards.");
+  check_user(c.dataset == "imagefolder" || !c.was_given("strict-data"),
+             "--strict-data applies to --dataset imagefolder only (shards always stop at a corrupt image).",
+             "drop it, or pass --dataset imagefolder.");
   check_user(c.dataset == "imagefolder" || c.dataset == "shards" || (c.image_size == 0 && c.val_root.empty()),
              "--image-size and --val-root apply to --dataset imagefolder and shards only.",
              "drop them, or pass --dataset imagefolder or shards.");
@@ -282,7 +285,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                "--image-decode gpu needs a CUDA build of ddptrain with nvJPEG, and this build has none.",
                "use --image-decode cpu (or auto), or rebuild where the CUDA toolkit provides nvjpeg.h and libnvjpeg.");
   }
-  if (c.dataset == "imagefolder" && gpu_decode && verbose)
+  if ((c.dataset == "imagefolder" || c.dataset == "shards") && gpu_decode && verbose)
     std::fprintf(stderr,
                  "%s: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "
                  "nvJPEG the rest (--cpu-decode-share)\n",
@@ -302,7 +305,9 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .pattern(c.data_root)
                                        .val_pattern(c.val_root)
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
-                                       .augment(c.augment != "none"));
+                                       .augment(c.augment != "none")
+                                       .gpu_decode(gpu_decode)
+                                       .cpu_decode_share(c.cpu_decode_share));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
   // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";

@@ -10,6 +10,7 @@
 
 #include "ddp/data/counter_rng.h"
 #include "ddp/data/identity.h"
+#include "ddp/data/image_folder.h"  // uses_cpu_decode
 #include "ddp/data/subset.h"
 #include "ddp/error.h"
 
@@ -287,7 +288,8 @@ struct ShardDataset::Streams {
 
 ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::string name)
     : index_(std::move(index)), options_(std::move(options)), name_(std::move(name)) {
-  if (options_.scaled_jpeg_decode()) decode_.min_side(decode_min_side(options_.transform()));
+  // The GPU path decodes at full size: so do its samples decoded here.
+  if (options_.scaled_jpeg_decode() && !options_.gpu_decode()) decode_.min_side(decode_min_side(options_.transform()));
   for (int64_t label : index_.labels) num_classes_ = std::max(num_classes_, label + 1);
 }
 
@@ -412,6 +414,27 @@ std::vector<std::vector<uint8_t>> ShardDataset::indexed_images(const std::vector
   return images;
 }
 
+torch::Tensor ShardDataset::decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
+                                       int64_t position, TransformWindow* window) const {
+  const std::string& path = index_.paths[static_cast<size_t>(index_.shard_of(id))];
+  const std::string& sample = index_.keys[static_cast<size_t>(id)];
+  torch::Tensor crop;
+  try {
+    CropBox box;
+    crop = decode_image_box(bytes.data(), bytes.size(), path + ":" + sample, decode_,
+                            [&](int64_t h, int64_t w) {
+                              *window = transform_window(h, w, options_.transform(), key, position);
+                              return window->source;
+                            },
+                            &box);
+  } catch (const CorruptImage& e) {
+    throw UserError("shard " + path + ": sample " + sample + "'s image does not decode: " + e.reason() + ".",
+                    "write the shard again from a good copy of the image, or leave the shard out.");
+  }
+  window->source = CropBox{0, 0, crop.size(0), crop.size(1)};
+  return crop;
+}
+
 Batch ShardDataset::decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
                                  const DrawKey& key, int64_t first_position) const {
   const int64_t size = options_.transform().size(), b = static_cast<int64_t>(indices.size());
@@ -419,28 +442,62 @@ Batch ShardDataset::decode_batch(const std::vector<std::vector<uint8_t>>& images
   int64_t* labels = batch.target().data_ptr<int64_t>();
   for (int64_t j = 0; j < b; ++j) {
     const int64_t id = indices[static_cast<size_t>(j)];
-    const std::string& path = index_.paths[static_cast<size_t>(index_.shard_of(id))];
-    const auto& bytes = images[static_cast<size_t>(j)];
     TransformWindow window;
-    CropBox box;
-    torch::Tensor crop;
-    try {
-      crop = decode_image_box(bytes.data(), bytes.size(), path + ":" + index_.keys[static_cast<size_t>(id)], decode_,
-                              [&](int64_t h, int64_t w) {
-                                window = transform_window(h, w, options_.transform(), key, first_position + j);
-                                return window.source;
-                              },
-                              &box);
-    } catch (const CorruptImage& e) {
-      throw UserError("shard " + path + ": sample " + index_.keys[static_cast<size_t>(id)] +
-                          "'s image does not decode: " + e.reason() + ".",
-                      "write the shard again from a good copy of the image, or leave the shard out.");
-    }
-    window.source = CropBox{0, 0, crop.size(0), crop.size(1)};
+    const torch::Tensor crop = decode_crop(images[static_cast<size_t>(j)], id, key, first_position + j, &window);
     batch.input()[j].copy_(apply_transform_window(crop, window, options_.transform()));
     labels[j] = index_.labels[static_cast<size_t>(id)];
   }
   return batch;
+}
+
+EncodedSample ShardDataset::crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
+                                        int64_t position) const {
+  EncodedSample s;
+  s.kind = kEncodedRgb;
+  s.index = id;
+  s.label = index_.labels[static_cast<size_t>(id)];
+  const torch::Tensor crop = decode_crop(bytes, id, key, position, &s.window).contiguous();
+  s.height = crop.size(0);
+  s.width = crop.size(1);
+  s.bytes.assign(crop.data_ptr<uint8_t>(), crop.data_ptr<uint8_t>() + crop.numel());
+  return s;
+}
+
+Batch ShardDataset::encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
+                            const DrawKey& key, int64_t first_position) const {
+  std::vector<EncodedSample> samples;
+  samples.reserve(indices.size());
+  for (size_t j = 0; j < indices.size(); ++j) {
+    const int64_t id = indices[j], position = first_position + static_cast<int64_t>(j);
+    auto& bytes = images[j];
+    const auto info = plain_jpeg_info(bytes.data(), bytes.size());
+    if (!info || uses_cpu_decode(position, options_.cpu_decode_share())) {
+      samples.push_back(crop_on_cpu(bytes, id, key, position));
+      continue;
+    }
+    EncodedSample s;
+    s.kind = kEncodedJpeg;
+    s.height = info->height;
+    s.width = info->width;
+    s.index = id;
+    s.label = index_.labels[static_cast<size_t>(id)];
+    s.window = transform_window(s.height, s.width, options_.transform(), key, position);
+    s.bytes = std::move(bytes);
+    samples.push_back(std::move(s));
+  }
+  return encoded_batch(samples, key, first_position);
+}
+
+std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
+  if (!options_.gpu_decode()) return nullptr;
+  std::call_once(stage_once_, [this] {
+    // A file nvJPEG rejects is decoded here, read again by its index.
+    stage_ = make_gpu_jpeg_stage(options_.transform(), options_.gpu_decode_in_flight(),
+                                 [this](int64_t id, const DrawKey& key, int64_t position) {
+                                   return crop_on_cpu(indexed_images({id})[0], id, key, position);
+                                 });
+  });
+  return stage_;
 }
 
 Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
@@ -457,6 +514,7 @@ Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const D
     if (streamed) images = stream_images(indices, first_position);
   }
   if (!streamed) images = indexed_images(indices);
+  if (options_.gpu_decode()) return encoded(images, indices, key, first_position);
   return decode_batch(images, indices, key, first_position);
 }
 
@@ -489,12 +547,13 @@ Splits load_image_shards(const ShardSplitOptions& options) {
   splits.mean = kImageNetMean;
   splits.std = kImageNetStd;
   splits.train_augmented = true;
-  splits.train = std::make_shared<ShardDataset>(std::move(train),
-                                                ShardDatasetOptions().transform(ImageTransformOptions(transform).train(options.augment())),
-                                                "shards " + options.pattern() + " (train)");
-  splits.val = std::make_shared<ShardDataset>(std::move(val),
-                                              ShardDatasetOptions().transform(ImageTransformOptions(transform).train(false)),
-                                              "shards " + options.val_pattern() + " (val)");
+  const auto decode = ShardDatasetOptions().gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share());
+  splits.train = std::make_shared<ShardDataset>(
+      std::move(train), ShardDatasetOptions(decode).transform(ImageTransformOptions(transform).train(options.augment())),
+      "shards " + options.pattern() + " (train)");
+  splits.val = std::make_shared<ShardDataset>(
+      std::move(val), ShardDatasetOptions(decode).transform(ImageTransformOptions(transform).train(false)),
+      "shards " + options.val_pattern() + " (val)");
   splits.test = empty_like(splits.val, "shards (no test split)");
   return splits;
 }

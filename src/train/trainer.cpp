@@ -628,7 +628,7 @@ void Trainer::hint_if_data_bound(int64_t epoch, double wait_share, int64_t sampl
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int ranks = std::max(1, world_.placement().local_world_size);
   const int per_rank = std::max(1, cores / ranks);
-  const bool gpu_decode = config_.dataset == "imagefolder" && world_.device().is_cuda() &&
+  const bool gpu_decode = (config_.dataset == "imagefolder" || config_.dataset == "shards") && world_.device().is_cuda() &&
                           data::gpu_decode_chosen(config_.image_decode, world_.device());
   char faster[256];
   if (config_.workers + 1 < per_rank)

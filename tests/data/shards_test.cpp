@@ -16,6 +16,7 @@
 #include <set>
 
 #include "ddp/data/image_codec.h"
+#include "ddp/data/image_folder.h"
 #include "ddp/data/loader.h"
 #include "ddp/data/shards.h"
 #include "ddp/error.h"
@@ -527,4 +528,114 @@ TEST(ShardsWithoutLibarchive, RefusedInOneLineSayingHowToGetIt) {
   EXPECT_NE(w.output.find("ddptrain shards reads and writes tar shards, but this build has no libarchive."),
             std::string::npos)
       << w.output;
+}
+
+// --image-decode gpu on shards: training batches carry each JPEG's bytes as
+// the shard holds them, with the CPU path's window for its position, and
+// the CPU share (and any file nvJPEG does not take, PNG here) travels as
+// the decoded crop.
+TEST(ShardDataset, GpuDecodeBatchesCarryTheShardsJpegsAndTheCpuPathsWindows) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_gpu");
+  std::vector<std::vector<uint8_t>> files;
+  {
+    TarWriter w(dir + "/g.tar");
+    for (int i = 0; i < 6; ++i) {
+      auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(i) + 11);
+      auto image = torch::randint(0, 256, {40 + 4 * i, 50, 3}, gen, torch::kLong).to(torch::kUInt8);
+      const std::string file = dir + "/" + std::to_string(i) + (i == 5 ? ".png" : ".jpg");
+      if (i == 5) ddp::data::write_png(file, image); else ddp::data::write_jpeg(file, image, 90);
+      files.push_back(file_bytes(file));
+      const std::string key = "s" + std::to_string(i), cls = std::to_string(i % 2);
+      w.add(key + (i == 5 ? ".png" : ".jpg"), files.back().data(), files.back().size());
+      w.add(key + ".cls", cls.data(), cls.size());
+    }
+    w.close();
+  }
+  const auto transform = ddp::data::ImageTransformOptions().size(16);
+  auto data = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
+                                             ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0.5),
+                                             "gpu shards");
+  const ddp::data::DrawKey key{4, 1, 0};
+  const auto ids = data->epoch_order(StreamOrderOptions().seed(4).epoch(1).shuffle_buffer(3), 0);
+  auto batch = data->get_keyed_batch(ids, key, 0);
+  ASSERT_TRUE(batch.contains(ddp::data::kEncodedImages)) << "an encoded batch";
+  const auto rows = batch.at(ddp::data::kEncodedImages);
+  const auto bytes = batch.at(ddp::data::kEncodedBytes);
+  int jpegs = 0, decoded = 0;
+  for (int64_t j = 0; j < rows.size(0); ++j) {
+    const auto id = ids[static_cast<size_t>(j)];
+    const auto r = rows[j];
+    EXPECT_EQ(r[ddp::data::kEcIndex].item<int64_t>(), id);
+    EXPECT_EQ(batch.target()[j].item<int64_t>(), id % 2);
+    const bool cpu = ddp::data::uses_cpu_decode(j, 0.5) || id == 5;
+    EXPECT_EQ(r[ddp::data::kEcKind].item<int64_t>(), cpu ? ddp::data::kEncodedRgb : ddp::data::kEncodedJpeg) << j;
+    if (cpu) {
+      ++decoded;
+      continue;
+    }
+    ++jpegs;
+    const auto off = r[ddp::data::kEcByteOffset].item<int64_t>(), len = r[ddp::data::kEcByteLength].item<int64_t>();
+    const auto& file = files[static_cast<size_t>(id)];
+    ASSERT_EQ(len, static_cast<int64_t>(file.size()));
+    EXPECT_TRUE(std::equal(file.begin(), file.end(), bytes.data_ptr<uint8_t>() + off)) << "sample " << id;
+    const auto window = ddp::data::transform_window(40 + 4 * id, 50, transform, key, j);
+    EXPECT_EQ(r[ddp::data::kEcTop].item<int64_t>(), window.source.top);
+    EXPECT_EQ(r[ddp::data::kEcWindowWidth].item<int64_t>(), window.source.width);
+    EXPECT_EQ(r[ddp::data::kEcFlip].item<int64_t>(), window.flip ? 1 : 0);
+  }
+  EXPECT_GT(jpegs, 0);
+  EXPECT_GT(decoded, 0);
+  // Indexed access (evaluation, predict) still gives tensors.
+  EXPECT_EQ(data->get_batch({0, 1}).input().sizes(), (std::vector<int64_t>{2, 3, 16, 16}));
+  if (!ddp::data::gpu_jpeg_available()) {
+    EXPECT_NE(user_error([&] { data->device_stage(); }).find("nvJPEG"), std::string::npos);
+  }
+}
+
+// The device stage on a GPU gives the CPU path's batch, to nvJPEG's decode
+// differences (the bounds of GpuImages.StageMatchesTheCpuPath_CUDA for
+// photo-like JPEGs).
+TEST(ShardDataset, GpuDecodeMatchesTheCpuPath_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  if (!ddp::data::gpu_jpeg_available()) GTEST_SKIP() << "no nvJPEG in this build";
+  const auto dir = ddp::testing::temp_dir("shard_gpu_cuda");
+  {
+    TarWriter w(dir + "/g.tar");
+    for (int i = 0; i < 8; ++i) {
+      auto y = torch::arange(120 + 9 * i, torch::kFloat).view({-1, 1, 1});
+      auto x = torch::arange(160, torch::kFloat).view({1, -1, 1});
+      auto c = torch::arange(3, torch::kFloat).view({1, 1, 3});
+      auto image = (torch::sin(y * 0.11 + x * 0.07 * (c + 1) + i) * 90 + 128 + x * 0.2).clamp(0, 255).to(torch::kByte).contiguous();
+      ddp::data::write_jpeg(dir + "/x.jpg", image, 90);
+      const auto jpeg = file_bytes(dir + "/x.jpg");
+      const std::string key = "p" + std::to_string(i), cls = "0";
+      w.add(key + ".jpg", jpeg.data(), jpeg.size());
+      w.add(key + ".cls", cls.data(), cls.size());
+    }
+    w.close();
+  }
+  for (bool train : {true, false}) {
+    const auto transform = ddp::data::ImageTransformOptions().size(64).train(train);
+    auto gpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
+                                              ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0), "gpu");
+    auto cpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
+                                              ShardDatasetOptions().transform(transform).scaled_jpeg_decode(false), "cpu");
+    const ddp::data::DrawKey key{5, 2, 0};
+    const auto order = StreamOrderOptions().seed(5).epoch(2).shuffle_buffer(4);
+    const auto ids = gpu->epoch_order(order, 0);
+    EXPECT_EQ(cpu->epoch_order(order, 0), ids);
+    auto batch = gpu->get_keyed_batch(ids, key, 0);
+    const auto want = cpu->get_keyed_batch(ids, key, 0);
+    gpu->device_stage()->run(batch, torch::Device(torch::kCUDA, 0));
+    const auto got = batch.input().cpu();
+    ASSERT_EQ(got.sizes(), want.input().sizes());
+    const double level = 1.0 / (255.0 * 0.229);
+    for (int64_t i = 0; i < got.size(0); ++i) {
+      const auto diff = (got[i] - want.input()[i]).abs();
+      EXPECT_LT(diff.mean().item<double>() / level, 2.5) << i << " train=" << train;
+      EXPECT_LT(diff.max().item<double>() / level, 27.0) << i << " train=" << train;
+    }
+  }
 }

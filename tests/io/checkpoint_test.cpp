@@ -842,7 +842,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"ShardStreamsWithoutShards", {"--dataset", "synthetic", "--shard-streams", "4"},
                 "--shard-streams and --shuffle-buffer apply to --dataset shards only"},
         BadCase{"CpuDecodeShareWithoutImageFolder", {"--dataset", "synthetic", "--cpu-decode-share", "0.3"},
-                "--cpu-decode-share apply to --dataset imagefolder only"},
+                "--cpu-decode-share apply to --dataset imagefolder and shards only"},
         BadCase{"CpuDecodeShareWithCpuDecoding",
                 {"--dataset", "imagefolder", "--image-decode", "cpu", "--cpu-decode-share", "0.3"},
                 "--cpu-decode-share splits the decoding between the CPU and nvJPEG"},

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "ddp/data/dataset.h"
+#include "ddp/data/gpu_images.h"
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_transforms.h"
 #include "ddp/data/tar.h"
@@ -148,8 +149,16 @@ struct ShardDatasetOptions {
   /// How each image becomes a 3 x size x size tensor.
   TORCH_ARG(ImageTransformOptions, transform) = ImageTransformOptions();
   /// Decode large JPEGs at a reduced scale when the transform allows
-  /// (ImageFolderOptions::scaled_jpeg_decode).
+  /// (ImageFolderOptions::scaled_jpeg_decode; never with gpu_decode).
   TORCH_ARG(bool, scaled_jpeg_decode) = true;
+  /// Leave decoding and the transform to the GPU, as image folders do
+  /// (ImageFolderOptions::gpu_decode, gpu_images.h): training batches carry
+  /// the JPEGs' bytes and device_stage() finishes them on the device.
+  TORCH_ARG(bool, gpu_decode) = false;
+  /// With gpu_decode: ImageFolderOptions::cpu_decode_share.
+  TORCH_ARG(double, cpu_decode_share) = 1;
+  /// With gpu_decode: ImageFolderOptions::gpu_decode_in_flight.
+  TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
 };
 
 /// Image shards: "input" 3 x size x size, "target" the .cls label.
@@ -172,6 +181,9 @@ class ShardDataset : public StreamDataset {
   /// A hash of each shard's sample keys and labels, in order (no paths).
   std::string fingerprint() const override;
   std::vector<int64_t> epoch_order(const StreamOrderOptions& options, int64_t first_position) const override;
+  /// With gpu_decode, the stage that decodes and transforms on the device.
+  /// Made on first use; UserError if this build has no nvJPEG.
+  std::shared_ptr<DeviceStage> device_stage() const override;
 
   const ShardIndex& index() const { return index_; }
 
@@ -183,6 +195,14 @@ class ShardDataset : public StreamDataset {
   std::vector<std::vector<uint8_t>> indexed_images(const std::vector<int64_t>& indices) const;
   Batch decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
                      const DrawKey& key, int64_t first_position) const;
+  // gpu_decode: the batch as it travels to the device (gpu_images.h).
+  Batch encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices, const DrawKey& key,
+                int64_t first_position) const;
+  // Sample `id`'s crop for (key, position), decoded here; *window gets its
+  // transform window, its source rebased onto the crop.
+  torch::Tensor decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position,
+                            TransformWindow* window) const;
+  EncodedSample crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position) const;
 
   ShardIndex index_;
   ShardDatasetOptions options_;
@@ -191,6 +211,8 @@ class ShardDataset : public StreamDataset {
   int64_t num_classes_ = 0;
   mutable std::mutex mutex_;                  // guards streams_
   mutable std::unique_ptr<Streams> streams_;  // null: no epoch armed
+  mutable std::once_flag stage_once_;
+  mutable std::shared_ptr<DeviceStage> stage_;
 };
 
 /// The image field of a sample: its first .jpg, .jpeg or .png (any case).
@@ -204,6 +226,9 @@ struct ShardSplitOptions {
   TORCH_ARG(int64_t, image_size) = 224;
   /// Random-resized crop and flip on training images (--augment standard).
   TORCH_ARG(bool, augment) = true;
+  /// Decode on the GPU (--image-decode gpu) and its CPU share (--cpu-decode-share).
+  TORCH_ARG(bool, gpu_decode) = false;
+  TORCH_ARG(double, cpu_decode_share) = 1;
 };
 
 /// Train and validation splits of image shards, normalised with ImageNet's
