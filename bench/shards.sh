@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Config (f)'s data two ways in one call: the same JPEGs (bench/make_jpeg_folder.py)
 # read as an image folder and as tar shards that `ddptrain shards` wrote from
-# it (issue 47), both decoded on the loader's CPU threads, both validated on
-# the same small folder. Prints one JSON line per path (the last epoch's
+# it (issue 47), each with --image-decode auto (nvJPEG on a GPU) and cpu,
+# all validated on the same small folder. Prints one JSON line per path (the last epoch's
 # img/s and data wait, from the epoch line) to $OUT/results.jsonl.
 #
-#   bash bench/shards.sh                          # GPU: ResNet-50, 224 px, batch 256, bf16, 3 epochs
+#   bash bench/shards.sh                          # GPU: ResNet-50, 224 px, batch 256, bf16, cuda-graph, 3 epochs
 #   CPU=1 F_FILES=2000 bash bench/shards.sh       # a CPU machine: --model cnn at 64 px, loader-bound
 #
 # F_DIR (default /tmp/ddp_f_jpegs, F_FILES files) is made once and reused, as
@@ -58,5 +58,8 @@ print(json.dumps({"config": "f", "data": name, "rc": rc, "workers": workers, "ep
 PY
   rm -f "$OUT/$name"/*/*.pt
 }
-run imagefolder --dataset imagefolder --data_root "$F_DIR" --val-root "$VAL" --image-decode cpu
-run shards --dataset shards --data_root "$PATTERN" --val-root "$SH/val-000000.tar"
+# DECODES: --image-decode values to run both paths with (a CPU machine: cpu only).
+for dec in ${DECODES:-$([[ ${CPU:-0} == 1 ]] && echo cpu || echo "auto cpu")}; do
+  run "imagefolder.$dec" --dataset imagefolder --data_root "$F_DIR" --val-root "$VAL" --image-decode "$dec"
+  run "shards.$dec" --dataset shards --data_root "$PATTERN" --val-root "$SH/val-000000.tar" --image-decode "$dec"
+done

@@ -135,6 +135,17 @@ void check_streams_divide(int64_t streams, int64_t world) {
              "you will use (e.g. 8).");
 }
 
+// Moves the sample's image bytes (its first .jpg, .jpeg or .png) into *out;
+// false if it has none.
+bool take_image(ShardSample& sample, std::vector<uint8_t>* out) {
+  for (auto& [ext, bytes] : sample.fields)
+    if (is_image_extension(ext)) {
+      *out = std::move(bytes);
+      return true;
+    }
+  return false;
+}
+
 constexpr uint64_t kShardShuffleTag = 0x7368617264730001ull, kBufferShuffleTag = 0x7368617264730002ull;
 
 }  // namespace
@@ -360,12 +371,10 @@ std::vector<std::vector<uint8_t>> ShardDataset::stream_images(const std::vector<
                    "shard " + path + " changed during the run: sample " + expected + " is " +
                        (more ? "now " + sample.key : "gone") + ".",
                    "restore the shard as it was when the run started, or start a new run.");
-        if (needed) {
-          const std::vector<uint8_t>* image = image_field(sample);
-          check_user(image != nullptr, "shard " + path + " changed during the run: sample " + key + " has no image now.",
+        if (needed)
+          check_user(take_image(sample, &c.read[c.next_raw]),
+                     "shard " + path + " changed during the run: sample " + key + " has no image now.",
                      "restore the shard as it was when the run started, or start a new run.");
-          c.read[c.next_raw] = *image;
-        }
       }
       ++c.next_raw;
     }
@@ -407,9 +416,10 @@ std::vector<std::vector<uint8_t>> ShardDataset::indexed_images(const std::vector
                      (more ? "now " + sample.key : "gone") + ".",
                  "restore the shard as it was when the run started, or start a new run.");
     }
-    const std::vector<uint8_t>* image = image_field(sample);
-    check_user(image != nullptr, "shard " + path + ": sample " + index_.keys[static_cast<size_t>(id)] + " has no image.");
-    images[by_id[k]] = *image;
+    check_user(take_image(sample, &images[by_id[k]]),
+               "shard " + path + " changed during the run: sample " + index_.keys[static_cast<size_t>(id)] +
+                   " has no image now.",
+               "restore the shard as it was when the run started, or start a new run.");
   }
   return images;
 }
