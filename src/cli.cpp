@@ -673,8 +673,9 @@ Config with_absolute_paths(const Config& config) {
   // (test, val, train) as often as a path, and only predict reads it.
   for (std::string* path : {&c.data_root, &c.val_root, &c.pretrain, &c.save_path, &c.profile_trace, &c.checkpoint, &c.out})
     *path = absolute_path(*path);
-  // A shard pattern may list several files (commas outside braces): each of them.
-  if (c.dataset == "shards") {
+  // A shard pattern, or --task lm's token files, may list several files
+  // (commas outside braces): each of them.
+  if (c.dataset == "shards" || c.task == "lm") {
     c.data_root = absolute_items(config.data_root);
     c.val_root = absolute_items(config.val_root);
   }

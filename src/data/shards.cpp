@@ -479,21 +479,10 @@ Batch ShardDataset::encoded(std::vector<std::vector<uint8_t>>& images, const std
   samples.reserve(indices.size());
   for (size_t j = 0; j < indices.size(); ++j) {
     const int64_t id = indices[j], position = first_position + static_cast<int64_t>(j);
-    auto& bytes = images[j];
-    const auto info = plain_jpeg_info(bytes.data(), bytes.size());
-    if (!info || uses_cpu_decode(position, options_.cpu_decode_share())) {
-      samples.push_back(crop_on_cpu(bytes, id, key, position));
-      continue;
-    }
-    EncodedSample s;
-    s.kind = kEncodedJpeg;
-    s.height = info->height;
-    s.width = info->width;
-    s.index = id;
-    s.label = index_.labels[static_cast<size_t>(id)];
-    s.window = transform_window(s.height, s.width, options_.transform(), key, position);
-    s.bytes = std::move(bytes);
-    samples.push_back(std::move(s));
+    std::optional<EncodedSample> jpeg;
+    if (!uses_cpu_decode(position, options_.cpu_decode_share()))
+      jpeg = plain_jpeg_sample(images[j], id, index_.labels[static_cast<size_t>(id)], options_.transform(), key, position);
+    samples.push_back(jpeg ? std::move(*jpeg) : crop_on_cpu(images[j], id, key, position));
   }
   return encoded_batch(samples, key, first_position);
 }
