@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 
 #include "ddp/data/image_codec.h"
@@ -354,6 +355,13 @@ std::vector<std::string> shard_run_args(const std::string& save, const std::stri
           "--save_path", save, "--progress", "plain", "--log-every", "1", "--shuffle-buffer", "8", "--workers", "2"};
 }
 
+// The step a resumed run says it starts after ("resume: FILE (epoch E, step S)").
+int64_t resumed_step(const std::string& output) {
+  std::smatch m;
+  if (!std::regex_search(output, m, std::regex(R"(resume: \S+ \(epoch \d+, step (\d+)\))"))) return -1;
+  return std::stoll(m[1]);
+}
+
 }  // namespace
 
 // The documented commands: write shards from a folder, then train on them.
@@ -401,14 +409,14 @@ TEST(ShardsCommand, WritesAFolderAsShardsThatTrainingReads) {
   EXPECT_EQ(ddp::testing::metrics_jsonl(save).size(), 2u);
 }
 
-// A 2-rank run on shards stopped mid-epoch (a preemption at step 4 of 8)
+// A 2-rank run on shards stopped mid-epoch (a preemption in epoch 2 of 2)
 // and resumed from its checkpoint ends with the same weights, bit for bit,
 // as the run that was never stopped.
 TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("shards_resume");
-  const auto train = write_shards(dir, {9, 7, 11, 5, 8}, 3);  // 40 samples
+  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
   fs::create_directories(dir + "/v");
   const auto val = write_shards(dir + "/v", {6}, 3);
   auto straight = ddp::testing::temp_dir("shards_straight"), split = ddp::testing::temp_dir("shards_split");
@@ -417,7 +425,9 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   ASSERT_EQ(a.exit_code, 0) << a.output;
 
   args = shard_run_args(split, train, val);
-  args.insert(args.end(), {"--inject-fault", "1:7:term"});  // epoch 1 has 5 steps: epoch 2, step 2
+  // SIGTERM after step 25, epoch 2's fifth; the ranks agree to stop a
+  // step or a few later, still inside epoch 2 (resumed_step checks).
+  args.insert(args.end(), {"--inject-fault", "1:25:term"});
   auto b1 = ddp::testing::run_process(args);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   const auto preempt = ddp::testing::find_file(split, "preempt.pt");
@@ -425,7 +435,8 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   auto b2 = ddp::testing::run_process({DDPTRAIN_EXE, "--resume", preempt, "--size", "2", "--backend", "gloo",
                                        "--progress", "plain", "--log-every", "1"});
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
-  EXPECT_NE(b2.output.find("resume: "), std::string::npos) << b2.output;
+  const int64_t step = resumed_step(b2.output);
+  EXPECT_TRUE(step > 20 && step < 40) << "not stopped inside epoch 2: " << b2.output;
 
   const auto wa = ddp::read_state_dict(ddp::testing::find_file(straight, "epoch_2.pt"));
   const auto wb = ddp::read_state_dict(ddp::testing::find_file(split, "epoch_2.pt"));
@@ -454,7 +465,7 @@ TEST(ShardsResume, MidEpochOnAnotherNumberOfRanksEqualsTheStraightRun) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("shards_ranks");
-  const auto train = write_shards(dir, {9, 7, 11, 5, 8}, 3);
+  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
   fs::create_directories(dir + "/v");
   const auto val = write_shards(dir + "/v", {6}, 3);
   const std::vector<std::string> sgd{"--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--augment", "none",
@@ -467,15 +478,17 @@ TEST(ShardsResume, MidEpochOnAnotherNumberOfRanksEqualsTheStraightRun) {
 
   args = shard_run_args(split, train, val);
   args.insert(args.end(), sgd.begin(), sgd.end());
-  args.insert(args.end(), {"--inject-fault", "1:7:term"});
+  args.insert(args.end(), {"--inject-fault", "1:25:term"});
   auto b1 = ddp::testing::run_process(args);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   auto b2 = ddp::testing::run_process({DDPTRAIN_EXE, "--resume", ddp::testing::find_file(split, "preempt.pt"), "--size",
                                        "1", "--backend", "gloo", "--progress", "plain", "--log-every", "1"});
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
+  const int64_t step = resumed_step(b2.output);
+  EXPECT_TRUE(step > 20 && step < 40) << "not stopped inside epoch 2: " << b2.output;
   EXPECT_NE(b2.output.find("resume: 1 rank(s) instead of 2; --batch 8 per rank keeps the global batch 8"),
             std::string::npos) << b2.output;
-  EXPECT_NE(b2.output.find("epoch 2/2 step 5/5"), std::string::npos) << b2.output;
+  EXPECT_NE(b2.output.find("epoch 2/2 step 20/20"), std::string::npos) << b2.output;
   auto want = ddp::testing::metrics_jsonl(straight), got = ddp::testing::metrics_jsonl(split);
   ASSERT_EQ(want.size(), 2u);
   ASSERT_EQ(got.size(), 2u);
