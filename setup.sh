@@ -64,7 +64,7 @@ fi
 # iproute2: the multi-node test gives each "node" its own network namespace
 # with `ip netns` (it falls back to loopback without it).
 PKGS=(build-essential cmake ninja-build ccache libcli11-dev nlohmann-json3-dev libgtest-dev
-      zlib1g-dev libpng-dev libjpeg-dev iproute2)
+      zlib1g-dev libpng-dev libjpeg-dev libarchive-dev iproute2)
 # OpenBLAS: Debian's libtorch calls the system BLAS, and the reference one is ~10x slower.
 # fortunes: 2.6 MB of English text, the default corpus of --task lm (read as bytes).
 [[ -z "$TORCH_PREFIX" ]] && PKGS+=(libtorch-dev libgloo-dev dataset-fashion-mnist fortunes libopenblas0-pthread)

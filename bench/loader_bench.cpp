@@ -20,6 +20,14 @@
 //   loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] [--batch B]
 //                [--max-workers W] [--intra-op-threads T]
 //
+// With --shards-from DIR it measures instead an image folder against the
+// same images as tar shards (written once by `ddptrain shards` under --dir):
+// the folder in a shuffled order (as DistributedSampler), the shards as one
+// rank's stream (one stream, a 1000-sample shuffle buffer), both with the
+// training transform at --jpeg-size, the best of three
+// passes each, taken in turn, after a page-cache pass.
+//   loader_bench --shards-from DIR [--batch B] [--max-workers W] [--jpeg-size S] [--shuffle-buffer N]
+//
 // With --gpu-folder DIR (a CUDA build with nvJPEG and a GPU), it measures
 // instead the GPU decode path on an existing folder, with no model: the
 // loader alone (files read and JPEG headers parsed, batches of bytes), then
@@ -29,6 +37,7 @@
 //   loader_bench --gpu-folder DIR [--batch B] [--max-workers W] [--jpeg-size S]
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +50,7 @@
 #include <torch/torch.h>
 
 #include "ddp/app.h"
+#include "ddp/cmd/shards.h"
 #include "ddp/data/counter_rng.h"
 #include "ddp/data/device_feeder.h"
 #include "ddp/data/gpu_images.h"
@@ -48,6 +58,7 @@
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_folder.h"
 #include "ddp/data/loader.h"
+#include "ddp/data/shards.h"
 
 namespace fs = std::filesystem;
 using namespace ddp::data;
@@ -61,6 +72,8 @@ struct Args {
   int64_t max_workers = std::max(1u, std::thread::hardware_concurrency());
   int intra_op_threads = 1;
   std::string gpu_folder;
+  std::string shards_from;
+  int64_t shuffle_buffer = 1000;
 };
 
 Args parse(int argc, char** argv) {
@@ -94,6 +107,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--max-workers") a.max_workers = std::stoll(value());
     else if (k == "--intra-op-threads") a.intra_op_threads = std::stoi(value());
     else if (k == "--gpu-folder") a.gpu_folder = value();
+    else if (k == "--shards-from") a.shards_from = value();
+    else if (k == "--shuffle-buffer") a.shuffle_buffer = std::stoll(value());
     else {
       std::fprintf(stderr,
                    "usage: loader_bench [--dir D] [--jpegs N] [--fmnist N] [--large-jpegs N] [--large-size WxH] "
@@ -200,6 +215,51 @@ void bench(const std::string& name, const std::string& root, int64_t size, const
   }
 }
 
+// --shards-from: the folder and its shards, loader only, worker by worker.
+int shards_bench(const Args& a) {
+  const std::string out = a.dir + "/shards-of-" + fs::path(a.shards_from).lexically_normal().filename().string();
+  if (!is_complete(out)) {
+    fs::remove_all(out);
+    fs::create_directories(out);
+    ddp::ShardWriteOptions o;
+    o.folder = a.shards_from;
+    o.out = out + "/s";
+    ddp::write_image_shards(o);
+    mark_complete(out);
+  }
+  std::vector<std::string> paths;
+  for (const auto& e : fs::directory_iterator(out))
+    if (e.path().extension() == ".tar") paths.push_back(e.path().string());
+  std::sort(paths.begin(), paths.end());
+  const auto transform = ImageTransformOptions().size(a.jpeg_size);
+  auto folder = std::make_shared<ImageFolderDataset>(scan_image_folder(a.shards_from),
+                                                     ImageFolderOptions().transform(transform), "folder");
+  auto shards = std::make_shared<ShardDataset>(scan_image_shards(paths), ShardDatasetOptions().transform(transform), "shards");
+  std::vector<int64_t> order(static_cast<size_t>(folder->size()));
+  KeyedRandom rng(7);
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(i);
+  for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  auto stream = [&] { return shards->epoch_order(StreamOrderOptions().seed(1).epoch(0).streams(1).shuffle_buffer(a.shuffle_buffer), 0); };
+  std::printf("\nimage folder vs tar shards (%zu shards) of %s: batch %lld, %lld px training transform, %u hardware "
+              "threads; images/s\n\n| workers | folder | shards | shards / folder |\n|---|---|---|---|\n",
+              paths.size(), a.shards_from.c_str(), static_cast<long long>(a.batch), static_cast<long long>(a.jpeg_size),
+              std::thread::hardware_concurrency());
+  images_per_second(folder, order, a.batch, 1);  // the page cache
+  images_per_second(shards, stream(), a.batch, 1);
+  for (int64_t w = 0; w <= a.max_workers; w = w ? 2 * w : 1) {
+    // The best of three passes each, taken in turn: on a shared machine the
+    // other load comes and goes.
+    double f = 0, s = 0;
+    for (int pass = 0; pass < 3; ++pass) {
+      f = std::max(f, images_per_second(folder, order, a.batch, w));
+      s = std::max(s, images_per_second(shards, stream(), a.batch, w));
+    }
+    std::printf("| %lld | %.0f | %.0f | %.2f |\n", static_cast<long long>(w), f, s, s / f);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 // The GPU decode path on `root`: images/s out of the loader alone, and out
 // of the loader plus the device stage, each over one pass of the folder in
 // a fixed shuffled order, batch a.batch, a.max_workers loader threads.
@@ -273,6 +333,7 @@ int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
   torch::set_num_threads(a.intra_op_threads);
   if (!a.gpu_folder.empty()) return gpu_bench(a);
+  if (!a.shards_from.empty()) return shards_bench(a);
   fs::create_directories(a.dir);
   const std::string fmnist = make_fmnist_folder(a);
   const std::string jpeg = make_jpeg_folder(a.dir + "/jpeg", a.jpegs);

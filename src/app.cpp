@@ -24,8 +24,10 @@
 #include "ddp/io/checkpoint.h"
 #include "ddp/train/resume.h"
 #include "ddp/data/image_folder.h"
+#include "ddp/data/shards.h"
 #include "ddp/cmd/doctor.h"
 #include "ddp/cmd/generate.h"
+#include "ddp/cmd/shards.h"
 #include "ddp/cmd/predict.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
@@ -248,19 +250,25 @@ bool speaks() {
 
 data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
   // ---- files of your own: image folders and CIFAR-10 (src/data/image_folder.cpp, cifar10.cpp) ----
-  check_user(c.dataset == "imagefolder" || (c.image_size == 0 && c.val_root.empty() && c.image_decode != "gpu" &&
-                                            !c.was_given("strict-data") && !c.was_given("cpu-decode-share")),
-             "--image-size, --val-root, --strict-data, --image-decode gpu and --cpu-decode-share apply to "
-             "--dataset imagefolder only.",
-             "drop them, or pass --dataset imagefolder.");
+  check_user(c.dataset == "imagefolder" || c.dataset == "shards" || (c.image_decode != "gpu" && !c.was_given("cpu-decode-share")),
+             "--image-decode gpu and --cpu-decode-share apply to --dataset imagefolder and shards only.",
+             "drop them, or pass --dataset imagefolder or shards.");
+  check_user(c.dataset == "imagefolder" || !c.was_given("strict-data"),
+             "--strict-data applies to --dataset imagefolder only (shards always stop at a corrupt image).",
+             "drop it, or pass --dataset imagefolder.");
+  check_user(c.dataset == "imagefolder" || c.dataset == "shards" || (c.image_size == 0 && c.val_root.empty()),
+             "--image-size and --val-root apply to --dataset imagefolder and shards only.",
+             "drop them, or pass --dataset imagefolder or shards.");
+  check_user(c.dataset == "shards" || (!c.was_given("shard-streams") && !c.was_given("shuffle-buffer")),
+             "--shard-streams and --shuffle-buffer apply to --dataset shards only.", "drop them, or pass --dataset shards.");
   const bool gpu_decode = data::gpu_decode_chosen(c.image_decode, device);
   check_user(gpu_decode || !c.was_given("cpu-decode-share"),
              "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
              "on the CPU (--image-decode " + c.image_decode + (device.is_cuda() ? "" : " on a CPU device") + ").",
              "drop --cpu-decode-share, or decode on the GPU with --image-decode gpu.");
-  check_user(c.dataset != "imagefolder" || (!c.was_given("train-samples") && !c.was_given("test-samples")),
-             "--train-samples and --test-samples do not apply to --dataset imagefolder: it trains on every file "
-             "under --data_root.",
+  check_user((c.dataset != "imagefolder" && c.dataset != "shards") || (!c.was_given("train-samples") && !c.was_given("test-samples")),
+             "--train-samples and --test-samples do not apply to --dataset " + c.dataset + ": it trains on every "
+             "sample of --data_root.",
              "for a quick trial, point --data_root at a smaller folder, or lower --image-size.");
   check_user(c.dataset != "synthetic" || !c.was_given("data_root"),
              "--dataset synthetic makes its own data, so --data_root " + c.data_root + " would not be read.",
@@ -277,7 +285,7 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                "--image-decode gpu needs a CUDA build of ddptrain with nvJPEG, and this build has none.",
                "use --image-decode cpu (or auto), or rebuild where the CUDA toolkit provides nvjpeg.h and libnvjpeg.");
   }
-  if (c.dataset == "imagefolder" && gpu_decode && verbose)
+  if ((c.dataset == "imagefolder" || c.dataset == "shards") && gpu_decode && verbose)
     std::fprintf(stderr,
                  "%s: images are resized on the GPU; the loader's threads decode %.0f%% of each batch's crops, "
                  "nvJPEG the rest (--cpu-decode-share)\n",
@@ -290,6 +298,14 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
                                        .augment(c.augment != "none")  // auto: the built-in image data is augmented
                                        .strict(c.strict_data)
+                                       .gpu_decode(gpu_decode)
+                                       .cpu_decode_share(c.cpu_decode_share));
+  if (c.dataset == "shards")
+    return data::load_image_shards(data::ShardSplitOptions()
+                                       .pattern(c.data_root)
+                                       .val_pattern(c.val_root)
+                                       .image_size(c.image_size > 0 ? c.image_size : 224)
+                                       .augment(c.augment != "none")
                                        .gpu_decode(gpu_decode)
                                        .cpu_decode_share(c.cpu_decode_share));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
@@ -454,6 +470,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
     // no ranks at all.
     if (argc > 1 && std::string(argv[1]) == "report") return report_command({argv + 2, argv + argc}, info.name);
     if (argc > 1 && std::string(argv[1]) == "generate" && !own_task) return generate_command({argv + 2, argv + argc});
+    if (argc > 1 && std::string(argv[1]) == "shards") return shards_command({argv + 2, argv + argc}, info.name);
     std::vector<char*> args(argv, argv + argc);
     std::string command;
     if (argc > 1 && (std::string(argv[1]) == "doctor" || std::string(argv[1]) == "bench" ||

@@ -53,18 +53,20 @@ std::vector<Flag> flag_table(Config& c) {
       {"--max-restarts", "restart all workers from the last checkpoint this many times after a failure", &c.max_restarts, {}, "launch", kNotRestored},
 
       {"--data_root,--data-root", c.program.description.empty() ? "dataset directory: IDX files of Fashion-MNIST or MNIST, <class>/<image> folders, or CIFAR-10 batches" : "where the task's make_data() reads its data (config.data_root)", &c.data_root, {}, "data", kMayChange, kPerNode},
-      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10"}, "data"},
+      {"--dataset", "which data; auto: Fashion-MNIST from --data_root, synthetic if absent; imagefolder: --data_root/<class>/<image>; cifar10: its binary batches; shards: tar shards (--data_root 'train-{0000..0127}.tar', written by the shards subcommand), streamed", &c.dataset, {"auto", "fashion-mnist", "mnist", "synthetic", "imagefolder", "cifar10", "shards"}, "data"},
       {"--train-samples", "use only the first N training samples (0: all)", &c.train_samples, {}, "data"},
       {"--test-samples", "use only the first N test samples (0: all)", &c.test_samples, {}, "data"},
-      {"--cpu-decode-share", "imagefolder with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange, kPerNode},
-      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split", &c.val_root, {}, "data", kMayChange, kPerNode},
+      {"--cpu-decode-share", "imagefolder or shards with --image-decode gpu: the share of each batch's images (evenly spread, the same on every run) whose crops the loader's CPU threads decode; nvJPEG decodes the rest, and the GPU resizes all. 1 (default) was fastest with 16 cores per GPU; lower it when the loader cannot keep up", &c.cpu_decode_share, {}, "data", kMayChange, kPerNode},
+      {"--val-root", "imagefolder: validation folder with the same class folders; empty: hold out --val-split; shards: the validation shards (a pattern, required)", &c.val_root, {}, "data", kMayChange, kPerNode},
       {"--val-split", "fraction of the training set held out as the validation split, which then chooses best.pt, the monitor and --stop-at (test is evaluated on best.pt at the end): seeded, the same on any number of ranks; imagefolder holds out this fraction of each class (default there 0.1, unless --val-root). 0: none, test chooses", &c.val_split, {}, "data"},
       {"--test-every-epoch", "with a validation split: also evaluate the test split every epoch (logged as test_*; it never chooses)", &c.test_every_epoch, {}, "data", kMayChange},
       {"--image-size", "side of square images: imagefolder crops (0: 224); ddptrain bench inputs (0: 64)", &c.image_size, {}, "data"},
       {"--strict-data", "stop at the first corrupt image instead of skipping it with a warning", &c.strict_data, {}, "data", kMayChange},
-      {"--image-decode", "imagefolder: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange, kPerNode},
+      {"--image-decode", "imagefolder and shards: crop, resize and normalise on the loader's CPU threads (cpu) or on the GPU (gpu; the loader's threads still decode the crops, or nvJPEG a share of them: --cpu-decode-share); auto: gpu when training on a CUDA device of a build with nvJPEG", &c.image_decode, {"auto", "cpu", "gpu"}, "data", kMayChange, kPerNode},
       {"--augment", "training augmentation of images: random crop with padding + horizontal flip (imagefolder: random-resized crop + flip); auto: standard for the built-in image datasets, none for a task's own data (a task asks for it with config.augment = \"standard\")", &c.augment, {"auto", "standard", "none"}, "data"},
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange, kPerNode},
+      {"--shard-streams", "shards: sequential readers each epoch is cut into, fixed for the run; the world size must divide it, and a run resumes exactly on any world size that does (0: the world size of the run's first start)", &c.shard_streams, {}, "data"},
+      {"--shuffle-buffer", "shards: samples each stream's shuffle buffer holds (memory: this many encoded images per stream; 1 or less: shards' order only)", &c.shuffle_buffer, {}, "data"},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
       {"--model", "network; gpt-nano, gpt2 and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt"}, "model"},
@@ -183,6 +185,8 @@ void validate(const Config& c) {
              "e.g. --cpu-decode-share 0.3 decodes 3 of every 10 images on the CPU.");
   check_user(c.image_size >= 0, "--image-size must be 0 (auto) or positive, got " + std::to_string(c.image_size) + ".");
   check_user(c.workers >= 0, "--workers must be 0 or more, got " + std::to_string(c.workers) + ".");
+  check_user(c.shard_streams >= 0, "--shard-streams must be 0 (the world size) or positive, got " + std::to_string(c.shard_streams) + ".");
+  check_user(c.shuffle_buffer >= 0, "--shuffle-buffer must be 0 or more, got " + std::to_string(c.shuffle_buffer) + ".");
   check_user(c.train_samples >= 0 && c.test_samples >= 0, "--train-samples/--test-samples must be 0 (all) or positive.");
   check_user(c.label_smoothing >= 0 && c.label_smoothing < 1,
              "--label-smoothing must be in [0, 1), got " + std::to_string(c.label_smoothing) + ".");
@@ -424,6 +428,7 @@ std::string help_footer(const ProgramInfo& program) {
   row("doctor [flags]", "check the ranks, devices and collectives of a job");
   row("bench [flags]", "time training steps (--bench-steps, --image-size)");
   row("predict --checkpoint C --out F", "the task's predict_step over --split (test) into F (.csv, .npy)");
+  row("shards FOLDER OUT [--shard-mb MB]", "an image folder as tar shards OUT-000000.tar, ... (--dataset shards)");
   if (ddptrain)
     out += "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
            "                                       sample text from a --task lm checkpoint\n";
@@ -642,6 +647,25 @@ std::string absolute_path(const std::string& path) {
   return out;
 }
 
+// absolute_path of each comma-separated item outside braces.
+std::string absolute_items(const std::string& list) {
+  std::string out, item;
+  int depth = 0;
+  auto flush = [&] {
+    out += (out.empty() ? "" : ",") + absolute_path(item);
+    item.clear();
+  };
+  for (char ch : list) {
+    depth += ch == '{' ? 1 : ch == '}' ? -1 : 0;
+    if (ch == ',' && depth == 0)
+      flush();
+    else
+      item += ch;
+  }
+  if (!list.empty()) flush();
+  return out;
+}
+
 }  // namespace
 
 Config with_absolute_paths(const Config& config) {
@@ -650,6 +674,12 @@ Config with_absolute_paths(const Config& config) {
   // (test, val, train) as often as a path, and only predict reads it.
   for (std::string* path : {&c.data_root, &c.val_root, &c.pretrain, &c.save_path, &c.profile_trace, &c.checkpoint, &c.out})
     *path = absolute_path(*path);
+  // A shard pattern, or --task lm's token files, may list several files
+  // (commas outside braces): each of them.
+  if (c.dataset == "shards" || c.task == "lm") {
+    c.data_root = absolute_items(config.data_root);
+    c.val_root = absolute_items(config.val_root);
+  }
   return c;
 }
 

@@ -378,7 +378,8 @@ TEST(Cli, EveryHintNamesAValueTheParserAccepts) {
                                         "output-on-failure", "build", "target", "tests",
                                         "logdir",       // tensorboard's
                                         "aux-weight",   // the example task flag in cli.h's comments
-                                        "prompt", "tokens", "temperature", "top-k", "logits-out"};  // generate's
+                                        "prompt", "tokens", "temperature", "top-k", "logits-out",  // generate's
+                                        "shard-mb", "shard-samples"};  // the shards subcommand's
   // The built-in tasks' own flags (--task lm's --context, ...) count as flags.
   ddp::Config c = ddp::builtin_task_flags();
   std::map<std::string, ddp::Flag> flags;

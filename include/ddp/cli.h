@@ -51,7 +51,7 @@ struct Config {
   int save_epoch = 10;
   std::string data_root = "/usr/share/datasets/fashion-mnist";
   // Data.
-  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic | imagefolder | cifar10
+  std::string dataset = "auto";     // auto | fashion-mnist | mnist | synthetic | imagefolder | cifar10 | shards
   int train_samples = 0;            // 0: all
   int test_samples = 0;
   std::string val_root;             // imagefolder: separate validation folder; "": use val_split
@@ -63,6 +63,8 @@ struct Config {
   double cpu_decode_share = 1;        // imagefolder with GPU decoding: share of each batch decoded on the loader's threads
   std::string augment = "auto";     // auto: standard for the built-in image data, none for a task's own
   int workers = 1;
+  int shard_streams = 0;            // shards: sequential readers per epoch (0: the world size at the run's start)
+  int shuffle_buffer = 1000;        // shards: samples in each stream's shuffle buffer
   // The task, model and optimisation.
   std::string task = "classification";  // ddptrain's built-in tasks: classification | regression
   std::string model = "cnn";

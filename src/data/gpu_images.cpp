@@ -3,9 +3,26 @@
 
 #include <cstring>
 
+#include "ddp/data/image_codec.h"
 #include "ddp/error.h"
 
 namespace ddp::data {
+
+std::optional<EncodedSample> plain_jpeg_sample(std::vector<uint8_t>& bytes, int64_t index, int64_t label,
+                                               const ImageTransformOptions& transform, const DrawKey& key,
+                                               int64_t position) {
+  const auto info = plain_jpeg_info(bytes.data(), bytes.size());
+  if (!info) return std::nullopt;
+  EncodedSample s;
+  s.kind = kEncodedJpeg;
+  s.height = info->height;
+  s.width = info->width;
+  s.index = index;
+  s.label = label;
+  s.window = transform_window(s.height, s.width, transform, key, position);
+  s.bytes = std::move(bytes);
+  return s;
+}
 
 TensorDict encoded_batch(const std::vector<EncodedSample>& samples, const DrawKey& key, int64_t first_position) {
   const auto n = static_cast<int64_t>(samples.size());

@@ -236,17 +236,10 @@ EncodedSample ImageFolderDataset::encode(int64_t index, const DrawKey& key, int6
   }
   if (!known_corrupt) {
     try {
-      EncodedSample s;
-      s.bytes = read_image_file(files_.paths[static_cast<size_t>(index)]);
-      if (const auto info = plain_jpeg_info(s.bytes.data(), s.bytes.size())) {
-        s.kind = kEncodedJpeg;
-        s.height = info->height;
-        s.width = info->width;
-        s.index = index;
-        s.label = files_.labels[static_cast<size_t>(index)];
-        s.window = transform_window(s.height, s.width, options_.transform(), key, position);
-        return s;
-      }
+      auto bytes = read_image_file(files_.paths[static_cast<size_t>(index)]);
+      if (auto s = plain_jpeg_sample(bytes, index, files_.labels[static_cast<size_t>(index)], options_.transform(), key,
+                                     position))
+        return std::move(*s);
     } catch (const CorruptImage&) {
       // Unreadable: decode_on_cpu reports it as the CPU path does.
     }

@@ -2,6 +2,7 @@
 #include "ddp/data/tokens.h"
 
 #include <fcntl.h>
+#include <glob.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 
 #include "ddp/data/counter_rng.h"
 #include "ddp/data/identity.h"
+#include "ddp/data/shards.h"  // expand_shard_pattern
 #include "ddp/error.h"
 
 namespace fs = std::filesystem;
@@ -102,6 +104,21 @@ TokenBufferPtr read_token_file(const std::string& path) {
   return std::make_shared<TokenBuffer>(path, 0, bytes / 2);
 }
 
+std::vector<TokenBufferPtr> read_token_files(const std::string& pattern) {
+  std::vector<TokenBufferPtr> out;
+  for (const auto& item : expand_shard_pattern(pattern)) {
+    glob_t found{};
+    const int r = ::glob(item.c_str(), 0, nullptr, &found);
+    std::vector<std::string> paths(found.gl_pathv, found.gl_pathv + (r == 0 ? found.gl_pathc : 0));
+    globfree(&found);
+    check_user(!paths.empty(), "no token file matches " + item + " (of --data_root " + pattern + ").",
+               "name token files by a glob (dir/fineweb_train_*.bin), a brace pattern or a comma-separated list.");
+    std::sort(paths.begin(), paths.end());
+    for (const auto& path : paths) out.push_back(read_token_file(path));
+  }
+  return out;
+}
+
 // ---- the text corpus -------------------------------------------------------------
 
 TextCorpus read_text_corpus(const std::string& path, double val_fraction) {
@@ -152,32 +169,51 @@ TextCorpus read_text_corpus(const std::string& path, double val_fraction) {
 // ---- windows -------------------------------------------------------------------------
 
 TokenWindows::TokenWindows(TokenBufferPtr tokens, TokenWindowsOptions options)
-    : tokens_(std::move(tokens)), o_(std::move(options)) {
-  TORCH_CHECK(tokens_ != nullptr, "TokenWindows needs tokens");
+    : TokenWindows(std::vector<TokenBufferPtr>{std::move(tokens)}, std::move(options)) {}
+
+TokenWindows::TokenWindows(std::vector<TokenBufferPtr> files, TokenWindowsOptions options)
+    : files_(std::move(files)), o_(std::move(options)) {
+  TORCH_CHECK(!files_.empty(), "TokenWindows needs tokens");
   check_user(o_.context() > 0, "the context must be positive, got " + std::to_string(o_.context()) + ".");
-  const int64_t n = tokens_->size();
-  check_user(n > o_.context(), tokens_->source() + " holds " + std::to_string(n) + " tokens, too few for one window of " +
-                                   std::to_string(o_.context() + 1) + ".",
-             "use more data or a smaller --context.");
-  // Every token, once, before training: a bad id deep in the file would
-  // otherwise stop the run whenever a batch first drew it.
-  const uint16_t largest = tokens_->largest();
-  check_user(largest < o_.vocab_size(), tokens_->source() + " holds token id " + std::to_string(largest) +
-                                            ", beyond the model's vocabulary of " + std::to_string(o_.vocab_size()) + ".",
-             "pass --vocab-size " + std::to_string(largest + 1) + " or more (GPT-2 tokens need 50257).");
+  first_token_.push_back(0);
+  first_start_.push_back(0);
+  for (const auto& tokens : files_) {
+    TORCH_CHECK(tokens != nullptr, "TokenWindows needs tokens");
+    const int64_t n = tokens->size();
+    check_user(n > o_.context(), tokens->source() + " holds " + std::to_string(n) + " tokens, too few for one window of " +
+                                     std::to_string(o_.context() + 1) + ".",
+               "use more data or a smaller --context.");
+    // Every token, once, before training: a bad id deep in the file would
+    // otherwise stop the run whenever a batch first drew it.
+    const uint16_t largest = tokens->largest();
+    check_user(largest < o_.vocab_size(), tokens->source() + " holds token id " + std::to_string(largest) +
+                                              ", beyond the model's vocabulary of " + std::to_string(o_.vocab_size()) + ".",
+               "pass --vocab-size " + std::to_string(largest + 1) + " or more (GPT-2 tokens need 50257).");
+    first_token_.push_back(first_token_.back() + n);
+    // A window is context + 1 tokens: n - context random starts in a file,
+    // or (n - 1) / context tiles.
+    first_start_.push_back(first_start_.back() + (o_.random() ? n - o_.context() : (n - 1) / o_.context()));
+  }
+  const int64_t n = first_token_.back();
   if (o_.random()) {
     size_ = o_.windows() > 0 ? o_.windows() : std::max<int64_t>(1, n / o_.context());
   } else {
-    const int64_t fit = (n - 1) / o_.context();
+    const int64_t fit = first_start_.back();
     size_ = o_.windows() > 0 ? std::min(o_.windows(), fit) : fit;
   }
 }
 
 int64_t TokenWindows::start_of(int64_t index, uint64_t seed, int64_t epoch) const {
-  if (!o_.random()) return index * o_.context();
-  const int64_t starts = tokens_->size() - o_.context();  // window of context + 1 tokens
-  return KeyedRandom(hash_words({seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(index), 0x6c6dull}))
-      .below(starts);
+  // The k-th start over all files (drawn, or the k-th tile), then its file.
+  const int64_t k =
+      o_.random()
+          ? KeyedRandom(hash_words({seed, static_cast<uint64_t>(epoch), static_cast<uint64_t>(index), 0x6c6dull}))
+                .below(first_start_.back())
+          : index;
+  const auto f =
+      static_cast<size_t>(std::upper_bound(first_start_.begin(), first_start_.end(), k) - first_start_.begin()) - 1;
+  const int64_t within = k - first_start_[f];
+  return first_token_[f] + (o_.random() ? within : within * o_.context());
 }
 
 Batch TokenWindows::gather(const std::vector<int64_t>& starts) const {
@@ -185,9 +221,11 @@ Batch TokenWindows::gather(const std::vector<int64_t>& starts) const {
   auto input = torch::empty({b, t}, torch::kLong), target = torch::empty({b, t}, torch::kLong);
   int64_t* x = input.data_ptr<int64_t>();
   int64_t* y = target.data_ptr<int64_t>();
-  const uint16_t* tok = tokens_->data();
   for (int64_t i = 0; i < b; ++i) {
-    const uint16_t* w = tok + starts[static_cast<size_t>(i)];
+    const int64_t start = starts[static_cast<size_t>(i)];
+    const auto f =
+        static_cast<size_t>(std::upper_bound(first_token_.begin(), first_token_.end(), start) - first_token_.begin()) - 1;
+    const uint16_t* w = files_[f]->data() + (start - first_token_[f]);
     for (int64_t j = 0; j < t; ++j) {
       x[i * t + j] = w[j];
       y[i * t + j] = w[j + 1];
@@ -200,8 +238,12 @@ std::string TokenWindows::fingerprint() const {
   // The count and evenly spread runs of the tokens, mapped or in memory:
   // a few pages of a token file of any size.
   constexpr int64_t kRun = 16;
-  const int64_t n = tokens_->size();
-  return Fingerprint().add(n).add_rows(tokens_->data(), n / kRun, kRun * sizeof(uint16_t)).hex();
+  Fingerprint f;
+  for (const auto& tokens : files_) {
+    const int64_t n = tokens->size();
+    f.add(n).add_rows(tokens->data(), n / kRun, kRun * sizeof(uint16_t));
+  }
+  return f.hex();
 }
 
 Example TokenWindows::get(int64_t index) const {

@@ -60,25 +60,41 @@ data::Splits LmTask::make_data(const Config& c, World& world) {
   context_ = o.block_size();
   const fs::path root(c.data_root);
   std::error_code ec;
-  data::TokenBufferPtr train, val;
+  std::vector<data::TokenBufferPtr> train, val;
   std::string name;
   int64_t vocab = 0;
-  if (fs::exists(root / "train.bin", ec) || fs::exists(root / "val.bin", ec)) {
-    train = data::read_token_file((root / "train.bin").string());
-    val = data::read_token_file((root / "val.bin").string());
+  // Several token files (llm.c's FineWeb shards): a glob, pattern or list
+  // of training files; validation reads the same names with "val" for
+  // their last "train".
+  const bool token_files = c.data_root.find_first_of("*?{,") != std::string::npos ||
+                           (root.extension() == ".bin" && fs::is_regular_file(root, ec));
+  if (token_files) {
+    const size_t at = c.data_root.rfind("train");
+    check_user(at != std::string::npos,
+               "--data_root " + c.data_root + " names token files, but not as training files: the validation files "
+               "are found by putting \"val\" for the last \"train\" of the name.",
+               "name them as llm.c does, e.g. --data_root 'DIR/fineweb_train_*.bin' beside DIR/fineweb_val_*.bin.");
+    train = data::read_token_files(c.data_root);
+    val = data::read_token_files(std::string(c.data_root).replace(at, 5, "val"));
+    name = "tokens " + c.data_root;
+    vocab = c.flag<int>("vocab-size") > 0 ? c.flag<int>("vocab-size") : kGpt2PaddedVocab;
+    tokenizer_ = "tokens";
+  } else if (fs::exists(root / "train.bin", ec) || fs::exists(root / "val.bin", ec)) {
+    train = {data::read_token_file((root / "train.bin").string())};
+    val = {data::read_token_file((root / "val.bin").string())};
     name = "tokens " + c.data_root;
     vocab = c.flag<int>("vocab-size") > 0 ? c.flag<int>("vocab-size") : kGpt2PaddedVocab;
     tokenizer_ = "tokens";
   } else {
     auto corpus = data::read_text_corpus(c.data_root);
-    train = corpus.train;
-    val = corpus.val;
+    train = {corpus.train};
+    val = {corpus.val};
     name = c.data_root == data::kFortunesDir ? "fortunes" : c.data_root;
     name += " (bytes)";
     vocab = c.flag<int>("vocab-size") > 0 ? c.flag<int>("vocab-size") : 256;
     tokenizer_ = "bytes";
   }
-  auto windows = [&](const data::TokenBufferPtr& t, bool random, int64_t n, const std::string& split) {
+  auto windows = [&](const std::vector<data::TokenBufferPtr>& t, bool random, int64_t n, const std::string& split) {
     return std::make_shared<data::TokenWindows>(t, data::TokenWindowsOptions()
                                                        .context(o.block_size())
                                                        .vocab_size(vocab)

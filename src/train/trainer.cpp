@@ -1,5 +1,6 @@
 // Trainer: set-up in a fixed order, then the epoch loop.
 #include "ddp/train/trainer.h"
+#include "ddp/data/shards.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -239,7 +240,12 @@ Trainer::Trainer(Config config, World& world, Task& task)
   const CheckpointMeta saved = resume_from.empty() ? CheckpointMeta{} : read_checkpoint_meta(resume_from);
   if (!resume_from.empty()) check_same_data(saved, resume_from);  // first: other data fails the checks below too
   keep_global_batch(saved);
-  const int64_t per_rank = DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
+  // Streamed data (shards) cuts each epoch into a stream count fixed for the
+  // run: saved with its flags, so a resumed run keeps its order.
+  const auto* streamed = dynamic_cast<const data::StreamDataset*>(data_.train.get());
+  if (streamed && config_.shard_streams == 0) config_.shard_streams = world_.size();
+  const int64_t per_rank = streamed ? streamed->epoch_samples(config_.shard_streams, world_.size())
+                                    : DistributedSampler({data_.train->size(), world_.size(), world_.rank()}).num_samples();
   const int64_t batches = (per_rank + config_.batch - 1) / config_.batch;
   steps_per_epoch_ = (batches + config_.accum_steps - 1) / config_.accum_steps;
   check_user(steps_per_epoch_ > 0, "the training set is empty.", "check --data_root and --train-samples.");
@@ -628,7 +634,7 @@ void Trainer::hint_if_data_bound(int64_t epoch, double wait_share, int64_t sampl
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const int ranks = std::max(1, world_.placement().local_world_size);
   const int per_rank = std::max(1, cores / ranks);
-  const bool gpu_decode = config_.dataset == "imagefolder" && world_.device().is_cuda() &&
+  const bool gpu_decode = (config_.dataset == "imagefolder" || config_.dataset == "shards") && world_.device().is_cuda() &&
                           data::gpu_decode_chosen(config_.image_decode, world_.device());
   char faster[256];
   if (config_.workers + 1 < per_rank)
@@ -648,9 +654,22 @@ void Trainer::hint_if_data_bound(int64_t epoch, double wait_share, int64_t sampl
 // Epoch `epoch`'s batches from `start_batch` on, as a function of (seed,
 // epoch, rank): the sampler's order and the loader's keyed draws.
 std::unique_ptr<Trainer::EpochFeed> Trainer::make_feed(int64_t epoch, int64_t start_batch) {
-  DistributedSampler sampler({data_.train->size(), world_.size(), world_.rank(), true,
-                              static_cast<uint64_t>(config_.seed), false});
-  sampler.set_epoch(epoch - 1);  // the order changes every epoch
+  std::vector<int64_t> indices;
+  if (const auto* streamed = dynamic_cast<const data::StreamDataset*>(data_.train.get())) {
+    indices = streamed->epoch_order(data::StreamOrderOptions()
+                                        .seed(static_cast<uint64_t>(config_.seed))
+                                        .epoch(epoch - 1)
+                                        .streams(config_.shard_streams)
+                                        .shuffle_buffer(config_.shuffle_buffer)
+                                        .rank(world_.rank())
+                                        .world(world_.size()),
+                                    start_batch * config_.batch);
+  } else {
+    DistributedSampler sampler({data_.train->size(), world_.size(), world_.rank(), true,
+                                static_cast<uint64_t>(config_.seed), false});
+    sampler.set_epoch(epoch - 1);  // the order changes every epoch
+    indices = sampler.indices();
+  }
   auto loader_options = data::LoaderOptions(config_.batch)
                             .workers(config_.workers)
                             .prefetch(std::max(2, 2 * config_.workers))
@@ -660,7 +679,7 @@ std::unique_ptr<Trainer::EpochFeed> Trainer::make_feed(int64_t epoch, int64_t st
                             .rank(world_.rank())
                             .start_batch(start_batch);
   if (augment_) loader_options.transform(data::make_augment(data::AugmentOptions()));
-  return std::make_unique<EpochFeed>(data_.train, sampler.indices(), loader_options, world_.device(),
+  return std::make_unique<EpochFeed>(data_.train, std::move(indices), loader_options, world_.device(),
                                      [this](const torch::Tensor& t) { return step_->prepare(t); },
                                      data_.train->device_stage());
 }

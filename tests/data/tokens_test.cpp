@@ -256,5 +256,54 @@ TEST(Tokens, FortunesCorpusHasMegabytesOfText) {
   EXPECT_GE(corpus.val->size(), 200000);
 }
 
+
+// Several token files (llm.c's FineWeb shards, in both layouts) are one
+// stream: a glob or a brace pattern names them in order, training windows
+// come from every file and never span two, validation tiles file after file.
+TEST(TokenFiles, SeveralFilesAreOneStreamOfWindowsThatNeverSpanTwo) {
+  const auto dir = testing::temp_dir("tok_files");
+  // File f holds f * 20000 + 0, 1, 2, ...: a window's file is its first
+  // token / 20000, and within a file tokens count up by one.
+  const std::vector<int> sizes{1000, 1500, 800};
+  for (int f = 0; f < 3; ++f) {
+    std::vector<uint16_t> t;
+    for (int i = 0; i < sizes[static_cast<size_t>(f)]; ++i) t.push_back(static_cast<uint16_t>(f * 20000 + i));
+    const auto path = dir + "/x_train_" + std::to_string(f) + ".bin";
+    if (f == 1) write_llmc(path, t, kLlmcVersion, static_cast<int32_t>(t.size()));
+    else write_bytes(path, t.data(), 2 * t.size());
+  }
+  const auto by_glob = read_token_files(dir + "/x_train_*.bin");
+  const auto by_braces = read_token_files(dir + "/x_train_{0..2}.bin");
+  ASSERT_EQ(by_glob.size(), 3u);
+  ASSERT_EQ(by_braces.size(), 3u);
+  for (size_t f = 0; f < 3; ++f) {
+    EXPECT_EQ(by_glob[f]->size(), sizes[f]);
+    EXPECT_EQ(by_glob[f]->data()[0], by_braces[f]->data()[0]);
+  }
+  TokenWindows train(by_glob, TokenWindowsOptions().context(16).vocab_size(65536).windows(3000));
+  std::vector<int> per_file(3, 0);
+  for (int64_t i = 0; i < train.size(); ++i) {
+    auto b = train.get_keyed_batch({i}, DrawKey{7, 1, 0}, 0);
+    const auto x = b.input()[0], y = b.target()[0];
+    const int64_t first = x[0].item<int64_t>(), f = first / 20000;
+    ASSERT_EQ(y[15].item<int64_t>(), first + 16) << "window " << i << " spans two files";
+    ++per_file[static_cast<size_t>(f)];
+  }
+  // Starts per file: 984, 1484, 784 of 3252.
+  EXPECT_NEAR(per_file[0], 3000 * 984 / 3252, 120);
+  EXPECT_NEAR(per_file[1], 3000 * 1484 / 3252, 120);
+  EXPECT_NEAR(per_file[2], 3000 * 784 / 3252, 120);
+  TokenWindows val(by_glob, TokenWindowsOptions().context(16).vocab_size(65536).random(false));
+  EXPECT_EQ(val.size(), 999 / 16 + 1499 / 16 + 799 / 16);
+  for (int64_t i = 0; i < val.size(); ++i) {
+    auto b = val.get_batch({i});
+    ASSERT_EQ(b.target()[0][15].item<int64_t>(), b.input()[0][0].item<int64_t>() + 16) << "tile " << i;
+  }
+  EXPECT_EQ(val.get_batch({62}).input()[0][0].item<int64_t>(), 20000) << "file 1's first tile follows file 0's last";
+  EXPECT_NE(testing::user_error([&] { read_token_files(dir + "/x_train_*.bin," + dir + "/y_*.bin"); })
+                .find("no token file matches " + dir + "/y_*.bin"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace ddp::data

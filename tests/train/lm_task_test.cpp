@@ -250,4 +250,28 @@ TEST(LmTask, TokenFilesTrainAndBadOnesAreOneLineErrors) {
   EXPECT_NE(prompt.output.find("its prompt is token ids"), std::string::npos) << prompt.output;
 }
 
+
+// llm.c's FineWeb layout: --data_root 'DIR/fw_train_*.bin' trains on every
+// training file as one stream and validates on DIR/fw_val_*.bin.
+TEST(LmTask, SeveralTokenFilesTrainAsOneStream) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto root = ddp::testing::temp_dir("lm_token_files");
+  std::vector<uint16_t> tokens;
+  for (int i = 0; i < 6000; ++i) tokens.push_back(static_cast<uint16_t>((i * 7919) % 50257));
+  for (const char* name : {"fw_train_000001.bin", "fw_train_000002.bin", "fw_val_000000.bin"}) {
+    std::ofstream f(root + "/" + name, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(tokens.data()), static_cast<std::streamsize>(2 * tokens.size()));
+  }
+  const auto save = ddp::testing::temp_dir("lm_token_files_save");
+  auto r = run_process(lm_args(save, {"--size", "2", "--data_root", root + "/fw_train_*.bin", "--epochs", "1",
+                                      "--batch", "4", "--train-samples", "16", "--test-samples", "8", "--context", "32"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tokens " + root + "/fw_train_*.bin train"), std::string::npos) << r.output;
+  ASSERT_EQ(metrics_jsonl(save).size(), 1u);
+  // A pattern without "train" in it cannot name its validation files.
+  auto bad = run_process(lm_args(save, {"--size", "1", "--data_root", root + "/fw_*.bin", "--epochs", "1"}));
+  EXPECT_EQ(bad.exit_code, ddp::exit_code::kUsage) << bad.output;
+  EXPECT_NE(bad.output.find("names token files, but not as training files"), std::string::npos) << bad.output;
+}
+
 }  // namespace

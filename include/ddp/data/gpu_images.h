@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "ddp/data/dataset.h"
@@ -69,6 +70,14 @@ struct EncodedSample {
   int64_t height = 0, width = 0, index = 0, label = 0;
   TransformWindow window;
 };
+
+/// The sample nvJPEG decodes from `bytes` when they are a plain JPEG
+/// (plain_jpeg_info): its size from the header and the CPU path's window
+/// for (key, position), the bytes moved in. nullopt, the bytes untouched,
+/// for any other file.
+std::optional<EncodedSample> plain_jpeg_sample(std::vector<uint8_t>& bytes, int64_t index, int64_t label,
+                                               const ImageTransformOptions& transform, const DrawKey& key,
+                                               int64_t position);
 
 /// Stacks samples into {encoded_bytes, encoded_images, target}.
 TensorDict encoded_batch(const std::vector<EncodedSample>& samples, const DrawKey& key, int64_t first_position);

@@ -73,6 +73,13 @@ constexpr int64_t kLlmcHeaderBytes = 256 * 4;
 /// UserError naming the path for a missing, empty or malformed file.
 TokenBufferPtr read_token_file(const std::string& path);
 
+/// Several token files read as one stream (llm.c's and nanoGPT's FineWeb
+/// shards, fineweb_train_000001.bin ...): `pattern` is a glob
+/// (dir/fineweb_train_*.bin), a brace pattern (train_{01..09}.bin) or a
+/// comma-separated list, each item's matches sorted by name. UserError
+/// naming the item that matches no file, or a malformed file.
+std::vector<TokenBufferPtr> read_token_files(const std::string& pattern);
+
 /// The byte-level tokens of a text corpus: `path` is one text file or a
 /// directory of them (regular files, sorted by name; *.dat index files,
 /// symbolic links and hidden files are skipped). Each file's first
@@ -105,6 +112,11 @@ struct TokenWindowsOptions {
 class TokenWindows : public Dataset {
  public:
   TokenWindows(TokenBufferPtr tokens, TokenWindowsOptions options);
+  /// Several files as one stream: a window never spans two files. Training
+  /// starts are drawn over every file's starts together (so a file weighs
+  /// as much as it holds), validation tiles file after file; with one file
+  /// both are exactly the single-file windows.
+  TokenWindows(std::vector<TokenBufferPtr> files, TokenWindowsOptions options);
 
   int64_t size() const override { return size_; }
   /// Training windows: the draw of epoch 0 with seed 0 (the Loader calls
@@ -119,13 +131,16 @@ class TokenWindows : public Dataset {
   std::string fingerprint() const override;
 
   /// Where window `index` starts in the token buffer, for this seed and
-  /// epoch (training), or at index * context (validation).
+  /// epoch (training), or at index * context (validation). With several
+  /// files: the position in the files' tokens one after another.
   int64_t start_of(int64_t index, uint64_t seed, int64_t epoch) const;
 
  private:
   Batch gather(const std::vector<int64_t>& starts) const;
 
-  TokenBufferPtr tokens_;
+  std::vector<TokenBufferPtr> files_;
+  std::vector<int64_t> first_token_;  // files_.size() + 1: file f's tokens start at first_token_[f]
+  std::vector<int64_t> first_start_;  // files_.size() + 1: random starts (or tiles) before file f
   TokenWindowsOptions o_;
   int64_t size_ = 0;
 };

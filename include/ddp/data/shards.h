@@ -1,0 +1,238 @@
+// Datasets that stream from tar shards, WebDataset's format: each sample is
+// the consecutive members of a tar file that share a key (the member's path
+// up to the first dot of its file name; the rest is the field's extension),
+// e.g. n01440764_10026.jpg + n01440764_10026.cls. Image samples need an
+// image (.jpg, .jpeg or .png) and a class (.cls: the label as decimal text).
+//
+// The order of an epoch is a function of (seed, epoch, streams) only,
+// where `streams` (--shard-streams, the world size of the run's first start
+// unless given) is a number of sequential readers fixed for the whole run:
+//
+//   1. The shards are shuffled with (seed, epoch); their samples, in file
+//      order, make one sequence of N samples.
+//   2. The sequence is cut into `streams` runs of Q = ceil(N / streams)
+//      samples each; the last run wraps around to the sequence's start, so
+//      at most streams - 1 samples are seen twice (as PyTorch's
+//      DistributedSampler pads). Every stream reads its shards in order,
+//      once, starting inside its first shard and stopping inside its last.
+//   3. Each stream passes its samples through a shuffle buffer of
+//      --shuffle-buffer samples, seeded by (seed, epoch, stream).
+//   4. The epoch's global order takes one sample from each stream in turn.
+//      Rank r of W takes every W-th sample from r: with W dividing
+//      `streams`, its samples come from streams r, r + W, ... alone, so it
+//      reads only those shards. Every rank gets streams x Q / W samples, so
+//      no rank waits on another at the end of an epoch.
+//
+// The global batch at step s is therefore the same samples for any world
+// size that divides `streams` (with the same global batch), and resuming
+// in the middle of an epoch, on the same or another such world size, starts
+// at exactly the next sample: the streams are replayed from their first
+// shard, skipping (not reading) the samples already trained on.
+//
+// Loader workers share the rank's streams: a batch's samples are read in
+// stream order under a lock (sequential I/O) and decoded by the worker
+// that builds the batch, so the batches do not depend on --workers.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ddp/data/dataset.h"
+#include "ddp/data/gpu_images.h"
+#include "ddp/data/image_codec.h"
+#include "ddp/data/image_transforms.h"
+#include "ddp/data/tar.h"
+
+namespace ddp::data {
+
+/// Shard names from a pattern: comma-separated items, each with brace
+/// ranges ({0000..0127}: zero-padded to the width of the first bound) and
+/// brace lists ({a,b,c}), expanded left to right, as WebDataset's
+/// braceexpand. UserError for an unbalanced brace or a backward range.
+std::vector<std::string> expand_shard_pattern(const std::string& pattern);
+
+/// {key, extension} of a member: "a/b.c.jpg" -> {"a/b", "c.jpg"}; a name
+/// without a dot in its file name has extension "".
+std::pair<std::string, std::string> split_member_name(const std::string& name);
+
+/// One sample: its key and its fields by extension (empty bytes when the
+/// reader was asked not to read them).
+struct ShardSample {
+  std::string key;
+  std::map<std::string, std::vector<uint8_t>> fields;
+};
+
+/// Which fields' data ShardReader::next reads; the rest is skipped
+/// (seeked over), leaving their bytes empty.
+enum class ShardRead { kNothing, kLabel, kAll };
+
+/// The samples of one shard, in order.
+class ShardReader {
+ public:
+  explicit ShardReader(const std::string& path);
+  /// The next sample, false at the end. UserError for a damaged shard or a
+  /// field given twice in one sample.
+  bool next(ShardSample* sample, ShardRead what);
+  const std::string& path() const { return tar_.path(); }
+
+ private:
+  TarReader tar_;
+  bool have_pending_ = false;  // a member whose header is read, its data not yet
+  std::string pending_name_;
+};
+
+/// What a scan of the shards found: sample ids are 0 .. size()-1, shard by
+/// shard in the pattern's order.
+struct ShardIndex {
+  std::vector<std::string> paths;
+  std::vector<int64_t> first;      // paths.size() + 1 entries: shard i holds ids [first[i], first[i+1])
+  std::vector<std::string> keys;   // per id
+  std::vector<int64_t> labels;     // per id, from .cls
+  int64_t size() const { return first.empty() ? 0 : first.back(); }
+  int64_t shard_of(int64_t id) const;
+  std::vector<int64_t> shard_sizes() const;
+};
+
+/// Reads every shard once (headers, and each sample's .cls), so that a
+/// damaged shard or an incomplete sample stops the run before it trains.
+/// UserError naming the shard and the sample key.
+ShardIndex scan_image_shards(const std::vector<std::string>& paths);
+
+struct StreamOrderOptions {
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(int64_t, epoch) = 0;
+  /// Sequential readers the epoch is cut into (a multiple of world).
+  TORCH_ARG(int64_t, streams) = 1;
+  /// Samples each stream's shuffle buffer holds; 1 or less: none.
+  TORCH_ARG(int64_t, shuffle_buffer) = 1000;
+  /// Shuffle shards and samples; off: the shards' order, unbuffered.
+  TORCH_ARG(bool, shuffle) = true;
+  TORCH_ARG(int64_t, rank) = 0;
+  TORCH_ARG(int64_t, world) = 1;
+};
+
+/// One rank's order for one epoch (see the top of this file).
+struct StreamPlan {
+  std::vector<int64_t> ids;       // per position in the rank's order: the sample id
+  std::vector<int64_t> stream;    // per position: the stream that holds it
+  std::vector<int64_t> raw;       // per position: its place in the stream before the shuffle buffer
+  std::vector<int64_t> sequence;  // the epoch's shuffled sequence of ids; raw j of stream s is
+                                  // sequence[(s * per_stream + j) % N]
+  int64_t per_stream = 0;
+};
+
+/// Samples per rank per epoch: streams x ceil(total / streams) / world.
+int64_t stream_epoch_samples(int64_t total, int64_t streams, int64_t world);
+
+/// The plan for shards of `shard_sizes` samples. UserError if streams is
+/// not a positive multiple of world.
+StreamPlan plan_stream_order(const std::vector<int64_t>& shard_sizes, const StreamOrderOptions& options);
+
+/// A dataset read in streams rather than by index. The trainer asks it for
+/// each epoch's order instead of using DistributedSampler.
+class StreamDataset : public Dataset {
+ public:
+  /// This rank's order for the epoch, as sample ids; get_keyed_batch then
+  /// reads the samples from `first_position` on as streams.
+  virtual std::vector<int64_t> epoch_order(const StreamOrderOptions& options, int64_t first_position) const = 0;
+  virtual int64_t epoch_samples(int64_t streams, int64_t world) const {
+    return stream_epoch_samples(size(), streams, world);
+  }
+};
+
+struct ShardDatasetOptions {
+  /// How each image becomes a 3 x size x size tensor.
+  TORCH_ARG(ImageTransformOptions, transform) = ImageTransformOptions();
+  /// Decode large JPEGs at a reduced scale when the transform allows
+  /// (ImageFolderOptions::scaled_jpeg_decode; never with gpu_decode).
+  TORCH_ARG(bool, scaled_jpeg_decode) = true;
+  /// Leave decoding and the transform to the GPU, as image folders do
+  /// (ImageFolderOptions::gpu_decode, gpu_images.h): training batches carry
+  /// the JPEGs' bytes and device_stage() finishes them on the device.
+  TORCH_ARG(bool, gpu_decode) = false;
+  /// With gpu_decode: ImageFolderOptions::cpu_decode_share.
+  TORCH_ARG(double, cpu_decode_share) = 1;
+  /// With gpu_decode: ImageFolderOptions::gpu_decode_in_flight.
+  TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
+};
+
+/// Image shards: "input" 3 x size x size, "target" the .cls label.
+/// Indexed access (get, get_batch; evaluation, predict) reads each asked
+/// sample's shard from its start, skipping the members before it. A
+/// corrupt image stops the run naming its shard and key.
+class ShardDataset : public StreamDataset {
+ public:
+  ShardDataset(ShardIndex index, ShardDatasetOptions options, std::string name);
+  ~ShardDataset() override;
+
+  int64_t size() const override { return index_.size(); }
+  Example get(int64_t index) const override;
+  Batch get_batch(const std::vector<int64_t>& indices) const override;
+  Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
+                        int64_t first_position) const override;
+  std::vector<int64_t> input_shape() const override;
+  int64_t num_classes() const override { return num_classes_; }
+  std::string name() const override { return name_; }
+  /// A hash of each shard's sample keys and labels, in order (no paths).
+  std::string fingerprint() const override;
+  std::vector<int64_t> epoch_order(const StreamOrderOptions& options, int64_t first_position) const override;
+  /// With gpu_decode, the stage that decodes and transforms on the device.
+  /// Made on first use; UserError if this build has no nvJPEG.
+  std::shared_ptr<DeviceStage> device_stage() const override;
+
+  const ShardIndex& index() const { return index_; }
+
+ private:
+  struct Streams;  // the armed epoch's readers
+  // The image bytes of each of `indices` (positions first_position + j of
+  // the armed plan), read as streams.
+  std::vector<std::vector<uint8_t>> stream_images(const std::vector<int64_t>& indices, int64_t first_position) const;
+  std::vector<std::vector<uint8_t>> indexed_images(const std::vector<int64_t>& indices) const;
+  Batch decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
+                     const DrawKey& key, int64_t first_position) const;
+  // gpu_decode: the batch as it travels to the device (gpu_images.h).
+  Batch encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices, const DrawKey& key,
+                int64_t first_position) const;
+  // Sample `id`'s crop for (key, position), decoded here; *window gets its
+  // transform window, its source rebased onto the crop.
+  torch::Tensor decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position,
+                            TransformWindow* window) const;
+  EncodedSample crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position) const;
+
+  ShardIndex index_;
+  ShardDatasetOptions options_;
+  DecodeOptions decode_;
+  std::string name_;
+  int64_t num_classes_ = 0;
+  mutable std::mutex mutex_;                  // guards streams_
+  mutable std::unique_ptr<Streams> streams_;  // null: no epoch armed
+  mutable std::once_flag stage_once_;
+  mutable std::shared_ptr<DeviceStage> stage_;
+};
+
+/// The image field of a sample: its first .jpg, .jpeg or .png (any case).
+const std::vector<uint8_t>* image_field(const ShardSample& sample);
+
+struct ShardSplitOptions {
+  /// Training shards (--data_root): a pattern for expand_shard_pattern.
+  TORCH_ARG(std::string, pattern);
+  /// Validation shards (--val-root); required.
+  TORCH_ARG(std::string, val_pattern);
+  TORCH_ARG(int64_t, image_size) = 224;
+  /// Random-resized crop and flip on training images (--augment standard).
+  TORCH_ARG(bool, augment) = true;
+  /// Decode on the GPU (--image-decode gpu) and its CPU share (--cpu-decode-share).
+  TORCH_ARG(bool, gpu_decode) = false;
+  TORCH_ARG(double, cpu_decode_share) = 1;
+};
+
+/// Train and validation splits of image shards, normalised with ImageNet's
+/// statistics (as load_image_folder).
+Splits load_image_shards(const ShardSplitOptions& options);
+
+}  // namespace ddp::data

@@ -1,0 +1,560 @@
+// Tar shards as a dataset: the scan, the epoch's stream order, and the
+// sequential readers behind it (shards.h).
+#include "ddp/data/shards.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+#include <numeric>
+#include <unordered_map>
+
+#include "ddp/data/counter_rng.h"
+#include "ddp/data/identity.h"
+#include "ddp/data/image_folder.h"  // uses_cpu_decode
+#include "ddp/data/subset.h"
+#include "ddp/error.h"
+
+namespace ddp::data {
+
+namespace {
+
+const char* const kShardPatternHint = "e.g. 'train-{0000..0127}.tar', or a comma-separated list of tar files.";
+
+// Items of `s` separated by commas outside braces.
+std::vector<std::string> split_top_level(const std::string& s, const std::string& pattern) {
+  std::vector<std::string> out(1);
+  int depth = 0;
+  for (char ch : s) {
+    if (ch == '{') ++depth;
+    if (ch == '}') --depth;
+    check_user(depth >= 0 && depth <= 1, "shard pattern '" + pattern + "' has unbalanced or nested braces.",
+               kShardPatternHint);
+    if (ch == ',' && depth == 0)
+      out.emplace_back();
+    else
+      out.back() += ch;
+  }
+  check_user(depth == 0, "shard pattern '" + pattern + "' has an unclosed brace.", kShardPatternHint);
+  return out;
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+std::vector<std::string> brace_alternatives(const std::string& inner, const std::string& pattern) {
+  const size_t dots = inner.find("..");
+  if (dots == std::string::npos) {
+    std::vector<std::string> out;
+    size_t from = 0;
+    for (size_t comma; (comma = inner.find(',', from)) != std::string::npos; from = comma + 1)
+      out.push_back(inner.substr(from, comma - from));
+    out.push_back(inner.substr(from));
+    return out;
+  }
+  const std::string lo = inner.substr(0, dots), hi = inner.substr(dots + 2);
+  check_user(all_digits(lo) && all_digits(hi) && lo.size() <= 18 && hi.size() <= 18,
+             "shard pattern '" + pattern + "': {" + inner + "} is not a range of numbers.", kShardPatternHint);
+  const int64_t a = std::stoll(lo), b = std::stoll(hi);
+  check_user(a <= b, "shard pattern '" + pattern + "': the range {" + inner + "} runs backwards.",
+             "write the smaller number first.");
+  const size_t width = lo.size() > 1 && lo[0] == '0' ? lo.size() : 0;
+  std::vector<std::string> out;
+  for (int64_t i = a; i <= b; ++i) {
+    std::string n = std::to_string(i);
+    if (n.size() < width) n.insert(0, width - n.size(), '0');
+    out.push_back(n);
+  }
+  return out;
+}
+
+void expand_braces(const std::string& item, const std::string& pattern, std::vector<std::string>& out) {
+  const size_t open = item.find('{');
+  if (open == std::string::npos) {
+    out.push_back(item);
+    return;
+  }
+  const size_t close = item.find('}', open);
+  for (const auto& alt : brace_alternatives(item.substr(open + 1, close - open - 1), pattern))
+    expand_braces(item.substr(0, open) + alt + item.substr(close + 1), pattern, out);
+}
+
+bool is_image_extension(std::string ext) {
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  return ext == "jpg" || ext == "jpeg" || ext == "png";
+}
+
+int64_t parse_class(const std::vector<uint8_t>& bytes, const std::string& shard, const std::string& key) {
+  std::string text(bytes.begin(), bytes.end());
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+  check_user(all_digits(text) && text.size() <= 12,
+             "shard " + shard + ": sample " + key + " has a .cls that is not a class number: '" + text.substr(0, 20) +
+                 "'.",
+             "a .cls file holds the label as decimal text, e.g. 3.");
+  return std::stoll(text);
+}
+
+// The order in which a buffer of `capacity` samples lets n samples out:
+// filled with the first `capacity`, it hands out a random one and takes the
+// next in its place. out[k] is the input index of the k-th sample out.
+std::vector<int64_t> shuffle_through_buffer(int64_t n, int64_t capacity, KeyedRandom rng) {
+  std::vector<int64_t> out;
+  out.reserve(static_cast<size_t>(n));
+  if (capacity <= 1) {
+    for (int64_t i = 0; i < n; ++i) out.push_back(i);
+    return out;
+  }
+  std::vector<int64_t> buffer;
+  int64_t next = 0;
+  while (next < n && static_cast<int64_t>(buffer.size()) < capacity) buffer.push_back(next++);
+  while (!buffer.empty()) {
+    const auto k = static_cast<size_t>(rng.below(static_cast<int64_t>(buffer.size())));
+    out.push_back(buffer[k]);
+    if (next < n) {
+      buffer[k] = next++;
+    } else {
+      buffer[k] = buffer.back();
+      buffer.pop_back();
+    }
+  }
+  return out;
+}
+
+std::string fields_of(const ShardSample& sample) {
+  std::string out;
+  for (const auto& [ext, bytes] : sample.fields) out += (out.empty() ? "." : ", .") + ext;
+  return out;
+}
+
+void check_streams_divide(int64_t streams, int64_t world) {
+  check_user(world >= 1 && streams >= 1 && streams % world == 0,
+             "--shard-streams " + std::to_string(streams) + " is not a multiple of the world size " +
+                 std::to_string(world) + ".",
+             "the stream count is fixed when a run starts (its world size unless given): resume on a number of "
+             "ranks that divides it, or start the run with --shard-streams set to a multiple of every world size "
+             "you will use (e.g. 8).");
+}
+
+// Moves the sample's image bytes (its first .jpg, .jpeg or .png) into *out;
+// false if it has none.
+bool take_image(ShardSample& sample, std::vector<uint8_t>* out) {
+  for (auto& [ext, bytes] : sample.fields)
+    if (is_image_extension(ext)) {
+      *out = std::move(bytes);
+      return true;
+    }
+  return false;
+}
+
+constexpr uint64_t kShardShuffleTag = 0x7368617264730001ull, kBufferShuffleTag = 0x7368617264730002ull;
+
+}  // namespace
+
+std::vector<std::string> expand_shard_pattern(const std::string& pattern) {
+  std::vector<std::string> out;
+  for (const auto& item : split_top_level(pattern, pattern))
+    if (!item.empty()) expand_braces(item, pattern, out);
+  check_user(!out.empty(), "shard pattern '" + pattern + "' names no file.", kShardPatternHint);
+  return out;
+}
+
+std::pair<std::string, std::string> split_member_name(const std::string& name) {
+  const size_t slash = name.rfind('/');
+  const size_t dot = name.find('.', slash == std::string::npos ? 0 : slash + 1);
+  if (dot == std::string::npos) return {name, ""};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+ShardReader::ShardReader(const std::string& path) : tar_(path) {}
+
+bool ShardReader::next(ShardSample* sample, ShardRead what) {
+  sample->key.clear();
+  sample->fields.clear();
+  std::string name;
+  int64_t size = 0;
+  if (have_pending_) {
+    name = pending_name_;
+    have_pending_ = false;
+  } else if (!tar_.next(&name, &size)) {
+    return false;
+  }
+  auto [key, ext] = split_member_name(name);
+  sample->key = key;
+  for (;;) {
+    check_user(!sample->fields.count(ext),
+               "shard " + path() + ": sample " + key + " has two ." + ext + " files.",
+               "give every file of a sample its own extension (key.jpg, key.cls, ...).");
+    const bool read = what == ShardRead::kAll || (what == ShardRead::kLabel && ext == "cls");
+    sample->fields[ext] = read ? tar_.read() : std::vector<uint8_t>{};
+    if (!tar_.next(&name, &size)) return true;
+    auto [next_key, next_ext] = split_member_name(name);
+    if (next_key != key) {
+      have_pending_ = true;
+      pending_name_ = name;
+      return true;
+    }
+    ext = next_ext;
+  }
+}
+
+int64_t ShardIndex::shard_of(int64_t id) const {
+  return static_cast<int64_t>(std::upper_bound(first.begin(), first.end(), id) - first.begin()) - 1;
+}
+
+std::vector<int64_t> ShardIndex::shard_sizes() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i + 1 < first.size(); ++i) out.push_back(first[i + 1] - first[i]);
+  return out;
+}
+
+const std::vector<uint8_t>* image_field(const ShardSample& sample) {
+  for (const auto& [ext, bytes] : sample.fields)
+    if (is_image_extension(ext)) return &bytes;
+  return nullptr;
+}
+
+ShardIndex scan_image_shards(const std::vector<std::string>& paths) {
+  ShardIndex index;
+  index.paths = paths;
+  index.first.push_back(0);
+  for (const auto& path : paths) {
+    ShardReader reader(path);
+    ShardSample s;
+    while (reader.next(&s, ShardRead::kLabel)) {
+      check_user(image_field(s) != nullptr,
+                 "shard " + path + ": sample " + s.key + " has no image (.jpg, .jpeg or .png); its files: " +
+                     fields_of(s) + ".",
+                 "write the shard again with ddptrain shards, or leave the shard out.");
+      const auto cls = s.fields.find("cls");
+      check_user(cls != s.fields.end(),
+                 "shard " + path + ": sample " + s.key + " has no class (.cls); its files: " + fields_of(s) + ".",
+                 "write the shard again with ddptrain shards, or leave the shard out.");
+      index.keys.push_back(s.key);
+      index.labels.push_back(parse_class(cls->second, path, s.key));
+    }
+    index.first.push_back(static_cast<int64_t>(index.keys.size()));
+  }
+  return index;
+}
+
+int64_t stream_epoch_samples(int64_t total, int64_t streams, int64_t world) {
+  check_streams_divide(streams, world);
+  if (total == 0) return 0;
+  return streams * ((total + streams - 1) / streams) / world;
+}
+
+StreamPlan plan_stream_order(const std::vector<int64_t>& shard_sizes, const StreamOrderOptions& o) {
+  const int64_t S = o.streams(), W = o.world(), r = o.rank();
+  check_streams_divide(S, W);
+  TORCH_CHECK(r >= 0 && r < W, "stream plan: rank ", r, " outside [0, ", W, ")");
+  std::vector<int64_t> first(shard_sizes.size() + 1, 0);
+  std::partial_sum(shard_sizes.begin(), shard_sizes.end(), first.begin() + 1);
+  const int64_t N = first.back();
+  std::vector<int64_t> order(shard_sizes.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (o.shuffle()) {
+    KeyedRandom rng(hash_words({o.seed(), static_cast<uint64_t>(o.epoch()), kShardShuffleTag}));
+    for (size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[static_cast<size_t>(rng.below(static_cast<int64_t>(i)))]);
+  }
+  StreamPlan plan;
+  plan.sequence.reserve(static_cast<size_t>(N));
+  for (int64_t shard : order)
+    for (int64_t k = first[static_cast<size_t>(shard)]; k < first[static_cast<size_t>(shard) + 1]; ++k)
+      plan.sequence.push_back(k);
+  if (N == 0) return plan;
+  const int64_t Q = (N + S - 1) / S;
+  plan.per_stream = Q;
+  std::map<int64_t, std::vector<int64_t>> out_order;  // this rank's streams: output k -> raw index
+  for (int64_t s = r; s < S; s += W)
+    out_order[s] = shuffle_through_buffer(
+        Q, o.shuffle() ? o.shuffle_buffer() : 1,
+        KeyedRandom(hash_words({o.seed(), static_cast<uint64_t>(o.epoch()), static_cast<uint64_t>(s), kBufferShuffleTag})));
+  const int64_t M = stream_epoch_samples(N, S, W);
+  plan.ids.resize(static_cast<size_t>(M));
+  plan.stream.resize(static_cast<size_t>(M));
+  plan.raw.resize(static_cast<size_t>(M));
+  for (int64_t p = 0; p < M; ++p) {
+    const int64_t g = p * W + r, s = g % S, j = out_order[s][static_cast<size_t>(g / S)];
+    plan.ids[static_cast<size_t>(p)] = plan.sequence[static_cast<size_t>((s * Q + j) % N)];
+    plan.stream[static_cast<size_t>(p)] = s;
+    plan.raw[static_cast<size_t>(p)] = j;
+  }
+  return plan;
+}
+
+// ---- the dataset ----
+
+struct ShardDataset::Streams {
+  StreamOrderOptions options;
+  StreamPlan plan;
+  int64_t first_position = 0;
+  struct Cursor {
+    std::unique_ptr<ShardReader> reader;
+    int64_t shard = -1, next_ordinal = 0, next_raw = 0;
+    std::vector<int64_t> position_of_raw;  // this rank's position of each raw sample, -1: another rank's
+    std::unordered_map<int64_t, std::vector<uint8_t>> read;  // raw index -> image bytes, read but not yet taken
+  };
+  std::map<int64_t, Cursor> cursors;  // by stream
+};
+
+ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::string name)
+    : index_(std::move(index)), options_(std::move(options)), name_(std::move(name)) {
+  // The GPU path decodes at full size: so do its samples decoded here.
+  if (options_.scaled_jpeg_decode() && !options_.gpu_decode()) decode_.min_side(decode_min_side(options_.transform()));
+  for (int64_t label : index_.labels) num_classes_ = std::max(num_classes_, label + 1);
+}
+
+ShardDataset::~ShardDataset() = default;
+
+std::vector<int64_t> ShardDataset::input_shape() const {
+  return {3, options_.transform().size(), options_.transform().size()};
+}
+
+std::string ShardDataset::fingerprint() const {
+  Fingerprint f;
+  for (size_t i = 0; i + 1 < index_.first.size(); ++i) {
+    f.add(index_.first[i + 1] - index_.first[i]);
+    for (int64_t id = index_.first[i]; id < index_.first[i + 1]; ++id)
+      f.add(index_.keys[static_cast<size_t>(id)]).add(index_.labels[static_cast<size_t>(id)]);
+  }
+  return f.hex();
+}
+
+std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options, int64_t first_position) const {
+  auto armed = std::make_unique<Streams>();
+  armed->options = options;
+  armed->plan = plan_stream_order(index_.shard_sizes(), options);
+  armed->first_position = first_position;
+  const StreamPlan& plan = armed->plan;
+  for (size_t p = 0; p < plan.ids.size(); ++p) {
+    auto& c = armed->cursors[plan.stream[p]];
+    if (c.position_of_raw.empty()) c.position_of_raw.assign(static_cast<size_t>(plan.per_stream), -1);
+    c.position_of_raw[static_cast<size_t>(plan.raw[p])] = static_cast<int64_t>(p);
+  }
+  std::vector<int64_t> ids = plan.ids;
+  std::lock_guard<std::mutex> lock(mutex_);
+  streams_ = std::move(armed);
+  return ids;
+}
+
+std::vector<std::vector<uint8_t>> ShardDataset::stream_images(const std::vector<int64_t>& indices,
+                                                              int64_t first_position) const {
+  Streams& st = *streams_;
+  const StreamPlan& plan = st.plan;
+  const int64_t N = index_.size(), Q = plan.per_stream;
+  std::vector<std::vector<uint8_t>> images;
+  for (size_t j = 0; j < indices.size(); ++j) {
+    const auto p = static_cast<size_t>(first_position) + j;
+    const int64_t s = plan.stream[p], want = plan.raw[p];
+    auto& c = st.cursors[s];
+    while (c.next_raw <= want) {
+      const int64_t id = plan.sequence[static_cast<size_t>((s * Q + c.next_raw) % N)];
+      const int64_t shard = index_.shard_of(id), ordinal = id - index_.first[static_cast<size_t>(shard)];
+      const std::string& path = index_.paths[static_cast<size_t>(shard)];
+      const std::string& key = index_.keys[static_cast<size_t>(id)];
+      if (c.shard != shard || c.next_ordinal > ordinal) {
+        c.reader.reset();
+        check_user(std::filesystem::exists(path),
+                   "shard " + path + " vanished during the epoch, before its sample " + key + ".",
+                   "put the shard back and resume the run (--resume auto).");
+        c.reader = std::make_unique<ShardReader>(path);
+        c.shard = shard;
+        c.next_ordinal = 0;
+      }
+      ShardSample sample;
+      for (; c.next_ordinal <= ordinal; ++c.next_ordinal) {
+        const bool last = c.next_ordinal == ordinal;
+        const bool needed = last && c.position_of_raw[static_cast<size_t>(c.next_raw)] >= st.first_position;
+        const bool more = c.reader->next(&sample, needed ? ShardRead::kAll : ShardRead::kNothing);
+        const std::string& expected = index_.keys[static_cast<size_t>(index_.first[static_cast<size_t>(shard)] + c.next_ordinal)];
+        check_user(more && sample.key == expected,
+                   "shard " + path + " changed during the run: sample " + expected + " is " +
+                       (more ? "now " + sample.key : "gone") + ".",
+                   "restore the shard as it was when the run started, or start a new run.");
+        if (needed)
+          check_user(take_image(sample, &c.read[c.next_raw]),
+                     "shard " + path + " changed during the run: sample " + key + " has no image now.",
+                     "restore the shard as it was when the run started, or start a new run.");
+      }
+      ++c.next_raw;
+    }
+    auto it = c.read.find(want);
+    TORCH_CHECK(it != c.read.end(), name_, ": stream ", s, " sample ", want, " was not read or already taken");
+    images.push_back(std::move(it->second));
+    c.read.erase(it);
+  }
+  return images;
+}
+
+std::vector<std::vector<uint8_t>> ShardDataset::indexed_images(const std::vector<int64_t>& indices) const {
+  std::vector<std::vector<uint8_t>> images(indices.size());
+  std::vector<size_t> by_id(indices.size());
+  std::iota(by_id.begin(), by_id.end(), 0);
+  std::stable_sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return indices[a] < indices[b]; });
+  std::unique_ptr<ShardReader> reader;
+  int64_t shard = -1, next_ordinal = 0;
+  ShardSample sample;
+  for (size_t k = 0; k < by_id.size(); ++k) {
+    const int64_t id = indices[by_id[k]];
+    TORCH_CHECK(id >= 0 && id < size(), name_, ": index ", id, " outside [0, ", size(), ")");
+    if (k > 0 && indices[by_id[k - 1]] == id) {
+      images[by_id[k]] = images[by_id[k - 1]];
+      continue;
+    }
+    const int64_t s = index_.shard_of(id), ordinal = id - index_.first[static_cast<size_t>(s)];
+    const std::string& path = index_.paths[static_cast<size_t>(s)];
+    if (s != shard) {
+      reader = std::make_unique<ShardReader>(path);
+      shard = s;
+      next_ordinal = 0;
+    }
+    for (; next_ordinal <= ordinal; ++next_ordinal) {
+      const bool more = reader->next(&sample, next_ordinal == ordinal ? ShardRead::kAll : ShardRead::kNothing);
+      const std::string& expected = index_.keys[static_cast<size_t>(index_.first[static_cast<size_t>(s)] + next_ordinal)];
+      check_user(more && sample.key == expected,
+                 "shard " + path + " changed during the run: sample " + expected + " is " +
+                     (more ? "now " + sample.key : "gone") + ".",
+                 "restore the shard as it was when the run started, or start a new run.");
+    }
+    check_user(take_image(sample, &images[by_id[k]]),
+               "shard " + path + " changed during the run: sample " + index_.keys[static_cast<size_t>(id)] +
+                   " has no image now.",
+               "restore the shard as it was when the run started, or start a new run.");
+  }
+  return images;
+}
+
+torch::Tensor ShardDataset::decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
+                                       int64_t position, TransformWindow* window) const {
+  const std::string& path = index_.paths[static_cast<size_t>(index_.shard_of(id))];
+  const std::string& sample = index_.keys[static_cast<size_t>(id)];
+  torch::Tensor crop;
+  try {
+    CropBox box;
+    crop = decode_image_box(bytes.data(), bytes.size(), path + ":" + sample, decode_,
+                            [&](int64_t h, int64_t w) {
+                              *window = transform_window(h, w, options_.transform(), key, position);
+                              return window->source;
+                            },
+                            &box);
+  } catch (const CorruptImage& e) {
+    throw UserError("shard " + path + ": sample " + sample + "'s image does not decode: " + e.reason() + ".",
+                    "write the shard again from a good copy of the image, or leave the shard out.");
+  }
+  window->source = CropBox{0, 0, crop.size(0), crop.size(1)};
+  return crop;
+}
+
+Batch ShardDataset::decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
+                                 const DrawKey& key, int64_t first_position) const {
+  const int64_t size = options_.transform().size(), b = static_cast<int64_t>(indices.size());
+  Batch batch{torch::empty({b, 3, size, size}), torch::empty({b}, torch::kLong)};
+  int64_t* labels = batch.target().data_ptr<int64_t>();
+  for (int64_t j = 0; j < b; ++j) {
+    const int64_t id = indices[static_cast<size_t>(j)];
+    TransformWindow window;
+    const torch::Tensor crop = decode_crop(images[static_cast<size_t>(j)], id, key, first_position + j, &window);
+    batch.input()[j].copy_(apply_transform_window(crop, window, options_.transform()));
+    labels[j] = index_.labels[static_cast<size_t>(id)];
+  }
+  return batch;
+}
+
+EncodedSample ShardDataset::crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
+                                        int64_t position) const {
+  EncodedSample s;
+  s.kind = kEncodedRgb;
+  s.index = id;
+  s.label = index_.labels[static_cast<size_t>(id)];
+  const torch::Tensor crop = decode_crop(bytes, id, key, position, &s.window).contiguous();
+  s.height = crop.size(0);
+  s.width = crop.size(1);
+  s.bytes.assign(crop.data_ptr<uint8_t>(), crop.data_ptr<uint8_t>() + crop.numel());
+  return s;
+}
+
+Batch ShardDataset::encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
+                            const DrawKey& key, int64_t first_position) const {
+  std::vector<EncodedSample> samples;
+  samples.reserve(indices.size());
+  for (size_t j = 0; j < indices.size(); ++j) {
+    const int64_t id = indices[j], position = first_position + static_cast<int64_t>(j);
+    std::optional<EncodedSample> jpeg;
+    if (!uses_cpu_decode(position, options_.cpu_decode_share()))
+      jpeg = plain_jpeg_sample(images[j], id, index_.labels[static_cast<size_t>(id)], options_.transform(), key, position);
+    samples.push_back(jpeg ? std::move(*jpeg) : crop_on_cpu(images[j], id, key, position));
+  }
+  return encoded_batch(samples, key, first_position);
+}
+
+std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
+  if (!options_.gpu_decode()) return nullptr;
+  std::call_once(stage_once_, [this] {
+    // A file nvJPEG rejects is decoded here, read again by its index.
+    stage_ = make_gpu_jpeg_stage(options_.transform(), options_.gpu_decode_in_flight(),
+                                 [this](int64_t id, const DrawKey& key, int64_t position) {
+                                   return crop_on_cpu(indexed_images({id})[0], id, key, position);
+                                 });
+  });
+  return stage_;
+}
+
+Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
+                                    int64_t first_position) const {
+  std::vector<std::vector<uint8_t>> images;
+  bool streamed = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Streams* st = streams_.get();
+    streamed = st && st->options.seed() == key.seed && st->options.epoch() == key.epoch &&
+               st->options.rank() == key.rank && first_position >= st->first_position &&
+               first_position + static_cast<int64_t>(indices.size()) <= static_cast<int64_t>(st->plan.ids.size()) &&
+               std::equal(indices.begin(), indices.end(), st->plan.ids.begin() + first_position);
+    if (streamed) images = stream_images(indices, first_position);
+  }
+  if (!streamed) images = indexed_images(indices);
+  if (options_.gpu_decode()) return encoded(images, indices, key, first_position);
+  return decode_batch(images, indices, key, first_position);
+}
+
+Batch ShardDataset::get_batch(const std::vector<int64_t>& indices) const {
+  return decode_batch(indexed_images(indices), indices, DrawKey{}, 0);
+}
+
+Example ShardDataset::get(int64_t index) const {
+  Batch b = get_batch({index});
+  return {b.input()[0], b.target()[0]};
+}
+
+Splits load_image_shards(const ShardSplitOptions& options) {
+  require_libarchive("--dataset shards");
+  check_user(!options.val_pattern().empty(), "--dataset shards needs validation shards, and no --val-root is given.",
+             "pass --val-root 'val-{0000..0003}.tar' (ddptrain shards writes them from an image folder).");
+  ShardIndex train = scan_image_shards(expand_shard_pattern(options.pattern()));
+  check_user(train.size() > 0, "the shards " + options.pattern() + " hold no sample.",
+             "check --data_root; ddptrain shards writes shards from an image folder.");
+  ShardIndex val = scan_image_shards(expand_shard_pattern(options.val_pattern()));
+  int64_t classes = 0;
+  for (int64_t label : train.labels) classes = std::max(classes, label + 1);
+  for (size_t i = 0; i < val.labels.size(); ++i)
+    check_user(val.labels[i] < classes,
+               "validation sample " + val.keys[i] + " has class " + std::to_string(val.labels[i]) +
+                   ", but the training shards have classes 0 to " + std::to_string(classes - 1) + ".",
+               "write both from folders with the same class sub-folders.");
+  auto transform = ImageTransformOptions().size(options.image_size());
+  Splits splits;
+  splits.mean = kImageNetMean;
+  splits.std = kImageNetStd;
+  splits.train_augmented = true;
+  const auto decode = ShardDatasetOptions().gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share());
+  splits.train = std::make_shared<ShardDataset>(
+      std::move(train), ShardDatasetOptions(decode).transform(ImageTransformOptions(transform).train(options.augment())),
+      "shards " + options.pattern() + " (train)");
+  splits.val = std::make_shared<ShardDataset>(
+      std::move(val), ShardDatasetOptions(decode).transform(ImageTransformOptions(transform).train(false)),
+      "shards " + options.val_pattern() + " (val)");
+  splits.test = empty_like(splits.val, "shards (no test split)");
+  return splits;
+}
+
+}  // namespace ddp::data
