@@ -59,6 +59,8 @@ torch::nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
 template <bool kFast>
 using LinearOf = std::conditional_t<kFast, ddp::nn::Linear, torch::nn::Linear>;
 template <bool kFast>
+using MaxPoolOf = std::conditional_t<kFast, ddp::nn::MaxPool2d, torch::nn::MaxPool2d>;
+template <bool kFast>
 using BatchNormOf = std::conditional_t<kFast, ddp::BatchNorm, torch::nn::BatchNorm2d>;
 
 template <bool kFast>
@@ -105,6 +107,7 @@ struct ResNet50Impl : torch::nn::Module {
   ResNet50Impl()
       : conv1(register_module("conv1", conv(3, 64, 7, 2))),
         bn1(register_module("bn1", batch_norm<kFast>(64, true))),
+        pool(register_module("pool", MaxPoolOf<kFast>(torch::nn::MaxPool2dOptions(3).stride(2).padding(1)))),
         fc(register_module("fc", LinearOf<kFast>(2048, 1000))) {
     int64_t in = 64;
     const int64_t blocks[] = {3, 4, 6, 3};
@@ -120,13 +123,14 @@ struct ResNet50Impl : torch::nn::Module {
   }
 
   torch::Tensor forward(torch::Tensor x) {
-    x = torch::max_pool2d(bn_relu<kFast>(bn1, conv1(x)), 3, 2, 1);
+    x = pool(bn_relu<kFast>(bn1, conv1(x)));
     for (auto& stage : layers) x = stage->forward(x);
     return fc(torch::adaptive_avg_pool2d(x, {1, 1}).flatten(1));
   }
 
   torch::nn::Conv2d conv1;
   BatchNormOf<kFast> bn1;
+  MaxPoolOf<kFast> pool;
   std::vector<torch::nn::Sequential> layers;
   LinearOf<kFast> fc;
 };

@@ -8,6 +8,7 @@
 
 #include "ddp/error.h"
 #include "ddp/models/fused_layer_norm.h"
+#include "ddp/models/max_pool.h"
 #include "ddp/train/fused_cross_entropy.h"
 
 namespace ddp::nn {
@@ -223,6 +224,26 @@ void CrossEntropyLossImpl::pretty_print(std::ostream& stream) const { stream << 
 
 std::shared_ptr<torch::nn::Module> CrossEntropyLossImpl::clone(const c10::optional<torch::Device>& device) const {
   return clone_layer(*this, device, [&] { return std::make_shared<CrossEntropyLossImpl>(options); });
+}
+
+// --- MaxPool2d --------------------------------------------------------------
+
+MaxPool2dImpl::MaxPool2dImpl(const torch::nn::MaxPool2dOptions& options) : torch::nn::MaxPool2dImpl(options) {}
+
+torch::Tensor MaxPool2dImpl::forward(const torch::Tensor& input) {
+  const auto &k = *options.kernel_size(), &s = *options.stride(), &p = *options.padding(), &d = *options.dilation();
+  if (k[0] == k[1] && s[0] == s[1] && p[0] == p[1] && d[0] == 1 && d[1] == 1 && !options.ceil_mode())
+    return models::max_pool2d(input, k[0], s[0], p[0]);
+  return torch::nn::MaxPool2dImpl::forward(input);
+}
+
+void MaxPool2dImpl::pretty_print(std::ostream& stream) const {
+  stream << "ddp::nn::MaxPool2d(kernel_size=" << options.kernel_size() << ", stride=" << options.stride()
+         << ", padding=" << options.padding() << ")";
+}
+
+std::shared_ptr<torch::nn::Module> MaxPool2dImpl::clone(const c10::optional<torch::Device>& device) const {
+  return clone_layer(*this, device, [&] { return std::make_shared<MaxPool2dImpl>(options); });
 }
 
 // --- BatchNorm --------------------------------------------------------------

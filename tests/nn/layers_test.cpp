@@ -9,6 +9,7 @@
 #include "ddp/error.h"
 #include "ddp/models/fused_layer_norm.h"
 #include "ddp/models/fused_linear.h"
+#include "ddp/models/max_pool.h"
 #include "ddp/train/fused_cross_entropy.h"
 #include "support/testing.h"
 
@@ -192,6 +193,17 @@ TEST(NnBatchNorm, IsTorchsBatchNormWithTheReluFolded) {
   EXPECT_NE(err.find("momentum"), std::string::npos) << err;
 }
 
+TEST(NnMaxPool2d, IsTorchsMaxPool) {
+  for (auto options : {torch::nn::MaxPool2dOptions(3).stride(2).padding(1), torch::nn::MaxPool2dOptions({2, 3}),
+                       torch::nn::MaxPool2dOptions(2).ceil_mode(true)}) {
+    torch::nn::MaxPool2d plain(options);
+    ddp::nn::MaxPool2d fast(options);
+    expect_same_bits(plain, fast, torch::randn({2, 4, 9, 9}),
+                     +[](torch::nn::MaxPool2d& m, const torch::Tensor& x) { return m(x); },
+                     +[](ddp::nn::MaxPool2d& m, const torch::Tensor& x) { return m(x); });
+  }
+}
+
 #ifdef DDP_WITH_CUDA_KERNELS
 // On CUDA under bf16 autocast the layers take ddptrain's kernels; against
 // LibTorch's ops on the same values: outputs within bf16 rounding (the
@@ -263,6 +275,11 @@ TEST(NnLayers, TakeTheKernelsUnderBf16Autocast_CUDA) {
   EXPECT_EQ(normed.scalar_type(), torch::kBFloat16) << "the kernels' output is bf16";
   expect_close(sum, stream + branch, 0, "residual sum");
   expect_close(normed, plain_ln(stream + branch), 1e-2, "layer norm");
+  // The stem's max pool on channels-last bf16: the kernel, the same bits.
+  auto image = torch::randn({8, 64, 56, 56}, cuda).to(torch::kBFloat16).contiguous(torch::MemoryFormat::ChannelsLast);
+  ddp::nn::MaxPool2d pool(torch::nn::MaxPool2dOptions(3).stride(2).padding(1));
+  EXPECT_TRUE(ddp::models::nhwc_max_pool_applies(image, 3, 2, 1));
+  EXPECT_TRUE(torch::equal(pool(image), torch::max_pool2d(image, 3, 2, 1)));
   ddp::nn::CrossEntropyLoss ce;
   auto logits = torch::randn({64, 1000}, cuda).to(torch::kBFloat16);
   auto target = torch::randint(0, 1000, {64}, torch::TensorOptions(cuda).dtype(torch::kLong));

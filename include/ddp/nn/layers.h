@@ -27,7 +27,9 @@
 //     gradient buffer instead of a fresh dense [V, C] tensor; head(x), the
 //     tied output projection x W^T, shares that one gradient (GPT-2 ties
 //     them);
-//   - CrossEntropyLoss: one fused pass over the logits (--ce-kernel).
+//   - CrossEntropyLoss: one fused pass over the logits (--ce-kernel);
+//   - MaxPool2d: channels-last, a uint8 argmax kept for the backward
+//     (--bn-kernel).
 //
 // A forward() reached through a torch::nn base class (a
 // torch::nn::LinearImpl& that is a ddp::nn::LinearImpl) is LibTorch's: the
@@ -122,6 +124,18 @@ class CrossEntropyLossImpl : public torch::nn::CrossEntropyLossImpl {
   std::shared_ptr<torch::nn::Module> clone(const c10::optional<torch::Device>& device = c10::nullopt) const override;
 };
 TORCH_MODULE(CrossEntropyLoss);
+
+/// torch::nn::MaxPool2d; through ddptrain's channels-last kernel (uint8
+/// argmax, the same bits as ATen's) for a square kernel, equal strides and
+/// paddings, no dilation, floor mode (a ResNet stem's 3x3/2 pool).
+class MaxPool2dImpl : public torch::nn::MaxPool2dImpl {
+ public:
+  explicit MaxPool2dImpl(const torch::nn::MaxPool2dOptions& options);
+  torch::Tensor forward(const torch::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+  std::shared_ptr<torch::nn::Module> clone(const c10::optional<torch::Device>& device = c10::nullopt) const override;
+};
+TORCH_MODULE(MaxPool2d);
 
 /// Batch norm: ddp::BatchNorm (dist/sync_batchnorm.h: --sync-bn can make
 /// its statistics global) from LibTorch's options; kRelu fuses the ReLU that
