@@ -18,6 +18,7 @@
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/models/recompute.h"
 #include "ddp/train/stop_rule.h"
 
 namespace ddp {
@@ -67,7 +68,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange, kPerNode},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
-      {"--model", "network; gpt-nano, gpt2 and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt"}, "model"},
+      {"--model", "network; gpt-nano, gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B) and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
       {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange, kPerNode},
       {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model", kMayChange},
@@ -91,6 +92,7 @@ std::vector<Flag> flag_table(Config& c) {
 
       {"--amp", "mixed precision: bf16, or fp16 with dynamic loss scaling (CUDA)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
       {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed", kMayChange},
+      {"--recompute", "activation recomputation of the built-in models, to fit a larger model or batch: backward runs these parts' forward again instead of keeping their activations (about one more forward of them per step; the same numbers bit for bit). none; mlp: each GPT block's second LayerNorm and MLP; blocks: every GPT block or ResNet residual block; blocks:N: every N-th; stages: each ResNet stage. A model of your own calls ddp::recompute (ddp/models/recompute.h)", &c.recompute, {}, "memory", kMayChange},
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed", kMayChange},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed", kMayChange},
       {"--bn-kernel", "training batch norm on CUDA: ddptrain's channels-last bf16 kernels where they apply, with ReLU and residual add fused in (auto), the same kernels with separate ReLU/add ops (unfused), or LibTorch's (native); the ResNet stem's max pool runs ddptrain's channels-last kernel except with native", &c.bn_kernel, {"auto", "unfused", "native"}, "speed", kMayChange},
@@ -171,6 +173,11 @@ void validate(const Config& c) {
     check_user(c.momentum >= 0 && c.momentum < 1, os.str(), "SGD momentum is a fraction such as 0.9; 0 turns it off.");
   }
   positive("--bucket-cap-mb", c.bucket_cap_mb, "PyTorch's default is 25.");
+  const auto recompute = parse_recompute(c.recompute);
+  check_user(!(c.cuda_graph && recompute.kind != RecomputePolicy::Kind::kNone),
+             "--recompute " + c.recompute + " and --cuda-graph cannot be used together yet (the re-run forward's "
+             "random state is not captured).",
+             "drop one of them.");
   positive("--log-every", c.log_every, "e.g. --log-every 50.");
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
@@ -338,7 +345,7 @@ class ConfigReader : public CLI::ConfigTOML {
         if (item.parents.size() > 1 || std::find(sections_.begin(), sections_.end(), section) == sections_.end())
           throw UserError("section [" + section + "] in the config file '" + file() + "' is not a flag group.",
                           "use no sections, or the groups of '" + program_ + " --help': [data], [model], [optimisation], "
-                          "[distributed], [output], [speed], [bench].");
+                          "[memory], [distributed], [output], [speed], [bench].");
         if (item.name == "++" || item.name == "--") continue;  // CLI11's section markers
         item.parents.clear();
       }
@@ -372,8 +379,8 @@ std::string help_group(const std::string& group) {
 }
 
 int help_rank(const std::string& group) {
-  static const std::vector<std::string> order = {"task",   "data",   "model",        "optimisation", "distributed",
-                                                 "output", "speed (CUDA)", "bench", "testing"};
+  static const std::vector<std::string> order = {"task",   "data",         "model", "optimisation", "memory",
+                                                 "distributed", "output", "speed (CUDA)", "bench", "testing"};
   const auto it = std::find(order.begin(), order.end(), help_group(group));
   return it == order.end() ? static_cast<int>(order.size()) : static_cast<int>(it - order.begin());
 }
