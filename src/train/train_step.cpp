@@ -144,7 +144,9 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
     if (graph_) torch::cuda::synchronize(dev.index());
 #endif
   }
-  optimizer_ = std::make_unique<FlatOptimizer>(*sync_, o_.optimizer());
+  auto optimizer = o_.optimizer();
+  if (o_.shard_optimizer()) optimizer.shard_over(&world_);
+  optimizer_ = std::make_unique<FlatOptimizer>(*sync_, optimizer);
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
   // SyncBatchNorm's backward all-reduces on the gradients' process group:

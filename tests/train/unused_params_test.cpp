@@ -22,15 +22,16 @@ class UnusedParameters : public ::testing::TestWithParam<UnusedCase> {};
 
 // Runs the reference scenario on `world_size` ranks and compares every
 // rank's final parameters with PyTorch's, to `tolerance`; returns rank 0's.
-// With `recompute`, parts of the model run under ddp::recompute.
+// `variant`: "recompute" runs parts of the model under ddp::recompute,
+// "shard" shards the optimizer state over the ranks.
 torch::Tensor expect_pytorch(const std::string& optimizer, int world_size, bool cuda, double tolerance,
-                             bool recompute = false) {
+                             const std::string& variant = "") {
   const std::string json = DDP_TEST_DATA_DIR "/unused_params.json";
-  const auto dir = ddp::testing::temp_dir("unused_ref_" + optimizer + std::to_string(world_size) + (recompute ? "_rc" : ""));
+  const auto dir = ddp::testing::temp_dir("unused_ref_" + optimizer + std::to_string(world_size) + variant);
   std::map<std::string, std::string> env;
   if (cuda) env["DDP_TEST_CUDA"] = "1";
   std::vector<std::string> args{DDP_TESTWORKER, "--launch", std::to_string(world_size), "unused_reference", dir, json, optimizer};
-  if (recompute) args.push_back("recompute");
+  if (!variant.empty()) args.push_back(variant);
   auto r = ddp::testing::run_process(args, env, 120);
   EXPECT_EQ(r.exit_code, 0) << r.output;
   if (r.exit_code != 0) return torch::Tensor();
@@ -74,10 +75,34 @@ TEST(UnusedParameters, RecomputeEqualsPlainBitForBit) {
   DDP_SKIP_UNLESS_GLOO();
   for (int world_size : {1, 2}) {
     const auto plain = expect_pytorch("adamw", world_size, /*cuda=*/false, 1e-5);
-    const auto again = expect_pytorch("adamw", world_size, /*cuda=*/false, 1e-5, /*recompute=*/true);
+    const auto again = expect_pytorch("adamw", world_size, /*cuda=*/false, 1e-5, "recompute");
     ASSERT_TRUE(plain.defined() && again.defined());
     EXPECT_TRUE(torch::equal(plain, again)) << world_size << " rank(s): max diff "
                                             << (plain - again).abs().max().item<double>();
+  }
+}
+
+// ZeRO-1 (--shard-optimizer) on 2 ranks: parameters that no rank or one
+// rank used, fixed up on each rank's part of the flat buffers (their slices
+// cut by the parts' edges): PyTorch's values, and the unsharded run's bits.
+TEST(UnusedParameters, ShardedOptimizerEqualsUnshardedBitForBit) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const std::string name : {"sgd", "adam", "adamw"}) {
+    const auto plain = expect_pytorch(name, 2, /*cuda=*/false, 1e-5);
+    const auto sharded = expect_pytorch(name, 2, /*cuda=*/false, 1e-5, "shard");
+    ASSERT_TRUE(plain.defined() && sharded.defined());
+    EXPECT_TRUE(torch::equal(plain, sharded)) << name << ": max diff " << (plain - sharded).abs().max().item<double>();
+  }
+}
+
+// The same on 2 GPUs over NCCL (the fused kernels on each rank's part).
+TEST(UnusedParameters, ShardedOptimizerOnTwoGpus_MultiCUDA) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  for (const std::string name : {"sgd", "adam", "adamw"}) {
+    const auto plain = expect_pytorch(name, 2, /*cuda=*/true, 5e-5);
+    const auto sharded = expect_pytorch(name, 2, /*cuda=*/true, 5e-5, "shard");
+    ASSERT_TRUE(plain.defined() && sharded.defined());
+    EXPECT_TRUE(torch::equal(plain, sharded)) << name;
   }
 }
 

@@ -276,11 +276,13 @@ class BranchyTask : public Task {
 };
 
 // PyTorch's reference run (ARGS: the JSON file, the optimizer, and
-// "recompute" to run parts of the model under ddp::recompute): each rank
+// "recompute" to run parts of the model under ddp::recompute, or "shard"
+// for the optimizer state sharded over the ranks): each rank
 // trains the Branchy model through TrainStep on its own batches and writes
 // its final parameters, in state_dict order.
 void unused_reference(World& world, const std::string& out, const std::string& json_path, const std::string& name,
-                      bool recompute) {
+                      const std::string& variant) {
+  const bool recompute = variant == "recompute";
   std::ifstream in(json_path);
   check_user(in.good(), "cannot read " + json_path + ".", "pass tests/testdata/unused_params.json.");
   const auto data = nlohmann::json::parse(in);
@@ -298,7 +300,7 @@ void unused_reference(World& world, const std::string& out, const std::string& j
   const auto& o = data["optimizers"][name];
   auto opt = FlatOptimizerOptions().name(name).lr(o["lr"].get<double>()).weight_decay(o["weight_decay"].get<double>());
   if (o.contains("momentum")) opt.momentum(o["momentum"].get<double>());
-  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt));
+  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt).shard_optimizer(variant == "shard"));
   for (const auto& xy : data["batches"][rank]) {
     auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
     step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
@@ -682,7 +684,7 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     capture_fallback(world, out, argc > 0 ? argv[0] : "graph");
   } else if (scenario == "unused_reference") {
     if (argc < 2) throw std::runtime_error("unused_reference needs JSON and OPTIMIZER");
-    unused_reference(world, out, argv[0], argv[1], argc > 2 && std::string(argv[2]) == "recompute");
+    unused_reference(world, out, argv[0], argv[1], argc > 2 ? argv[2] : "");
   } else if (scenario == "local_bn_buffers") {
     local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {
