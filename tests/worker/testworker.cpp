@@ -101,15 +101,18 @@ struct DeepLinearImpl : torch::nn::Module {
     for (int i = 0; i < 6; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(64, 64)));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& l : layers) x = torch::tanh(l(x));
+    for (auto& l : layers) x = torch::tanh(recompute ? ddp::recompute(l, x) : l(x));
     return x;
   }
   std::vector<torch::nn::Linear> layers;
+  bool recompute = false;  // each layer under ddp::recompute
 };
 TORCH_MODULE(DeepLinear);
 
-void overlap(World& world, const std::string& out) {
+// (ARGS: "recompute" to run each layer under ddp::recompute.)
+void overlap(World& world, const std::string& out, bool recompute) {
   DeepLinear net;
+  net->recompute = recompute;
   GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.01));
   sync.zero_grad();
   net->forward(torch::randn({32, 64})).sum().backward();
@@ -671,7 +674,7 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
   } else if (scenario == "syncbn_eval") {
     syncbn_eval(world, out);
   } else if (scenario == "overlap") {
-    overlap(world, out);
+    overlap(world, out, argc > 0 && std::string(argv[0]) == "recompute");
   } else if (scenario == "syncbn_branch") {
     syncbn_branch(world, out);
   } else if (scenario == "unused") {
