@@ -236,10 +236,13 @@ TEST(LmTask, ShardedAndUnshardedResumeEachOther_BitExact) {
     if (first_sharded) first.push_back("--shard-optimizer");
     auto r1 = run_process(lm_args(dir, first));
     ASSERT_EQ(r1.exit_code, 0) << r1.output;
-    auto second = with({"--epochs", "2", "--resume", "auto"});
-    if (!first_sharded) second.push_back("--shard-optimizer");
+    // A resumed run keeps the saved value unless given one.
+    auto second = with({"--epochs", "2", "--resume", "auto", first_sharded ? "--shard-optimizer=false" : "--shard-optimizer"});
     auto r2 = run_process(lm_args(dir, second));
     ASSERT_EQ(r2.exit_code, 0) << r2.output;
+    // The start line of a sharded run says so: the second half ran as asked.
+    EXPECT_EQ(r1.output.find("optimizer state: ") != std::string::npos, first_sharded) << r1.output;
+    EXPECT_EQ(r2.output.find("optimizer state: ") != std::string::npos, !first_sharded) << r2.output;
     const auto got = weights(find_file(dir, "epoch_2.pt"), arch);
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < got.size(); ++i)

@@ -53,7 +53,9 @@ std::vector<torch::Tensor> recompute(const RecomputeFn& fn, const std::vector<to
 template <typename ModuleType>
 torch::Tensor recompute(const ModuleType& module, const torch::Tensor& x) {
   // The module is held by value (a holder or pointer): backward runs it later.
-  auto run = [module = ModuleType(module)](const std::vector<torch::Tensor>& in) mutable { return std::vector<torch::Tensor>{module->forward(in[0])}; };
+  auto run = [module = ModuleType(module)](const std::vector<torch::Tensor>& in) mutable {
+    return std::vector<torch::Tensor>{module->forward(in[0])};
+  };
   return recompute(run, {x}, module->parameters(), module->buffers())[0];
 }
 
