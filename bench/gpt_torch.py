@@ -39,6 +39,7 @@ import sys
 import time
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -48,11 +49,12 @@ import torch.nn.functional as F
 
 class GPTConfig:
     def __init__(self, n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, dropout=0.0, bias=True,
-                 gelu="none"):
+                 gelu="none", checkpoint=False):
         self.n_layer, self.n_head, self.n_embd = n_layer, n_head, n_embd
         self.block_size, self.vocab_size = block_size, vocab_size
         self.dropout, self.bias = dropout, bias
         self.gelu = gelu  # F.gelu's approximate: "none" (nanoGPT's nn.GELU) or "tanh" (GPT-2's own)
+        self.checkpoint = checkpoint  # each block under torch.utils.checkpoint
 
 
 class LayerNorm(nn.Module):
@@ -149,7 +151,13 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            if self.cfg.checkpoint and self.training and torch.is_grad_enabled():
+                # torch.utils.checkpoint per block, as ddptrain's --recompute blocks
+                # (non-reentrant where this PyTorch has it, as recommended).
+                kw = {"use_reentrant": False} if "use_reentrant" in torch.utils.checkpoint.checkpoint.__code__.co_varnames else {}
+                x = torch.utils.checkpoint.checkpoint(block, x, **kw)
+            else:
+                x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
@@ -162,6 +170,9 @@ class GPT(nn.Module):
 
 PRESETS = {
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50304),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50304),
     "gpt-nano": dict(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=256),
 }
 
@@ -234,6 +245,8 @@ def main():
                     help="torch.compile the model, as nanoGPT does (--compile alone: the default mode; "
                          "reduce-overhead adds CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="activation checkpointing: each block under torch.utils.checkpoint (ddptrain's --recompute blocks)")
     ap.add_argument("--gelu", default="exact", choices=["exact", "tanh"],
                     help="the MLP's GELU: exact (nanoGPT's nn.GELU) or tanh (GPT-2's; ddptrain's --gelu tanh)")
     ap.add_argument("--profile-trace", default="", help="step: then profile --steps more steps (torch.profiler) into this Chrome trace")
@@ -252,7 +265,7 @@ def main():
     preset = dict(PRESETS[args.model])
     if args.context:
         preset["block_size"] = args.context
-    cfg = GPTConfig(**preset, gelu="tanh" if args.gelu == "tanh" else "none")
+    cfg = GPTConfig(**preset, gelu="tanh" if args.gelu == "tanh" else "none", checkpoint=args.checkpoint)
     model = GPT(cfg).to(dev)
     raw = model
     opt, fused = make_optimizer(model, args.lr, args.weight_decay)
@@ -304,7 +317,8 @@ def main():
         tokens_rank_s = args.batch * t * 1000 / ms
         if rank == 0:
             print(json.dumps({
-                "contender": contender_name(args),
+                "contender": contender_name(args) + (", checkpoint" if args.checkpoint else ""),
+                "recompute": "blocks" if args.checkpoint else "none",
                 "gelu": args.gelu, "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
                 "batch": args.batch, "ranks": world, "optimizer": "adamw" + (" fused" if fused else ""),
                 "amp": args.amp, "device": str(dev), "torch": torch.__version__,

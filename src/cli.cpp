@@ -18,6 +18,7 @@
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
+#include "ddp/models/recompute.h"
 #include "ddp/train/stop_rule.h"
 
 namespace ddp {
@@ -69,7 +70,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--shuffle-buffer", "shards: samples each stream's shuffle buffer holds (memory: this many encoded images per stream; 1 or less: shards' order only)", &c.shuffle_buffer, {}, "data"},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
-      {"--model", "network; gpt-nano, gpt2 and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt"}, "model"},
+      {"--model", "network; gpt-nano, gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B) and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt"}, "model"},
       {"--stem", "ResNet stem; small: 3x3 stride 1, no max-pool (28-32 px); auto picks by input size", &c.stem, {"auto", "small", "imagenet"}, "model"},
       {"--pretrain", "initial weights: a ddptrain checkpoint or a PyTorch torch.save(state_dict) file", &c.pretrain, {}, "model", kMayChange, kPerNode},
       {"--pretrain-skip", "with --pretrain: names to keep as initialised, a glob such as 'fc.*'", &c.pretrain_skip, {}, "model", kMayChange},
@@ -93,6 +94,8 @@ std::vector<Flag> flag_table(Config& c) {
 
       {"--amp", "mixed precision: bf16, or fp16 with dynamic loss scaling (CUDA)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
       {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed", kMayChange},
+      {"--shard-optimizer", "ZeRO-1: each rank keeps the optimizer state (AdamW's two moments, SGD's momentum) of 1/world-size of the parameters and updates only those; the updated parts are then broadcast, each from its rank. Saves (N-1)/N of that state per rank (AdamW: 8 bytes per parameter become 8/N); costs one all-gather of the parameters per step and a gather of the state before each checkpoint. The same numbers bit for bit, and the same checkpoints: resume sharded or not, on any number of ranks. Gradients are all-reduced whole, as without it", &c.shard_optimizer, {}, "memory", kMayChange},
+      {"--recompute", "activation recomputation of the built-in models, to fit a larger model or batch: backward runs these parts' forward again instead of keeping their activations (about one more forward of them per step; the same numbers bit for bit). none; mlp: each GPT block's second LayerNorm and MLP; blocks: every GPT block or ResNet residual block; blocks:N: every N-th; stages: each ResNet stage. A model of your own calls ddp::recompute (ddp/models/recompute.h)", &c.recompute, {}, "memory", kMayChange},
       {"--channels-last", "channels-last memory format for images and conv weights; auto: on with CUDA", &c.channels_last, {"auto", "on", "off"}, "speed", kMayChange},
       {"--tf32", "TF32 for fp32 matmuls and convolutions on CUDA (--tf32=false: off)", &c.tf32, {}, "speed", kMayChange},
       {"--convert-layers", "at start, turn the model's torch::nn Linear, LayerNorm and BatchNorm layers inside a torch::nn::Sequential into ddp::nn's (the same layers and state_dict names, with ddptrain's CUDA kernels; a ReLU or GELU right after one folded into it) and say what was converted and what stayed: layers held in a model's members cannot be swapped in C++ (on), or leave the model as built (off)", &c.convert_layers, {"on", "off"}, "speed", kMayChange},
@@ -174,6 +177,11 @@ void validate(const Config& c) {
     check_user(c.momentum >= 0 && c.momentum < 1, os.str(), "SGD momentum is a fraction such as 0.9; 0 turns it off.");
   }
   positive("--bucket-cap-mb", c.bucket_cap_mb, "PyTorch's default is 25.");
+  const auto recompute = parse_recompute(c.recompute);
+  check_user(!(c.cuda_graph && recompute.kind != RecomputePolicy::Kind::kNone),
+             "--recompute " + c.recompute + " and --cuda-graph cannot be used together yet (the re-run forward's "
+             "random state is not captured).",
+             "drop one of them.");
   positive("--log-every", c.log_every, "e.g. --log-every 50.");
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",
@@ -343,7 +351,7 @@ class ConfigReader : public CLI::ConfigTOML {
         if (item.parents.size() > 1 || std::find(sections_.begin(), sections_.end(), section) == sections_.end())
           throw UserError("section [" + section + "] in the config file '" + file() + "' is not a flag group.",
                           "use no sections, or the groups of '" + program_ + " --help': [data], [model], [optimisation], "
-                          "[distributed], [output], [speed], [bench].");
+                          "[memory], [distributed], [output], [speed], [bench].");
         if (item.name == "++" || item.name == "--") continue;  // CLI11's section markers
         item.parents.clear();
       }
@@ -377,8 +385,8 @@ std::string help_group(const std::string& group) {
 }
 
 int help_rank(const std::string& group) {
-  static const std::vector<std::string> order = {"task",   "data",   "model",        "optimisation", "distributed",
-                                                 "output", "speed (CUDA)", "bench", "testing"};
+  static const std::vector<std::string> order = {"task",   "data",         "model", "optimisation", "memory",
+                                                 "distributed", "output", "speed (CUDA)", "bench", "testing"};
   const auto it = std::find(order.begin(), order.end(), help_group(group));
   return it == order.end() ? static_cast<int>(order.size()) : static_cast<int>(it - order.begin());
 }

@@ -579,6 +579,7 @@ TEST(CliResume, EveryJobFlagIsRefusedAndEveryOtherIsTaken) {
     if (f.key() == "val-split") value = "0.25";
     if (f.key() == "label-smoothing") value = "0.25";
     if (f.key() == "cpu-decode-share") value = "0.5";  // a share: the default, 1, plus 3 is out of range
+    if (f.key() == "recompute") value = "blocks";
     if (f.key() == "nnodes" || f.key() == "node-rank" || value == std::string(saved[f.key()].dump())) continue;
     bool refused = false;
     try {

@@ -108,6 +108,9 @@ struct Config {
   std::string linear_kernel = "auto";   // auto: bias gradients from ddptrain's column-sum kernels (--task lm, CUDA, bf16)
   std::string side_stream = "auto";    // auto: weight gradients on a second CUDA stream for ddptrain's GPT on one GPU
   std::string ce_kernel = "auto";      // auto: ddptrain's fused cross-entropy kernels (--task lm, CUDA)
+  // memory
+  std::string recompute = "none";      // none | mlp | blocks | blocks:N | stages: recompute activations in backward
+  bool shard_optimizer = false;        // ZeRO-1: each rank keeps the optimizer state of its 1/world-size slice
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
   int patience = 0;                 // stop after N validations without improvement of the monitor (0: off)

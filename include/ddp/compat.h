@@ -102,6 +102,37 @@ inline std::optional<c10::ScalarType> autocast_dtype(c10::DeviceType device) {
 #endif
 }
 
+/// Autocast's thread-local settings for one device type (on or off, and
+/// the dtype), as activation recomputation saves them in forward and puts
+/// them back for the re-run in backward, whatever the backward thread has.
+struct AutocastState {
+  bool enabled = false;
+  c10::ScalarType dtype = c10::ScalarType::BFloat16;
+};
+inline AutocastState autocast_state(c10::DeviceType device) {
+#if DDP_TORCH_AT_LEAST(2, 4)
+  return {at::autocast::is_autocast_enabled(device), at::autocast::get_autocast_dtype(device)};
+#else
+  const bool cuda = device == c10::DeviceType::CUDA;
+  return {cuda ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled(),
+          cuda ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype()};
+#endif
+}
+inline void set_autocast_state(c10::DeviceType device, const AutocastState& s) {
+#if DDP_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, s.enabled);
+  at::autocast::set_autocast_dtype(device, s.dtype);
+#else
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(s.enabled);
+    at::autocast::set_autocast_gpu_dtype(s.dtype);
+  } else {
+    at::autocast::set_cpu_enabled(s.enabled);
+    at::autocast::set_autocast_cpu_dtype(s.dtype);
+  }
+#endif
+}
+
 /// Turns autocast on for one device type and dtype while it lives (the C++
 /// side of `torch.autocast`). The autocast cache of cast weights is cleared
 /// on exit, as Python does when the outermost autocast block ends.

@@ -106,8 +106,10 @@ int run_gpt_bench(const Config& c, World& world) {
     if (step.side_stream()) contender += ", side stream";
     const bool tanh = o.gelu() == models::GptGelu::kTanh;
     if (tanh) contender += ", tanh GELU";
+    if (c.recompute != "none") contender += ", recompute " + c.recompute;
     nlohmann::json j = {{"contender", contender},
                         {"gelu", tanh ? "tanh" : "exact"},
+                        {"recompute", c.recompute},
                         {"model", c.model},
                         {"params", task.gpt()->num_params()},
                         {"context", o.block_size()},
@@ -197,6 +199,7 @@ int run_bench(const Config& c, World& world, Task* own_task) {
   spec.in_channels = 3;
   spec.num_classes = 1000;
   spec.input_hw = {size, size};
+  spec.recompute = c.recompute;
   auto model = models::make_model(spec);
   model->to(dev);
   model->train();
@@ -212,9 +215,11 @@ int run_bench(const Config& c, World& world, Task* own_task) {
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.bn_kernel == "native") contender += ", LibTorch BN and max pool";
     if (c.bn_kernel == "unfused") contender += ", BN unfused";
+    if (c.recompute != "none") contender += ", recompute " + c.recompute;
     nlohmann::json j = {{"contender", contender},
                         {"model", c.model},
                         {"image_size", size},
+                        {"recompute", c.recompute},
                         {"batch", c.batch},
                         {"ranks", world.size()},
                         {"optimizer", c.optimizer},

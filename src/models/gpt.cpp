@@ -15,12 +15,21 @@ namespace ddp::models {
 
 GptOptions gpt_preset(const std::string& name) {
   if (name == "gpt" || name == "gpt-nano") return GptOptions();
-  if (name == "gpt2")
-    return GptOptions().n_layer(12).n_head(12).n_embd(768).block_size(1024).vocab_size(50304);
-  throw UserError("unknown GPT model '" + name + "'.", "use --model gpt-nano, gpt2 or gpt (sized by --layers, --heads, --width, --context).");
+  // GPT-2's four sizes, as nanoGPT's from_pretrained names them.
+  const auto gpt2 = GptOptions().block_size(1024).vocab_size(50304);
+  if (name == "gpt2") return GptOptions(gpt2).n_layer(12).n_head(12).n_embd(768);
+  if (name == "gpt2-medium") return GptOptions(gpt2).n_layer(24).n_head(16).n_embd(1024);
+  if (name == "gpt2-large") return GptOptions(gpt2).n_layer(36).n_head(20).n_embd(1280);
+  if (name == "gpt2-xl") return GptOptions(gpt2).n_layer(48).n_head(25).n_embd(1600);
+  throw UserError("unknown GPT model '" + name + "'.",
+                  "use --model gpt-nano, gpt2, gpt2-medium, gpt2-large, gpt2-xl or gpt (sized by --layers, --heads, "
+                  "--width, --context).");
 }
 
-bool is_gpt(const std::string& name) { return name == "gpt" || name == "gpt-nano" || name == "gpt2"; }
+bool is_gpt(const std::string& name) {
+  return name == "gpt" || name == "gpt-nano" || name == "gpt2" || name == "gpt2-medium" || name == "gpt2-large" ||
+         name == "gpt2-xl";
+}
 
 std::string gpt_arch(const GptOptions& o) {
   char buf[160];
@@ -122,7 +131,7 @@ torch::Tensor GptMlpImpl::forward(const torch::Tensor& x, BiasGrad c_proj_bias) 
   return dropout->options.p() > 0 ? dropout(y) : y;
 }
 
-GptBlockImpl::GptBlockImpl(const GptOptions& o) {
+GptBlockImpl::GptBlockImpl(const GptOptions& o) : recompute_mlp(o.recompute().kind == RecomputePolicy::Kind::kMlp) {
   ln_1 = register_module("ln_1", GptLayerNorm(o.n_embd(), o.bias()));
   attn = register_module("attn", CausalSelfAttention(o));
   ln_2 = register_module("ln_2", GptLayerNorm(o.n_embd(), o.bias()));
@@ -131,7 +140,11 @@ GptBlockImpl::GptBlockImpl(const GptOptions& o) {
 
 torch::Tensor GptBlockImpl::forward(const torch::Tensor& x) {
   auto y = x + attn(ln_1(x));
-  return y + mlp(ln_2(y));
+  if (!recompute_mlp) return y + mlp(ln_2(y));
+  auto branch = [this](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{mlp(ln_2(in[0]))}; };
+  std::vector<torch::Tensor> params = ln_2->parameters();
+  for (auto& p : mlp->parameters()) params.push_back(p);
+  return y + recompute(branch, {y}, params)[0];
 }
 
 // ---- the model ---------------------------------------------------------------
@@ -196,8 +209,13 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   models::TiedEmbedding tied(transformer->wte->weight);
   auto x = tied.embed(idx, transformer->wpe->weight.narrow(0, 0, t));
   if (options.dropout() > 0) x = transformer->drop(x);
+  const auto& policy = options.recompute();
   if (!models::fused_layer_norm_applies(x, torch::Tensor(), transformer->ln_f->weight, transformer->ln_f->bias)) {
-    for (const auto& block : *transformer->h) x = block->as<GptBlock>()->forward(x);
+    int64_t i = 0;
+    for (const auto& item : *transformer->h) {
+      auto block = std::dynamic_pointer_cast<GptBlockImpl>(item);
+      x = policy.block(i++) ? recompute(block, x) : block->forward(x);
+    }
     return tied.head(transformer->ln_f(x));
   }
   // --ln-kernel auto: each residual add is fused into the LayerNorm that
@@ -213,12 +231,41 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   };
   torch::Tensor pending, pending_bias, h;
   const double eps = 1e-5;
+  // A block here takes the residual stream and the previous block's
+  // pending branch (undefined before the first) and returns the new pair.
+  // Everything is captured by value: under recompute it runs again in
+  // backward, after this function has returned.
+  auto run_block = [bias_grad, eps](GptBlockImpl& block, const torch::Tensor& x_in, const torch::Tensor& pending_in,
+                                    const torch::Tensor& pending_bias_in) {
+    const auto attn_bias = bias_grad == BiasGrad::kInTheAdd ? block.attn->c_proj->bias : torch::Tensor();
+    torch::Tensor x_out, h_out;
+    std::tie(x_out, h_out) = add_layer_norm(x_in, pending_in, block.ln_1->weight, block.ln_1->bias, eps, pending_bias_in);
+    std::tie(x_out, h_out) =
+        add_layer_norm(x_out, block.attn->forward(h_out, bias_grad), block.ln_2->weight, block.ln_2->bias, eps, attn_bias);
+    if (!block.recompute_mlp) return std::vector<torch::Tensor>{x_out, block.mlp->forward(h_out, bias_grad)};
+    auto mlp = [&block, bias_grad](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{block.mlp->forward(in[0], bias_grad)};
+    };
+    return std::vector<torch::Tensor>{x_out, recompute(mlp, {h_out}, block.mlp->parameters())[0]};
+  };
+  int64_t i = 0;
   for (const auto& item : *transformer->h) {
     auto& block = *item->as<GptBlock>();
-    std::tie(x, h) = add_layer_norm(x, pending, block.ln_1->weight, block.ln_1->bias, eps, pending_bias);
-    std::tie(x, h) = add_layer_norm(x, block.attn->forward(h, bias_grad), block.ln_2->weight, block.ln_2->bias, eps,
-                                    in_the_add(block.attn->c_proj));
-    pending = block.mlp->forward(h, bias_grad);
+    std::vector<torch::Tensor> out;
+    if (policy.block(i++)) {
+      // The previous block's branch bias gets its gradient here (kInTheAdd).
+      auto params = block.parameters();
+      if (pending_bias.defined()) params.push_back(pending_bias);
+      auto fn = [&block, run_block, pending_bias](const std::vector<torch::Tensor>& in) {
+        return run_block(block, in[0], in.size() > 1 ? in[1] : torch::Tensor(), pending_bias);
+      };
+      out = recompute(fn, pending.defined() ? std::vector<torch::Tensor>{x, pending} : std::vector<torch::Tensor>{x},
+                      params);
+    } else {
+      out = run_block(block, x, pending, pending_bias);
+    }
+    x = out[0];
+    pending = out[1];
     pending_bias = in_the_add(block.mlp->c_proj);
   }
   std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias, eps, pending_bias);

@@ -59,7 +59,11 @@ std::shared_ptr<Net> make_model(const ModelSpec& spec) {
              "The input size must be two positive numbers (height, width).");
   const int64_t side = std::min(spec.input_hw[0], spec.input_hw[1]);
 
+  const RecomputePolicy recompute = parse_recompute(spec.recompute);
   if (spec.name == "cnn") {
+    check_user(recompute.kind == RecomputePolicy::Kind::kNone,
+               "--recompute " + spec.recompute + " applies to the ResNets and the GPTs; the cnn is too small to need it.",
+               "drop --recompute, or pick a ResNet, e.g. --model resnet50 --recompute stages.");
     check_user(spec.stem == "auto", "--stem " + spec.stem + " applies to the ResNets; the cnn has no stem to choose.",
                "drop --stem, or pick a ResNet, e.g. --model resnet18 --stem " + spec.stem + ".");
     check_user(side >= kMinCnnInput,
@@ -87,11 +91,15 @@ std::shared_ptr<Net> make_model(const ModelSpec& spec) {
                    " pixels, got " + hw_text(spec.input_hw) + ".",
                "Resize the images, or use a dataset with larger images.");
   }
+  check_user(recompute.kind != RecomputePolicy::Kind::kMlp,
+             "--recompute mlp applies to the GPTs; " + spec.name + " has no MLP.",
+             "use --recompute stages (each stage), blocks (each residual block) or blocks:N (every N-th).");
   const int64_t depth = std::stoll(spec.name.substr(std::string("resnet").size()));
   return ResNet(ResNetOptions(depth)
                     .num_classes(spec.num_classes)
                     .in_channels(spec.in_channels)
-                    .stem(stem))
+                    .stem(stem)
+                    .recompute(recompute))
       .ptr();
 }
 

@@ -54,6 +54,37 @@ torch::nn::Sequential stage(int64_t& in_planes, int64_t planes, int64_t blocks, 
   return seq;
 }
 
+// Residual blocks one after the other, each output handed on twice (main
+// path, shortcut), so that the next block's two gradients meet inside the
+// batch norm's backward (BatchNorm::forward_relu_split).
+std::pair<torch::Tensor, torch::Tensor> run_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                                   torch::Tensor x, torch::Tensor branch) {
+  for (const auto& m : blocks) {
+    if (auto* b = m->as<Bottleneck>()) std::tie(x, branch) = b->forward_split(x, branch);
+    else if (auto* bb = m->as<BasicBlock>()) std::tie(x, branch) = bb->forward_split(x, branch);
+    else TORCH_CHECK(false, "ResNet: unexpected module in a stage");
+  }
+  return {x, branch};
+}
+
+// run_blocks under recompute: the blocks' parameters and their batch
+// norms' buffers (restored after the re-run) go with them.
+std::pair<torch::Tensor, torch::Tensor> recompute_blocks(std::vector<std::shared_ptr<torch::nn::Module>> blocks,
+                                                         const torch::Tensor& x, const torch::Tensor& branch) {
+  std::vector<torch::Tensor> params, buffers;
+  for (const auto& m : blocks) {
+    for (auto& p : m->parameters()) params.push_back(p);
+    for (auto& b : m->buffers()) buffers.push_back(b);
+  }
+  auto fn = [blocks](const std::vector<torch::Tensor>& in) {
+    auto out = run_blocks(blocks, in[0], in.size() > 1 ? in[1] : torch::Tensor());
+    return std::vector<torch::Tensor>{out.first, out.second};
+  };
+  auto out = recompute(fn, branch.defined() ? std::vector<torch::Tensor>{x, branch} : std::vector<torch::Tensor>{x},
+                       params, buffers);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 BasicBlockImpl::BasicBlockImpl(int64_t in_planes, int64_t planes, int64_t stride) {
@@ -143,13 +174,18 @@ torch::Tensor ResNetImpl::forward_features(torch::Tensor x) {
   // Block by block, each output handed on twice (main path, shortcut), so
   // that the next block's two gradients meet inside the batch norm's
   // backward (BatchNorm::forward_relu_split); the same as layerN->forward.
+  // Under --recompute, a stage or every N-th block runs under recompute.
   torch::Tensor branch;
+  const auto& policy = options.recompute();
+  int64_t index = 0;
   for (auto* layer : {&layer1, &layer2, &layer3, &layer4}) {
-    for (const auto& m : (*layer)->children()) {
-      if (auto* b = m->as<Bottleneck>()) std::tie(x, branch) = b->forward_split(x, branch);
-      else if (auto* bb = m->as<BasicBlock>()) std::tie(x, branch) = bb->forward_split(x, branch);
-      else TORCH_CHECK(false, "ResNet: unexpected module in a stage");
+    const auto blocks = (*layer)->children();
+    if (policy.kind == RecomputePolicy::Kind::kStages) {
+      std::tie(x, branch) = recompute_blocks(blocks, x, branch);
+      continue;
     }
+    for (const auto& m : blocks)
+      std::tie(x, branch) = policy.block(index++) ? recompute_blocks({m}, x, branch) : run_blocks({m}, x, branch);
   }
   return x;
 }

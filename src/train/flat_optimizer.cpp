@@ -69,10 +69,18 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
               });
 #endif
   torch::NoGradGuard no_grad;
+  shard_ = o_.shard_over() && o_.shard_over()->size() > 1 ? o_.shard_over() : nullptr;
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK(params_[i].sizes() == grads_[i].sizes(), "flat parameter and gradient buffers differ in size");
-    m_.push_back(torch::zeros_like(params_[i]));
-    if (adam_) v_.push_back(torch::zeros_like(params_[i]));
+    // Parts of ceil(n / ranks) elements, the last ones shorter or empty.
+    const int64_t n = params_[i].numel(), ranks = shard_ ? shard_->size() : 1, rank = shard_ ? shard_->rank() : 0;
+    const int64_t chunk = (n + ranks - 1) / ranks;
+    lo_.push_back(std::min(n, rank * chunk));
+    len_.push_back(std::min(n, lo_.back() + chunk) - lo_.back());
+    sp_.push_back(params_[i].narrow(0, lo_.back(), len_.back()));
+    sg_.push_back(grads_[i].narrow(0, lo_.back(), len_.back()));
+    m_.push_back(torch::zeros_like(sp_.back()));
+    if (adam_) v_.push_back(torch::zeros_like(sp_.back()));
     step_.push_back(torch::zeros({}, params_[i].options().dtype(torch::kFloat)));
     const bool exempt = (o_.no_decay_1d() || !o_.no_decay().empty()) && sync_->holds_1d(i);
     weight_decay_.push_back(exempt ? 0.0 : o_.weight_decay());
@@ -146,6 +154,31 @@ torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_
   return flat[s.flat].narrow(0, s.offset, s.numel);
 }
 
+torch::Tensor FlatOptimizer::part(const std::vector<torch::Tensor>& part, size_t i) const {
+  const auto& s = slices_[i];
+  const int64_t lo = lo_[s.flat], hi = lo + len_[s.flat];
+  const int64_t a = std::clamp(s.offset, lo, hi), b = std::clamp(s.offset + s.numel, lo, hi);
+  return part[s.flat].narrow(0, a - lo, b - a);
+}
+
+// Each rank's part of `whole[k]` from that rank (`mine[k]`, laid out like
+// this rank's part), into `whole[k]` on every rank: an all-gather made of
+// broadcasts, which every backend has, over the parts in place.
+void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine) {
+  const int ranks = shard_->size();
+  for (size_t k = 0; k < whole.size(); ++k) {
+    const int64_t n = whole[k].numel(), chunk = (n + ranks - 1) / ranks;
+    if (len_[k] > 0 && !whole[k].narrow(0, lo_[k], len_[k]).is_same(mine[k]))
+      whole[k].narrow(0, lo_[k], len_[k]).copy_(mine[k]);
+    for (int r = 0; r < ranks; ++r) {
+      const int64_t lo = std::min(n, r * chunk), len = std::min(n, lo + chunk) - lo;
+      if (len == 0) continue;
+      auto piece = whole[k].narrow(0, lo, len);
+      shard_->broadcast(piece, r, "the sharded optimizer's parts (--shard-optimizer)");
+    }
+  }
+}
+
 // One update of the tensors p[k] (gradients g[k], moments m[k] and v[k],
 // weight decay weight_decay[k]); the fused kernels read the step count from
 // step[k], the composed arithmetic takes it from host_step.
@@ -157,6 +190,7 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 #ifdef DDP_WITH_CUDA_KERNELS
   if (own_adam_) {
     for (size_t i = 0; i < p.size(); ++i)
+      if (p[i].numel() > 0)  // a rank's part may be empty (--shard-optimizer)
       cuda::adam_step(p[i], g[i], m[i], v[i], step[i], lr_t_,
                       {o_.beta1(), o_.beta2(), weight_decay[i], o_.eps(), o_.name() == "adamw", store_clipped_},
                       grad_scale, found_inf,
@@ -176,9 +210,10 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
       auto with_wd = [&](const std::vector<torch::Tensor>& all) {
         std::vector<torch::Tensor> out;
         for (size_t i = 0; i < all.size(); ++i)
-          if (weight_decay[i] == wd) out.push_back(all[i]);
+          if (weight_decay[i] == wd && p[i].numel() > 0) out.push_back(all[i]);  // parts may be empty
         return out;
       };
+      if (with_wd(p).empty()) continue;
       if (adam_)
         compat::fused_adam(with_wd(p), with_wd(g), with_wd(m), with_wd(v), with_wd(step), lr_t_, o_.beta1(), o_.beta2(),
                            wd, o_.eps(), o_.name() == "adamw", found_inf, grad_scale);
@@ -221,11 +256,11 @@ void FlatOptimizer::update(const std::vector<torch::Tensor>& p, const std::vecto
 void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tensor& grad_scale,
                                const std::vector<torch::Tensor>& p16) {
   if (!fused_) {
-    update(params_, grads_, m_, v_, {}, weight_decay_, ++host_step_, {});
+    update(sp_, sg_, m_, v_, {}, weight_decay_, ++host_step_, {});
     return;
   }
   for (auto& s : step_) s.add_(1);
-  update(params_, grads_, m_, v_, step_, weight_decay_, 0, found_inf, grad_scale, p16);
+  update(sp_, sg_, m_, v_, step_, weight_decay_, 0, found_inf, grad_scale, p16);
   // A skipped (overflowed) step does not count, as in PyTorch's GradScaler.
   if (found_inf.defined())
     for (auto& s : step_) s.sub_(found_inf.squeeze());  // [1] -> [] (view({}) would pick the dtype overload)
@@ -244,8 +279,10 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
   if (usage)
     for (size_t i : usage->unused_here) unused_here[i] = 1;
   auto save = [&](size_t i, bool unused) {
-    return Saved{i, unused, slice(params_, i).clone(), slice(m_, i).clone(), adam_ ? slice(v_, i).clone() : torch::Tensor()};
+    return Saved{i, unused, part(sp_, i).clone(), part(m_, i).clone(), adam_ ? part(v_, i).clone() : torch::Tensor()};
   };
+  whole_m_.clear();
+  whole_v_.clear();
   std::vector<Saved> saved;
   if (fused_) {
     // Which parameters no rank used is device data here: save every one
@@ -261,6 +298,7 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
     whole_step(found_inf, grad_scale, p16);
     if (!saved.empty()) fused_fix_ups(saved, usage ? usage->used_anywhere : torch::Tensor(), found_inf, p16);
     for (size_t i = 0; i < n; ++i) may_have_missed_[i] = may_have_missed_[i] || unused_here[i];
+    if (shard_) gather_parameters();
     // The kernel wrote the next step's bf16 copies, and the fix-ups theirs.
     if (!p16.empty()) sync_->bf16_copies_written();
     return;
@@ -278,6 +316,15 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
     if (skipped[i] || (adam_ && host_missed_[i] > 0)) saved.push_back(save(i, skipped[i]));
   whole_step({}, {});
   if (!saved.empty()) composed_fix_ups(saved, skipped);
+  if (shard_) gather_parameters();
+}
+
+// Every rank's updated part to every rank. The broadcasts write the flat
+// parameters where no version counter sees it: bumped, so that GradSync's
+// bf16 copies count as stale.
+void FlatOptimizer::gather_parameters() {
+  broadcast_parts(params_, sp_);
+  for (const auto& p : params_) torch::autograd::impl::bump_version(p);
 }
 
 // After the whole-buffer step on the fused path: each saved parameter goes
@@ -293,8 +340,8 @@ void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor
   };
   for (auto& s : saved) {
     const size_t i = s.slice;
-    auto p = slice(params_, i), g = slice(grads_, i), m = slice(m_, i);
-    auto v = adam_ ? slice(v_, i) : torch::Tensor();
+    auto p = part(sp_, i), g = part(sg_, i), m = part(m_, i);
+    auto v = adam_ ? part(v_, i) : torch::Tensor();
     // Missed steps count only in steps that count (not an fp16 overflow).
     auto count_missed = [&](const torch::Tensor& missed) {
       if (!adam_) return;
@@ -331,7 +378,7 @@ void FlatOptimizer::fused_fix_ups(std::vector<Saved>& saved, const torch::Tensor
 // The flat bf16 copies ddptrain's Adam kernel writes, one per flat buffer
 // (all defined), or none: not that kernel, no GradSync, or no copies yet.
 std::vector<torch::Tensor> FlatOptimizer::bf16_targets() const {
-  if (!own_adam_ || !sync_) return {};
+  if (!own_adam_ || !sync_ || shard_) return {};
   std::vector<torch::Tensor> out;
   for (size_t k = 0; k < params_.size(); ++k) {
     auto t = sync_->bf16_flat(k);
@@ -347,8 +394,8 @@ std::vector<torch::Tensor> FlatOptimizer::bf16_targets() const {
 void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vector<char>& skipped) {
   for (auto& s : saved) {
     const size_t i = s.slice;
-    auto p = slice(params_, i), m = slice(m_, i);
-    auto v = adam_ ? slice(v_, i) : torch::Tensor();
+    auto p = part(sp_, i), m = part(m_, i);
+    auto v = adam_ ? part(v_, i) : torch::Tensor();
     p.copy_(s.p);
     m.copy_(s.m);
     if (adam_) v.copy_(s.v);
@@ -356,7 +403,7 @@ void FlatOptimizer::composed_fix_ups(std::vector<Saved>& saved, const std::vecto
       ++host_missed_[i];
       continue;
     }
-    update({p}, {slice(grads_, i)}, {m}, {v}, {}, {weight_decay_[slices_[i].flat]}, host_step_ - host_missed_[i], {});
+    update({p}, {part(sg_, i)}, {m}, {v}, {}, {weight_decay_[slices_[i].flat]}, host_step_ - host_missed_[i], {});
   }
 }
 
@@ -388,7 +435,38 @@ torch::Tensor FlatOptimizer::relaid(const torch::Tensor& flat, size_t k, bool fr
 
 bool FlatOptimizer::channels_last() const { return sync_ && sync_->options().channels_last(); }
 
+void FlatOptimizer::gather_state() {
+  if (!shard_) return;
+  torch::NoGradGuard no_grad;
+  whole_m_.clear();
+  whole_v_.clear();
+  for (const auto& p : params_) {
+    whole_m_.push_back(torch::zeros_like(p));
+    if (adam_) whole_v_.push_back(torch::zeros_like(p));
+  }
+  broadcast_parts(whole_m_, m_);
+  if (adam_) broadcast_parts(whole_v_, v_);
+}
+
+int64_t FlatOptimizer::state_bytes() const {
+  int64_t n = 0;
+  for (const auto* list : {&m_, &v_, &step_})
+    for (const auto& t : *list) n += t.numel() * static_cast<int64_t>(t.element_size());
+  return n;
+}
+
+int64_t FlatOptimizer::unsharded_state_bytes() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.numel() * static_cast<int64_t>(p.element_size()) * (adam_ ? 2 : 1);
+  for (const auto& s : step_) n += s.numel() * static_cast<int64_t>(s.element_size());
+  return n;
+}
+
 void FlatOptimizer::save(TensorMap& state) const {
+  TORCH_CHECK(!shard_ || whole_m_.size() == m_.size(),
+              "FlatOptimizer: a sharded state is saved after gather_state() on every rank");
+  const auto& m_all = shard_ ? whole_m_ : m_;
+  const auto& v_all = shard_ ? whole_v_ : v_;
   state["name"] = string_tensor(o_.name());
   // The buffers' layout: with no_decay_1d the 1-D parameters have their own.
   state["no_decay_1d"] = torch::full({}, o_.no_decay_1d() ? 1.0f : 0.0f);
@@ -399,8 +477,8 @@ void FlatOptimizer::save(TensorMap& state) const {
     // The composed path counts on the host; the fused one on the device.
     auto step = fused_ ? step_[i].detach().cpu() : torch::full({}, static_cast<double>(host_step_), torch::kFloat);
     state["step/" + k] = step;
-    state["m/" + k] = relaid(m_[i], i, channels_last(), false);
-    if (adam_) state["v/" + k] = relaid(v_[i], i, channels_last(), false);
+    state["m/" + k] = relaid(m_all[i], i, channels_last(), false);
+    if (adam_) state["v/" + k] = relaid(v_all[i], i, channels_last(), false);
   }
   // Steps each parameter missed (no gradient on any rank): Adam's
   // per-parameter step count is the buffer's minus this.
@@ -454,8 +532,14 @@ void FlatOptimizer::load(const TensorMap& state) {
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto k = std::to_string(i);
     read("step/" + k, step_[i]);
-    read("m/" + k, m_[i], i);
-    if (adam_) read("v/" + k, v_[i], i);
+    // The whole buffer's state, of which this rank keeps its part.
+    auto whole = torch::empty_like(params_[i]);
+    read("m/" + k, whole, i);
+    m_[i].copy_(whole.narrow(0, lo_[i], len_[i]));
+    if (adam_) {
+      read("v/" + k, whole, i);
+      v_[i].copy_(whole.narrow(0, lo_[i], len_[i]));
+    }
   }
   host_step_ = static_cast<int64_t>(step_.front().item<float>());
   // Checkpoints written before per-parameter counts have none: no missed steps.

@@ -49,6 +49,9 @@ models::GptOptions LmTask::model_options(const Config& c) {
              "--context, --layers, --heads, --width and --vocab-size must be 0 (the preset's) or positive.");
   o.dropout(c.flag<double>("dropout")).bias(c.flag<bool>("linear-bias"));
   o.gelu(c.flag<std::string>("gelu") == "tanh" ? models::GptGelu::kTanh : models::GptGelu::kExact);
+  o.recompute(parse_recompute(c.recompute));
+  check_user(o.recompute().kind != RecomputePolicy::Kind::kStages, "--recompute stages applies to the ResNets.",
+             "for a GPT use --recompute mlp, blocks or blocks:N.");
   return o;
 }
 

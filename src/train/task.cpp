@@ -36,6 +36,7 @@ std::shared_ptr<Net> builtin_net(const Config& c, const data::Splits& data, int6
   models::ModelSpec spec;
   spec.name = c.model;
   spec.stem = c.stem;
+  spec.recompute = c.recompute;
   const auto shape = data.train->input_shape();
   check_user(shape.size() == 3, "the built-in models need C x H x W images; the dataset gives " +
                                     c10::str(c10::IntArrayRef(shape)) + ".",

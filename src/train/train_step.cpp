@@ -96,8 +96,11 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
     // gradient from ddptrain's functions alone); a subclass of either might
     // add a LibTorch op on a weight (a penalty, say), so only these exact
     // types vouch. One process only, until several GPUs are measured.
-    const bool vouched =
-        typeid(model_) == typeid(models::GptImpl) && typeid(task_) == typeid(LmTask) && world_.size() == 1;
+    // Under --recompute the weight gradients come out of a recompute node's
+    // backward, which hands them on at once: not vouched.
+    const bool vouched = typeid(model_) == typeid(models::GptImpl) && typeid(task_) == typeid(LmTask) &&
+                         world_.size() == 1 &&
+                         dynamic_cast<models::GptImpl&>(model_).options.recompute().kind == RecomputePolicy::Kind::kNone;
     // Decided here, for this step's life: only the fused linear layers under
     // bf16 autocast hand work aside.
     side_stream_ = dev.is_cuda() && amp_on_ && !fp16_ && models::fused_linear_enabled() &&
@@ -141,7 +144,9 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
     if (graph_) torch::cuda::synchronize(dev.index());
 #endif
   }
-  optimizer_ = std::make_unique<FlatOptimizer>(*sync_, o_.optimizer());
+  auto optimizer = o_.optimizer();
+  if (o_.shard_optimizer()) optimizer.shard_over(&world_);
+  optimizer_ = std::make_unique<FlatOptimizer>(*sync_, optimizer);
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
   // SyncBatchNorm's backward all-reduces on the gradients' process group:

@@ -173,6 +173,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
       .clip_grad_norm(c.clip_grad_norm)
       .ema(c.ema)
       .bucket_cap_mb(c.bucket_cap_mb)
+      .shard_optimizer(c.shard_optimizer)
       .optimizer(FlatOptimizerOptions().name(c.optimizer).lr(c.lr).weight_decay(c.weight_decay).momentum(c.momentum))
       .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
 }
@@ -262,6 +263,12 @@ Trainer::Trainer(Config config, World& world, Task& task)
   step_ = std::make_unique<TrainStep>(task_, model, world_,
                                       train_step_options(config_, world_.device()).optimizer(setup.optimizer));
   schedule_ = std::make_unique<LrSchedule>(setup.schedule);
+  if (config_.shard_optimizer) {
+    const auto& opt = step_->optimizer();
+    DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded\n",
+               static_cast<double>(opt.state_bytes()) / (1 << 20), opt.shards(),
+               static_cast<double>(opt.unsharded_state_bytes()) / (1 << 20));
+  }
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
   // 6. Resume, then the run directory: a resumed run continues in its
   //    checkpoint's directory, so that metrics.jsonl goes on; a fresh one
@@ -982,6 +989,7 @@ bool Trainer::reached_stop_at(const Metrics& metrics) const {
 }
 
 void Trainer::save_and_stop(const std::string& path) {
+  step_->gather_optimizer_state();
   if (world_.is_main()) save_job_checkpoint(path);
   world_.barrier("checkpoint before stopping");
   throw Preempted("stopped by a signal at step " + std::to_string(state_.step) + "; checkpoint saved to " + path +
@@ -1032,6 +1040,7 @@ std::string Trainer::placement_flags() const {
 // best.pt follows the monitor at every validation (as Lightning's
 // ModelCheckpoint does); epoch_N.pt is written at the save epochs.
 void Trainer::save(int64_t epoch, double monitored, bool periodic) {
+  step_->gather_optimizer_state();  // every rank: a sharded state is gathered whole
   if (!world_.is_main()) return;
   CheckpointMeta meta = this->meta();
   if (monitor_.better(monitored, state_.best)) {

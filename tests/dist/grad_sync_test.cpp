@@ -96,17 +96,39 @@ TEST(SyncBatchNorm, EvalWithoutRunningStatsIsLocalAndDoesNotCommunicate) {
   }
 }
 
-TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
-  DDP_SKIP_UNLESS_GLOO();
-  auto dir = ddp::testing::temp_dir("overlap");
-  auto r = run_workers(2, {"overlap", dir});
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+// Buckets launched inside backward, per rank, and the number of buckets.
+std::vector<std::pair<size_t, size_t>> overlap_counts(const std::string& variant) {
+  auto dir = ddp::testing::temp_dir("overlap" + variant);
+  std::vector<std::string> args{"overlap", dir};
+  if (!variant.empty()) args.push_back(variant);
+  auto r = run_workers(2, args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::pair<size_t, size_t>> out;
   for (int rank = 0; rank < 2; ++rank) {
     std::istringstream in(ddp::testing::read_file(dir + "/overlap_rank" + std::to_string(rank) + ".txt"));
     size_t during = 0, buckets = 0;
     in >> during >> buckets;
+    out.emplace_back(during, buckets);
+  }
+  return out;
+}
+
+TEST(GradSync, BucketAllReduceStartsBeforeBackwardReturns) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const auto& [during, buckets] : overlap_counts("")) {
     EXPECT_GE(buckets, 6u);
     EXPECT_GE(during, 1u) << "no bucket was launched inside backward";
+  }
+}
+
+// Under ddp::recompute the parameters' gradients land during the
+// recomputed backward, and their buckets start there as without it.
+TEST(GradSync, BucketsStartInsideARecomputedBackward) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto plain = overlap_counts(""), again = overlap_counts("recompute");
+  for (size_t rank = 0; rank < 2; ++rank) {
+    EXPECT_GE(again[rank].first, 1u) << "no bucket was launched inside backward";
+    EXPECT_EQ(again[rank], plain[rank]) << "rank " << rank;
   }
 }
 

@@ -74,6 +74,31 @@ TEST(Gpt, Gpt2PresetHas124MParameters) {
   EXPECT_EQ(gpt_arch(gpt_from_arch(gpt_arch(o))), gpt_arch(o));
 }
 
+// GPT-2's larger sizes, as nanoGPT's from_pretrained names them: their
+// parameter counts (V C + T C + L (12 C^2 + 13 C) + 2 C, the tied head once;
+// counted by the 124M model's test above for gpt2) are GPT-2's 350M, 774M
+// and 1558M, and each width splits into its heads. (Not built here: 1.5B
+// parameters are 6 GB.)
+TEST(Gpt, LargerGpt2PresetsHaveGpt2sSizes) {
+  auto count = [](const GptOptions& o) {
+    const double v = o.vocab_size(), t = o.block_size(), c = o.n_embd(), l = o.n_layer();
+    return v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c;
+  };
+  EXPECT_NEAR(count(gpt_preset("gpt2")), 124475904, 0.5);  // the formula, checked against the built model above
+  const std::vector<std::pair<std::string, double>> sizes = {{"gpt2-medium", 350e6}, {"gpt2-large", 774e6}, {"gpt2-xl", 1558e6}};
+  for (const auto& [name, params] : sizes) {
+    const auto o = gpt_preset(name);
+    EXPECT_TRUE(is_gpt(name));
+    EXPECT_EQ(o.block_size(), 1024);
+    EXPECT_EQ(o.n_embd() % o.n_head(), 0) << name;
+    EXPECT_NEAR(count(o) / params, 1.0, 0.015) << name << ": " << count(o);
+    EXPECT_EQ(gpt_arch(gpt_from_arch(gpt_arch(o))), gpt_arch(o));
+  }
+  EXPECT_EQ(gpt_preset("gpt2-xl").n_head(), 25);
+  EXPECT_FALSE(is_gpt("gpt2-huge"));
+  EXPECT_THROW(gpt_preset("gpt2-huge"), UserError);
+}
+
 TEST(Gpt, HeadIsTheEmbeddingTensorAfterMovesAndCasts) {
   Gpt model(tiny());
   EXPECT_TRUE(model->lm_head->weight.is_same(model->transformer->wte->weight));

@@ -148,6 +148,108 @@ TEST(LmTask, InterruptedAndResumedEqualsStraight_BitExact) {
   }
 }
 
+// --recompute through the real program, 2 Gloo ranks, dropout on, two
+// micro-batches per step: 50 steps whose weights equal the run without
+// recompute's bit for bit, at every level. (Recompute re-runs each
+// recomputed forward in backward, in the forward's random state.)
+TEST(LmTask, RecomputeTrajectoryEqualsPlain_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  const std::vector<std::string> common{"--size", "2", "--epochs", "2", "--batch", "8", "--accum-steps", "2",
+                                        "--train-samples", "800", "--test-samples", "64", "--dropout", "0.1",
+                                        "--layers", "3"};
+  const std::string arch = "gpt/L3/H4/C64/T64/V256/bias1/drop0.1/bytes";
+  const auto plain_dir = ddp::testing::temp_dir("lm_rc_none");
+  auto plain = run_process(lm_args(plain_dir, common));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  const auto want = weights(find_file(plain_dir, "epoch_2.pt"), arch);
+  for (const std::string level : {"blocks", "mlp", "blocks:2"}) {
+    const auto dir = ddp::testing::temp_dir("lm_rc_" + level.substr(0, 6));
+    auto a = common;
+    a.insert(a.end(), {"--recompute", level});
+    auto r = run_process(lm_args(dir, a));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto got = weights(find_file(dir, "epoch_2.pt"), arch);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << level << ", tensor " << i;
+    EXPECT_EQ(metrics_jsonl(dir)[1]["train_loss"], metrics_jsonl(plain_dir)[1]["train_loss"]) << level;
+  }
+  // It trained (the loss fell from epoch to epoch): equal weights mean something.
+  const auto m = metrics_jsonl(plain_dir);
+  EXPECT_LT(m[1]["train_loss"].get<double>(), m[0]["train_loss"].get<double>());
+}
+
+// --shard-optimizer (ZeRO-1) through the real program on 2 and 3 Gloo
+// ranks (3 does not divide the flat buffers: the last parts are shorter):
+// the unsharded run's weights bit for bit, and each rank holds about 1/N
+// of the optimizer state, as the start line says.
+TEST(LmTask, ShardedOptimizerEqualsUnsharded_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  const std::string arch = "gpt/L3/H4/C64/T64/V256/bias1/drop0.1/bytes";
+  for (const std::string ranks : {"2", "3"}) {
+    const std::vector<std::string> common{"--size", ranks, "--epochs", "2", "--batch", "8", "--train-samples", "480",
+                                          "--test-samples", "64", "--dropout", "0.1", "--layers", "3",
+                                          "--clip-grad-norm", "1"};
+    const auto plain_dir = ddp::testing::temp_dir("lm_zero_none" + ranks), dir = ddp::testing::temp_dir("lm_zero" + ranks);
+    auto plain = run_process(lm_args(plain_dir, common));
+    ASSERT_EQ(plain.exit_code, 0) << plain.output;
+    auto a = common;
+    a.push_back("--shard-optimizer");
+    auto r = run_process(lm_args(dir, a));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto want = weights(find_file(plain_dir, "epoch_2.pt"), arch), got = weights(find_file(dir, "epoch_2.pt"), arch);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << ranks << " ranks, tensor " << i;
+    // "optimizer state: X MiB on this rank, sharded over N rank(s); Y MiB unsharded"
+    double mine = 0, whole = 0;
+    int over = 0;
+    const auto at = r.output.find("optimizer state: ");
+    ASSERT_NE(at, std::string::npos) << r.output;
+    ASSERT_EQ(std::sscanf(r.output.c_str() + at, "optimizer state: %lf MiB on this rank, sharded over %d rank(s); %lf MiB",
+                          &mine, &over, &whole), 3) << r.output.substr(at, 120);
+    EXPECT_EQ(over, std::stoi(ranks));
+    EXPECT_NEAR(mine, whole / over, whole * 0.01) << r.output.substr(at, 120);
+  }
+}
+
+// A checkpoint is the same sharded or not: a sharded run resumed unsharded,
+// and an unsharded one resumed sharded, end where the straight run does.
+TEST(LmTask, ShardedAndUnshardedResumeEachOther_BitExact) {
+  DDP_SKIP_UNLESS_GLOO();
+  if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
+  const std::string arch = "gpt/L2/H4/C64/T64/V256/bias1/drop0/bytes";
+  const std::vector<std::string> common{"--size", "2", "--batch", "8", "--train-samples", "320", "--test-samples", "64",
+                                        "--schedule", "constant"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = common;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const auto straight = ddp::testing::temp_dir("lm_zero_straight");
+  auto s = run_process(lm_args(straight, with({"--epochs", "2"})));
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  const auto want = weights(find_file(straight, "epoch_2.pt"), arch);
+  for (const bool first_sharded : {true, false}) {
+    const auto dir = ddp::testing::temp_dir(first_sharded ? "lm_zero_then_plain" : "lm_plain_then_zero");
+    auto first = with({"--epochs", "1"});
+    if (first_sharded) first.push_back("--shard-optimizer");
+    auto r1 = run_process(lm_args(dir, first));
+    ASSERT_EQ(r1.exit_code, 0) << r1.output;
+    // A resumed run keeps the saved value unless given one.
+    auto second = with({"--epochs", "2", "--resume", "auto", first_sharded ? "--shard-optimizer=false" : "--shard-optimizer"});
+    auto r2 = run_process(lm_args(dir, second));
+    ASSERT_EQ(r2.exit_code, 0) << r2.output;
+    // The start line of a sharded run says so: the second half ran as asked.
+    EXPECT_EQ(r1.output.find("optimizer state: ") != std::string::npos, first_sharded) << r1.output;
+    EXPECT_EQ(r2.output.find("optimizer state: ") != std::string::npos, !first_sharded) << r2.output;
+    const auto got = weights(find_file(dir, "epoch_2.pt"), arch);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(torch::equal(got[i], want[i])) << (first_sharded ? "sharded then not" : "not then sharded") << ", tensor " << i;
+  }
+}
+
 // tokens_per_s counts the tokens the steps trained on: a 2-rank run resumed
 // on 1 rank (whose --batch doubles after the task was set up) reported half
 // of them. Its ratio to samples_per_second is then about the context (64),

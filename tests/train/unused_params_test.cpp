@@ -21,15 +21,20 @@ void PrintTo(const UnusedCase& c, std::ostream* os) { *os << c.optimizer << " on
 class UnusedParameters : public ::testing::TestWithParam<UnusedCase> {};
 
 // Runs the reference scenario on `world_size` ranks and compares every
-// rank's final parameters with PyTorch's, to `tolerance`.
-void expect_pytorch(const std::string& optimizer, int world_size, bool cuda, double tolerance) {
+// rank's final parameters with PyTorch's, to `tolerance`; returns rank 0's.
+// `variant`: "recompute" runs parts of the model under ddp::recompute,
+// "shard" shards the optimizer state over the ranks.
+torch::Tensor expect_pytorch(const std::string& optimizer, int world_size, bool cuda, double tolerance,
+                             const std::string& variant = "") {
   const std::string json = DDP_TEST_DATA_DIR "/unused_params.json";
-  const auto dir = ddp::testing::temp_dir("unused_ref_" + optimizer + std::to_string(world_size));
+  const auto dir = ddp::testing::temp_dir("unused_ref_" + optimizer + std::to_string(world_size) + variant);
   std::map<std::string, std::string> env;
   if (cuda) env["DDP_TEST_CUDA"] = "1";
-  auto r = ddp::testing::run_process(
-      {DDP_TESTWORKER, "--launch", std::to_string(world_size), "unused_reference", dir, json, optimizer}, env, 120);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::vector<std::string> args{DDP_TESTWORKER, "--launch", std::to_string(world_size), "unused_reference", dir, json, optimizer};
+  if (!variant.empty()) args.push_back(variant);
+  auto r = ddp::testing::run_process(args, env, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (r.exit_code != 0) return torch::Tensor();
   const auto data = nlohmann::json::parse(ddp::testing::read_file(json));
   const auto& expected = data["world" + std::to_string(world_size)][optimizer];
   const auto& initial = data["initial"];
@@ -53,11 +58,52 @@ void expect_pytorch(const std::string& optimizer, int world_size, bool cuda, dou
     }
     EXPECT_EQ(at, got.numel());
   }
+  return first;
 }
 
 TEST_P(UnusedParameters, MatchPyTorch) {
   DDP_SKIP_UNLESS_GLOO();
   expect_pytorch(GetParam().optimizer, GetParam().world_size, /*cuda=*/false, 1e-5);
+}
+
+// Under ddp::recompute (the trunk and both optional branches), the branch
+// used on one rank only on some steps and on neither on one: PyTorch's
+// values still, and the run without recompute's bit for bit (the buckets'
+// hooks fire from the recomputed backward, and expect_gradients_from sees
+// the parameters through the recompute nodes).
+TEST(UnusedParameters, RecomputeEqualsPlainBitForBit) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (int world_size : {1, 2}) {
+    const auto plain = expect_pytorch("adamw", world_size, /*cuda=*/false, 1e-5);
+    const auto again = expect_pytorch("adamw", world_size, /*cuda=*/false, 1e-5, "recompute");
+    ASSERT_TRUE(plain.defined() && again.defined());
+    EXPECT_TRUE(torch::equal(plain, again)) << world_size << " rank(s): max diff "
+                                            << (plain - again).abs().max().item<double>();
+  }
+}
+
+// ZeRO-1 (--shard-optimizer) on 2 ranks: parameters that no rank or one
+// rank used, fixed up on each rank's part of the flat buffers (their slices
+// cut by the parts' edges): PyTorch's values, and the unsharded run's bits.
+TEST(UnusedParameters, ShardedOptimizerEqualsUnshardedBitForBit) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const std::string name : {"sgd", "adam", "adamw"}) {
+    const auto plain = expect_pytorch(name, 2, /*cuda=*/false, 1e-5);
+    const auto sharded = expect_pytorch(name, 2, /*cuda=*/false, 1e-5, "shard");
+    ASSERT_TRUE(plain.defined() && sharded.defined());
+    EXPECT_TRUE(torch::equal(plain, sharded)) << name << ": max diff " << (plain - sharded).abs().max().item<double>();
+  }
+}
+
+// The same on 2 GPUs over NCCL (the fused kernels on each rank's part).
+TEST(UnusedParameters, ShardedOptimizerOnTwoGpus_MultiCUDA) {
+  if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  for (const std::string name : {"sgd", "adam", "adamw"}) {
+    const auto plain = expect_pytorch(name, 2, /*cuda=*/true, 5e-5);
+    const auto sharded = expect_pytorch(name, 2, /*cuda=*/true, 5e-5, "shard");
+    ASSERT_TRUE(plain.defined() && sharded.defined());
+    EXPECT_TRUE(torch::equal(plain, sharded)) << name;
+  }
 }
 
 // The fused kernels' path (saved slices, a select on the device), on one

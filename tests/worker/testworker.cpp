@@ -24,6 +24,7 @@
 #include "ddp/dist/signals.h"
 #include "ddp/dist/sync_batchnorm.h"
 #include "ddp/dist/world.h"
+#include "ddp/models/recompute.h"
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/train/train_step.h"
 #include "ddp/app.h"
@@ -100,15 +101,18 @@ struct DeepLinearImpl : torch::nn::Module {
     for (int i = 0; i < 6; ++i) layers.push_back(register_module("l" + std::to_string(i), torch::nn::Linear(64, 64)));
   }
   torch::Tensor forward(torch::Tensor x) {
-    for (auto& l : layers) x = torch::tanh(l(x));
+    for (auto& l : layers) x = torch::tanh(recompute ? ddp::recompute(l, x) : l(x));
     return x;
   }
   std::vector<torch::nn::Linear> layers;
+  bool recompute = false;  // each layer under ddp::recompute
 };
 TORCH_MODULE(DeepLinear);
 
-void overlap(World& world, const std::string& out) {
+// (ARGS: "recompute" to run each layer under ddp::recompute.)
+void overlap(World& world, const std::string& out, bool recompute) {
   DeepLinear net;
+  net->recompute = recompute;
   GradSync sync(*net, world, GradSyncOptions().bucket_cap_mb(0.01));
   sync.zero_grad();
   net->forward(torch::randn({32, 64})).sum().backward();
@@ -246,14 +250,22 @@ TORCH_MODULE(Branchy);
 
 class BranchyTask : public Task {
  public:
-  BranchyTask(Branchy net, std::vector<int> branch_steps, std::vector<int> late_steps)
-      : net_(std::move(net)), branch_(std::move(branch_steps)), late_(std::move(late_steps)) {}
+  // With `recompute`, the trunk and both optional branches run under
+  // ddp::recompute (models/recompute.h): the same values and gradients.
+  BranchyTask(Branchy net, std::vector<int> branch_steps, std::vector<int> late_steps, bool recompute = false)
+      : net_(std::move(net)), branch_(std::move(branch_steps)), late_(std::move(late_steps)), recompute_(recompute) {}
   StepOutput training_step(const data::Batch& b) override {
     auto uses = [this](const std::vector<int>& steps) { return std::count(steps.begin(), steps.end(), step_) > 0; };
-    auto h = torch::tanh(net_->fc0(b.input()));
+    auto layer = [this](torch::nn::Linear l, const torch::Tensor& x) {
+      return recompute_ ? ddp::recompute(l, x) : l->forward(x);
+    };
+    auto trunk = [this](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{torch::tanh(net_->fc0(in[0]))};
+    };
+    auto h = recompute_ ? ddp::recompute(trunk, {b.input()}, net_->fc0->parameters())[0] : trunk({b.input()})[0];
     auto y = net_->head(h);
-    if (uses(branch_)) y = y + net_->branch(h);
-    if (uses(late_)) y = y + net_->late(h);
+    if (uses(branch_)) y = y + layer(net_->branch, h);
+    if (uses(late_)) y = y + layer(net_->late, h);
     ++step_;
     return torch::mse_loss(y, b.target());
   }
@@ -262,13 +274,18 @@ class BranchyTask : public Task {
  private:
   Branchy net_;
   std::vector<int> branch_, late_;
+  bool recompute_ = false;
   int step_ = 0;
 };
 
-// PyTorch's reference run (ARGS: the JSON file, the optimizer): each rank
+// PyTorch's reference run (ARGS: the JSON file, the optimizer, and
+// "recompute" to run parts of the model under ddp::recompute, or "shard"
+// for the optimizer state sharded over the ranks): each rank
 // trains the Branchy model through TrainStep on its own batches and writes
 // its final parameters, in state_dict order.
-void unused_reference(World& world, const std::string& out, const std::string& json_path, const std::string& name) {
+void unused_reference(World& world, const std::string& out, const std::string& json_path, const std::string& name,
+                      const std::string& variant) {
+  const bool recompute = variant == "recompute";
   std::ifstream in(json_path);
   check_user(in.good(), "cannot read " + json_path + ".", "pass tests/testdata/unused_params.json.");
   const auto data = nlohmann::json::parse(in);
@@ -282,11 +299,11 @@ void unused_reference(World& world, const std::string& out, const std::string& j
   }
   net->to(world.device());
   BranchyTask task(net, data["branch_steps"][rank].get<std::vector<int>>(),
-                   data["late_steps"][rank].get<std::vector<int>>());
+                   data["late_steps"][rank].get<std::vector<int>>(), recompute);
   const auto& o = data["optimizers"][name];
   auto opt = FlatOptimizerOptions().name(name).lr(o["lr"].get<double>()).weight_decay(o["weight_decay"].get<double>());
   if (o.contains("momentum")) opt.momentum(o["momentum"].get<double>());
-  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt));
+  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt).shard_optimizer(variant == "shard"));
   for (const auto& xy : data["batches"][rank]) {
     auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
     step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
@@ -657,7 +674,7 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
   } else if (scenario == "syncbn_eval") {
     syncbn_eval(world, out);
   } else if (scenario == "overlap") {
-    overlap(world, out);
+    overlap(world, out, argc > 0 && std::string(argv[0]) == "recompute");
   } else if (scenario == "syncbn_branch") {
     syncbn_branch(world, out);
   } else if (scenario == "unused") {
@@ -670,7 +687,7 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     capture_fallback(world, out, argc > 0 ? argv[0] : "graph");
   } else if (scenario == "unused_reference") {
     if (argc < 2) throw std::runtime_error("unused_reference needs JSON and OPTIMIZER");
-    unused_reference(world, out, argv[0], argv[1]);
+    unused_reference(world, out, argv[0], argv[1], argc > 2 ? argv[2] : "");
   } else if (scenario == "local_bn_buffers") {
     local_bn_buffers(world, out);
   } else if (scenario == "task_metric") {

@@ -27,6 +27,7 @@
 
 #include "ddp/models/fused_linear.h"
 #include "ddp/models/net.h"
+#include "ddp/models/recompute.h"
 
 namespace ddp::models {
 
@@ -54,12 +55,19 @@ struct GptOptions {
   TORCH_ARG(bool, bias) = true;
   /// The MLP's GELU.
   TORCH_ARG(GptGelu, gelu) = GptGelu::kExact;
+  /// Which activations backward recomputes instead of keeping (--recompute):
+  /// none, each block's second LayerNorm and MLP (kMlp), or every N-th
+  /// block (kBlocks). The same values and gradients, less memory, one more
+  /// forward of what it covers. Not part of the architecture.
+  TORCH_ARG(RecomputePolicy, recompute) = {};
 };
 
 /// The sizes --model names: gpt-nano (CPU-sized: 2 layers, 4 heads, width
 /// 64, context 64, vocabulary 256: 120k parameters), gpt2 (GPT-2 small, 124M: 12, 12,
 /// 768, context 1024, vocabulary 50304 = 50257 rounded up to a multiple of
-/// 64), and gpt (gpt-nano's sizes, for flags to change). UserError for other
+/// 64), gpt2-medium (350M: 24, 16, 1024), gpt2-large (774M: 36, 20, 1280),
+/// gpt2-xl (1.5B: 48, 25, 1600), all at context 1024 and vocabulary 50304,
+/// and gpt (gpt-nano's sizes, for flags to change). UserError for other
 /// names.
 GptOptions gpt_preset(const std::string& name);
 /// Whether --model `name` is one of the GPT names above.
@@ -110,6 +118,8 @@ class GptBlockImpl : public torch::nn::Module {
   explicit GptBlockImpl(const GptOptions& o);
   torch::Tensor forward(const torch::Tensor& x);
   GptLayerNorm ln_1{nullptr}, ln_2{nullptr};
+  /// ln_2 and the MLP under recompute (RecomputePolicy::kMlp).
+  bool recompute_mlp = false;
   CausalSelfAttention attn{nullptr};
   GptMlp mlp{nullptr};
 };

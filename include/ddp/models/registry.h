@@ -15,6 +15,7 @@ struct ModelSpec {
   int64_t in_channels = 1;
   int64_t num_classes = 10;
   std::vector<int64_t> input_hw = {28, 28};
+  std::string recompute = "none";  // --recompute: none | blocks | blocks:N | stages (the ResNets)
 };
 
 /// Names accepted by make_model().

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include "ddp/models/net.h"
+#include "ddp/models/recompute.h"
 #include "ddp/dist/sync_batchnorm.h"
 
 namespace ddp::models {
@@ -38,6 +39,11 @@ struct ResNetOptions {
   /// Starts each residual branch's last batch norm at weight 0, so every
   /// block begins as the identity (Goyal et al., 2017); helps large batches.
   TORCH_ARG(bool, zero_init_residual) = false;
+  /// Which activations backward recomputes instead of keeping (--recompute):
+  /// none, every N-th residual block (kBlocks, counted over all stages), or
+  /// each stage as a whole (kStages). The same values, gradients and running
+  /// statistics, less memory, one more forward of what it covers.
+  TORCH_ARG(RecomputePolicy, recompute) = {};
 };
 
 /// Two 3x3 convolutions around an identity (or projected) shortcut.

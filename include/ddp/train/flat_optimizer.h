@@ -46,9 +46,12 @@
 #include <torch/torch.h>
 
 #include "ddp/dist/grad_sync.h"
+#include "ddp/dist/world.h"
 #include "ddp/io/checkpoint.h"
 
 namespace ddp {
+
+using WorldPtr = World*;  // TORCH_ARG spells its setter's argument const T&
 
 struct FlatOptimizerOptions {
   TORCH_ARG(std::string, name) = "adamw";  // sgd | adam | adamw
@@ -71,6 +74,16 @@ struct FlatOptimizerOptions {
   /// tables ({"tok_emb.weight"}); like no_decay_1d, they need the GradSync
   /// constructor (TrainStep puts them apart: GradSyncOptions::separate_names).
   TORCH_ARG(std::vector<std::string>, no_decay) = {};
+  /// ZeRO-1 (--shard-optimizer): with several ranks, each keeps the state
+  /// (moments, momentum) of 1/world-size of every flat buffer and updates
+  /// only that part of the parameters; the parts are then broadcast, each
+  /// from its rank, so every rank ends the step with all parameters. The
+  /// gradients are all-reduced whole as before (Gloo in LibTorch 1.13 has
+  /// no reduce-scatter), so clipping's norm is the unsharded one and the
+  /// update is elementwise: the same bits as unsharded. Where a fused Adam
+  /// kernel clips in its pass (CUDA), only this rank's part of the
+  /// gradients is left clipped. nullptr: unsharded.
+  TORCH_ARG(WorldPtr, shard_over) = nullptr;
 };
 
 /// The common rule for weight decay, as timm's and nanoGPT's param groups
@@ -138,8 +151,24 @@ class FlatOptimizer {
   /// Adam's state["step"] (read from the device).
   std::vector<int64_t> parameter_steps() const;
 
+  /// Sharded: every rank calls this before a checkpoint is written (by any
+  /// rank): the state's parts are broadcast into whole buffers that save()
+  /// then writes, as an unsharded run does; they are freed by the next
+  /// step. Unsharded: nothing.
+  void gather_state();
+  /// save() writes the whole state (sharded: gathered by gather_state()
+  /// since the last step, else a UserError names the missing call); load()
+  /// reads a whole state and keeps this rank's part: checkpoints are the
+  /// same sharded or not, for any number of ranks.
   void save(TensorMap& state) const;
   void load(const TensorMap& state);
+
+  /// Bytes of optimizer state this rank holds (moments, momentum, step
+  /// counts), and what it would hold unsharded.
+  int64_t state_bytes() const;
+  int64_t unsharded_state_bytes() const;
+  /// Ranks the state is sharded over (1: not sharded).
+  int shards() const { return shard_ ? shard_->size() : 1; }
 
   const FlatOptimizerOptions& options() const { return o_; }
 
@@ -154,6 +183,12 @@ class FlatOptimizer {
   void init_state();
   torch::Tensor clip(double max_norm);
   torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
+  // Parameter slice i within this rank's part of its flat buffer, in
+  // `part`'s coordinates (a tensor laid out like sp_, sg_, m_ or v_);
+  // empty where the slice lies outside the part.
+  torch::Tensor part(const std::vector<torch::Tensor>& part, size_t i) const;
+  void gather_parameters();
+  void broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine);
   bool channels_last() const;  // this run's 4-D slices are in channels-last order
   torch::Tensor relaid(const torch::Tensor& flat, size_t k, bool from_channels_last, bool to_channels_last) const;
   void update(const std::vector<torch::Tensor>& p, const std::vector<torch::Tensor>& g,
@@ -173,7 +208,14 @@ class FlatOptimizer {
   bool own_adam_ = false;  // ddptrain's Adam kernel (cuda/adamw.h): fp32 buffers on CUDA
   bool store_clipped_ = true;  // this step's: the kernel writes the clipped gradients back
   std::vector<torch::Tensor> params_, grads_;
-  std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_)
+  // This rank's part of each flat buffer: [lo_, lo_ + len_) of params_[k],
+  // grads_[k] (the whole buffers when not sharded); the moments cover it.
+  World* shard_ = nullptr;
+  std::vector<int64_t> lo_, len_;
+  std::vector<torch::Tensor> sp_, sg_;
+  std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_), over the parts
+  std::vector<torch::Tensor> whole_m_, whole_v_;  // sharded: gathered for save(), until the next step
+  int64_t gathered_at_ = -1;                      // steps_taken() when gathered
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
   std::vector<double> weight_decay_;  // per buffer: o_.weight_decay(), or 0 for 1-D parameters with no_decay_1d
   torch::Tensor lr_t_;                // learning rate on the device (fused path)

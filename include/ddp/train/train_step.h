@@ -38,6 +38,8 @@ struct TrainStepOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25;
   TORCH_ARG(int, graph_warmup) = 3;
   TORCH_ARG(FlatOptimizerOptions, optimizer);
+  /// ZeRO-1 over this step's ranks (FlatOptimizerOptions::shard_over).
+  TORCH_ARG(bool, shard_optimizer) = false;
   /// Decay of the weights' moving average (ema.h), updated after every
   /// optimizer step; 0: none.
   TORCH_ARG(double, ema) = 0;
@@ -86,6 +88,9 @@ class TrainStep : public Stateful {
 
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }
+  /// Before a checkpoint, on every rank: a sharded optimizer's state is
+  /// gathered whole for save() (FlatOptimizer::gather_state).
+  void gather_optimizer_state() { optimizer_->gather_state(); }
   /// The fp16 dynamic loss scale (a 1-element device tensor); undefined
   /// unless --amp fp16.
   const torch::Tensor& loss_scale() const { return scale_; }

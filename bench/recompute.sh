@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Activation recomputation on one GPU (issue 46, item 3): for GPT-2 124M,
+# 350M, 774M and 1.5B at context 1024, bf16, AdamW, the largest batch that
+# fits and its tokens/s,
+#   ddptrain   `ddptrain bench --task lm --recompute none|blocks` (eager)
+#   resnet     `ddptrain bench --model resnet50 --image-size 224 --amp bf16
+#              --recompute none|stages` (contenders resnet, resnet-rc; the
+#              model name resnet50 selects them: bench/recompute.sh OUT resnet50)
+#   PyTorch    bench/gpt_torch.py step --compile [--checkpoint]
+#              (nanoGPT's model under torch.compile; --checkpoint puts each
+#              block under torch.utils.checkpoint, non-reentrant)
+# then both at the largest batch PyTorch fits, for tokens/s at equal batch.
+#
+# The largest batch: 1, 2, 4, ... until a run fails with "out of memory",
+# then a bisection between the last that fit and the first that did not.
+# Every try is a fresh process, so each peak is its own. A failure that is
+# not out of memory stops the script (it is a bug, not a limit).
+#
+#   bench/recompute.sh OUT.jsonl [MODEL ...]     (default: all four sizes)
+#   STEPS=5 MAX_BATCH=256 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
+#
+# One JSON line per timed run goes to OUT.jsonl (the bench's own line plus
+# "fits"), and a table to stdout at the end. Run from the repository root
+# after ./setup.sh on the GPU machine (build/ddptrain), with a PyTorch 2.x
+# that has torch.compile on PATH as python3.
+set -euo pipefail
+
+OUT=${1:?usage: bench/recompute.sh OUT.jsonl [MODEL ...]}
+shift
+MODELS=("$@")
+[ ${#MODELS[@]} -gt 0 ] || MODELS=(gpt2 gpt2-medium gpt2-large gpt2-xl resnet50)
+STEPS=${STEPS:-5}
+MAX_BATCH=${MAX_BATCH:-256}
+CONTENDERS=${CONTENDERS:-"ddptrain ddptrain-rc torch torch-rc"}
+DDPTRAIN=${DDPTRAIN:-build/ddptrain}
+LOG=$(mktemp -d)
+: >"$OUT"
+
+# One run of CONTENDER on MODEL at BATCH: 0 and its JSON line appended to
+# $OUT when it fits, 1 when it ran out of memory; exits on other failures.
+try() {
+  local who=$1 model=$2 batch=$3 log="$LOG/$1_$2_$3.log" cmd
+  case $who in
+    ddptrain | ddptrain-rc)
+      cmd=("$DDPTRAIN" bench --task lm --model "$model" --batch "$batch" --amp bf16 --optimizer adamw --lr 6e-4
+           --weight-decay 0.1 --clip-grad-norm 1 --bench-steps "$STEPS" --size 1)
+      [ "$who" = ddptrain-rc ] && cmd+=(--recompute blocks) ;;
+    resnet | resnet-rc)
+      cmd=("$DDPTRAIN" bench --model "$model" --image-size 224 --batch "$batch" --amp bf16 --optimizer sgd
+           --bench-steps "$STEPS" --size 1)
+      [ "$who" = resnet-rc ] && cmd+=(--recompute stages) ;;
+    torch | torch-rc)
+      cmd=(torchrun --standalone --nproc-per-node 1 bench/gpt_torch.py step --model "$model" --batch "$batch"
+           --steps "$STEPS" --warmup 3 --compile)
+      [ "$who" = torch-rc ] && cmd+=(--checkpoint) ;;
+    *) echo "recompute.sh: unknown contender $who" >&2; exit 2 ;;
+  esac
+  if "${cmd[@]}" >"$log" 2>&1; then
+    grep '^{' "$log" | tail -1 | python3 -c 'import json,sys; j=json.loads(sys.stdin.read()); j["who"]=sys.argv[1]; j["fits"]=True; print(json.dumps(j))' "$who" >>"$OUT"
+    return 0
+  fi
+  if grep -qi "out of memory" "$log"; then return 1; fi
+  echo "recompute.sh: $who $model batch $batch failed, not for memory:" >&2
+  tail -20 "$log" >&2
+  exit 1
+}
+
+# The largest batch (0 if even 1 does not fit).
+largest() {
+  local who=$1 model=$2 lo=0 hi=1
+  while [ $hi -le "$MAX_BATCH" ] && try "$who" "$model" $hi; do lo=$hi; hi=$((hi * 2)); done
+  [ $hi -gt "$MAX_BATCH" ] && { echo $lo; return; }
+  while [ $((hi - lo)) -gt 1 ]; do
+    local mid=$(((lo + hi) / 2))
+    if try "$who" "$model" $mid; then lo=$mid; else hi=$mid; fi
+  done
+  echo $lo
+}
+
+for model in "${MODELS[@]}"; do
+  declare -A best=()
+  whos=$CONTENDERS
+  [ "$model" = resnet50 ] && whos="resnet resnet-rc"
+  for who in $whos; do
+    best[$who]=$(largest "$who" "$model")
+    echo "$model $who: largest batch ${best[$who]}" >&2
+  done
+  # Equal batch: ddptrain at PyTorch's largest (without and with checkpointing).
+  for pair in "ddptrain:torch" "ddptrain-rc:torch-rc"; do
+    d=${pair%%:*} t=${pair##*:}
+    if [ -n "${best[$t]:-}" ] && [ "${best[$t]}" -gt 0 ] && [ -n "${best[$d]:-}" ] && [ "${best[$d]}" -ge "${best[$t]}" ]; then
+      try "$d" "$model" "${best[$t]}" || true
+    fi
+  done
+  unset best
+done
+
+python3 - "$OUT" <<'EOF'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+print(f"{'model':12} {'contender':12} {'largest batch':>13} {'tokens/s there':>15} {'peak MiB':>9}   tokens/s at PyTorch's largest batch")
+for model in dict.fromkeys(r["model"] for r in rows):
+    for who in dict.fromkeys(r["who"] for r in rows if r["model"] == model):
+        runs = [r for r in rows if r["model"] == model and r["who"] == who]
+        top = max(runs, key=lambda r: r["batch"])
+        torch_who = "torch-rc" if who.endswith("-rc") else "torch"
+        tb = max((r["batch"] for r in rows if r["model"] == model and r["who"] == torch_who), default=0)
+        eq = [r["tokens_per_s"] for r in runs if r["batch"] == tb]
+        rate = top.get("tokens_per_s", top.get("images_per_s", 0))  # images/s for the ResNet
+        print(f"{model:12} {who:12} {top['batch']:>13} {rate:>15.0f} {top['peak_mem_mib']:>9.0f}   "
+              + (f"{max(eq):.0f} at batch {tb}" if eq else "-"))
+EOF
