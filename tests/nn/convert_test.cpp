@@ -178,7 +178,9 @@ TEST(ConvertLayers, TheTabularExampleConvertsItsMlpAndTrainsTheSameBits) {
   EXPECT_NE(names.find("mlp.4.bias"), std::string::npos) << "the Sequential's names are kept: " << names;
   for (const auto& [name, t] : states["off"]) {
     ASSERT_TRUE(states["on"].count(name)) << name;
-    if (t.defined()) EXPECT_TRUE(torch::equal(t, states["on"][name])) << name;
+    if (t.defined()) {
+      EXPECT_TRUE(torch::equal(t, states["on"][name])) << name;
+    }
   }
 }
 

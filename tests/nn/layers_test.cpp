@@ -39,7 +39,9 @@ void expect_same_bits(A& a, B& b, const torch::Tensor& input, torch::Tensor (*ca
   auto g = torch::randn_like(ya);
   ya.backward(g);
   yb.backward(g);
-  if (input.is_floating_point()) EXPECT_TRUE(torch::equal(xa.grad(), xb.grad()));
+  if (input.is_floating_point()) {
+    EXPECT_TRUE(torch::equal(xa.grad(), xb.grad()));
+  }
   auto pa = a->named_parameters(), pb = b->named_parameters();
   ASSERT_EQ(pa.size(), pb.size());
   for (const auto& p : pa) {
