@@ -65,6 +65,16 @@ constexpr bool kHasGloo = false;
 /// Version string, e.g. "1.13.0".
 inline std::string torch_version() { return TORCH_VERSION; }
 
+/// c10::Allocator::allocate is const in LibTorch 1.x and not in 2.x (where
+/// an allocator also implements copy_data): declare a subclass's as
+/// `c10::DataPtr allocate(size_t n) DDP_ALLOCATOR_CONST override`.
+#if DDP_TORCH_AT_LEAST(2, 3)
+#define DDP_ALLOCATOR_CONST
+#else
+#define DDP_ALLOCATOR_CONST const
+#endif
+
+
 /// The CUDA runtime and NCCL this build compiled against, e.g.
 /// "CUDA 12.4, NCCL 2.21.5"; "" for a CPU-only LibTorch.
 inline std::string cuda_nccl_versions() {

@@ -13,6 +13,7 @@
 #include <c10/core/CPUAllocator.h>
 
 #include "ddp/cli.h"
+#include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
 #include "ddp/models/registry.h"
@@ -257,7 +258,7 @@ TEST(Recompute, ResNetTrajectoryThroughTheProgramEqualsPlain_BitExact) {
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) { self() = this; }
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) DDP_ALLOCATOR_CONST override {
     c10::DataPtr inner = base_->allocate(n);
     void* data = inner.get();
     TORCH_CHECK(data == inner.get_context() || data == nullptr, "CountingAllocator: the base allocator has contexts");
