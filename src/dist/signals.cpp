@@ -138,7 +138,20 @@ void install_stop_handlers(int launcher_pid) {
       for (;;) {
         siginfo_t info{};
         const int sig = sigwaitinfo(&stop, &info);
-        if (sig > 0) on_stop_signal(sig, &info, nullptr);
+        if (sig <= 0) continue;
+        // A caller that set the default disposition back (app.cpp's
+        // defer_error: a rank waiting to print its error) wants the
+        // signal's default: the process ends by it, as it would have.
+        struct sigaction now {};
+        if (sigaction(sig, nullptr, &now) == 0 && now.sa_handler == SIG_DFL) {
+          sigset_t one;
+          sigemptyset(&one);
+          sigaddset(&one, sig);
+          pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+          raise(sig);
+          _exit(128 + sig);
+        }
+        on_stop_signal(sig, &info, nullptr);
       }
     }).detach();
   });

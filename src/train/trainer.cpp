@@ -214,7 +214,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   if (config_.convert_layers == "on") {
     const auto conversion = nn::convert_layers(*model_);
     if (conversion.converted() > 0 || (!conversion.kept.empty() && world_.device().is_cuda()))
-      DDP_PRINT0(world_, "%s\n", conversion.summary().c_str());
+      layers_line_ = conversion.summary();  // said once the run starts: a refused one says only why
   }
   check_flags_apply(config_, task_);
   augment_ = data::augment_applies(config_.augment, task_.uses_builtin_data(), data_);
@@ -434,6 +434,7 @@ void Trainer::print_start() const {
               world_.size(), world_.backend_name().c_str(), world_.device().str().c_str(), data_.train->name().c_str(),
               static_cast<long long>(data_.train->size()), static_cast<long long>(data_.test->size()),
               data_.synthetic ? " [SYNTHETIC data]" : "", task_.arch().c_str(), run_dir_.c_str());
+  if (!layers_line_.empty()) std::printf("%s\n", layers_line_.c_str());
   std::fflush(stdout);
 }
 

@@ -95,6 +95,7 @@ class Trainer {
   World& world_;
   Task& task_;
   data::Splits data_;
+  std::string layers_line_;       // what --convert-layers did, printed with the start lines ("": nothing to say)
   nlohmann::json data_identity_;  // of the splits as make_data() gave them (data/identity.h), saved in checkpoints
   ModulePtr model_;
   Monitor monitor_;          // named as the choosing split reports it (val_* or test_*)
