@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "ddp/cmd/subcommand.h"
 #include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
 #include "ddp/io/torch_pickle.h"
@@ -96,16 +97,7 @@ int generate_command(const std::vector<std::string>& args) {
   app.add_option("--logits-out", logits_out,
                  "also write the prompt's logits (1 x T x vocab, float32) and ids to this file in torch.save format, "
                  "to compare with another implementation (bench/gpt_interop.py)");
-  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes a vector last argument first
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return exit_code::kOk;
-  } catch (const CLI::ExtrasError&) {
-    // CLI11 2.1's own message lists the extras last first; remaining() has
-    // them as they were given.
-    const auto extras = app.remaining();
+  const bool parsed = parse_subcommand(app, args, kGenerateUsage, [](const std::vector<std::string>& extras) {
     for (const auto& a : extras) {
       char* end = nullptr;
       std::strtod(a.c_str(), &end);
@@ -115,9 +107,8 @@ int generate_command(const std::vector<std::string>& args) {
     std::string given;
     for (const auto& a : extras) given += (given.empty() ? "" : " ") + a;
     throw UserError("generate reads one checkpoint; also given: " + given + ".", kGenerateUsage);
-  } catch (const CLI::ParseError& e) {
-    throw UserError(std::string(e.what()) + ".", kGenerateUsage);
-  }
+  });
+  if (!parsed) return exit_code::kOk;
   check_user(tokens >= 0, "--tokens must not be negative.", kGenerateUsage);
   const std::string arch = checkpoint_arch(checkpoint);
   auto model = models::Gpt(models::gpt_from_arch(arch));

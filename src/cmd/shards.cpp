@@ -11,6 +11,7 @@
 #include <iostream>
 #include <numeric>
 
+#include "ddp/cmd/subcommand.h"
 #include "ddp/data/counter_rng.h"
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_folder.h"
@@ -110,15 +111,7 @@ int shards_command(const std::vector<std::string>& args, const std::string& prog
   app.add_option("--shard-mb", o.shard_mb, "largest shard, in MiB")->capture_default_str();
   app.add_option("--shard-samples", o.shard_samples, "most samples in a shard (0: no limit)")->capture_default_str();
   app.add_option("--seed", o.seed, "seed of the order the samples are written in")->capture_default_str();
-  std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes a vector last argument first
-  try {
-    app.parse(reversed);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return exit_code::kOk;
-  } catch (const CLI::ParseError& e) {
-    throw UserError(std::string(e.what()) + ".", usage);
-  }
+  if (!parse_subcommand(app, args, usage)) return exit_code::kOk;
   const auto shards = write_image_shards(o);
   char last[16];
   std::snprintf(last, sizeof last, "%06zu", shards.empty() ? size_t{0} : shards.size() - 1);

@@ -1,6 +1,5 @@
 // Trainer: set-up in a fixed order, then the epoch loop.
 #include "ddp/train/trainer.h"
-#include "ddp/data/shards.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -31,6 +30,7 @@
 #include "ddp/data/identity.h"
 #include "ddp/data/loader.h"
 #include "ddp/data/sampler.h"
+#include "ddp/data/shards.h"
 #include "ddp/data/transforms.h"
 #include "ddp/cmd/report.h"  // write_run_card
 #include "ddp/dist/launch.h"  // relaunch_command
