@@ -17,7 +17,9 @@
 # not out of memory stops the script (it is a bug, not a limit).
 #
 #   bench/recompute.sh OUT.jsonl [MODEL ...]     (default: all four sizes)
-#   STEPS=5 MAX_BATCH=256 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
+#   STEPS=5 MAX_BATCH=256 START=1 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
+# START: the first batch tried (doubling from there, bisecting below it if it
+# does not fit), to spend fewer tries where the range is known.
 #
 # One JSON line per timed run goes to OUT.jsonl (the bench's own line plus
 # "fits"), and a table to stdout at the end. Run from the repository root
@@ -31,6 +33,7 @@ MODELS=("$@")
 [ ${#MODELS[@]} -gt 0 ] || MODELS=(gpt2 gpt2-medium gpt2-large gpt2-xl resnet50)
 STEPS=${STEPS:-5}
 MAX_BATCH=${MAX_BATCH:-256}
+START=${START:-1}
 CONTENDERS=${CONTENDERS:-"ddptrain ddptrain-rc torch torch-rc"}
 DDPTRAIN=${DDPTRAIN:-build/ddptrain}
 LOG=$(mktemp -d)
@@ -67,7 +70,7 @@ try() {
 
 # The largest batch (0 if even 1 does not fit).
 largest() {
-  local who=$1 model=$2 lo=0 hi=1
+  local who=$1 model=$2 lo=0 hi=$START
   while [ $hi -le "$MAX_BATCH" ] && try "$who" "$model" $hi; do lo=$hi; hi=$((hi * 2)); done
   [ $hi -gt "$MAX_BATCH" ] && { echo $lo; return; }
   while [ $((hi - lo)) -gt 1 ]; do
