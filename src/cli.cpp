@@ -177,11 +177,7 @@ void validate(const Config& c) {
     check_user(c.momentum >= 0 && c.momentum < 1, os.str(), "SGD momentum is a fraction such as 0.9; 0 turns it off.");
   }
   positive("--bucket-cap-mb", c.bucket_cap_mb, "PyTorch's default is 25.");
-  const auto recompute = parse_recompute(c.recompute);
-  check_user(!(c.cuda_graph && recompute.kind != RecomputePolicy::Kind::kNone),
-             "--recompute " + c.recompute + " and --cuda-graph cannot be used together yet (the re-run forward's "
-             "random state is not captured).",
-             "drop one of them.");
+  (void)parse_recompute(c.recompute);  // a UserError for a misspelt level, before anything starts
   positive("--log-every", c.log_every, "e.g. --log-every 50.");
   check_user(c.size >= 0, "--size must be 0 (auto) or positive, got " + std::to_string(c.size) + ".");
   check_user(c.port >= 0 && c.port < 65536, "--port " + std::to_string(c.port) + " is not a TCP port.",

@@ -8,6 +8,9 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#ifdef DDP_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
 
 #include "ddp/compat.h"
 #include "ddp/error.h"
@@ -17,11 +20,29 @@ namespace {
 
 thread_local int g_recomputing = 0;
 
+// Inside a CUDA graph capture the CUDA generator's state cannot be read or
+// set (a captured kernel reads its seed and offset on the device at each
+// replay); what can be read is how far the capture has moved the offset. A
+// forward that moved it drew random numbers that a re-run in the captured
+// backward could not draw again: refused. 0 outside capture or without CUDA.
+uint64_t captured_rng_offset(const std::optional<c10::Device>& device) {
+#ifdef DDP_WITH_CUDA
+  if (!device) return 0;
+  auto gen = at::cuda::detail::getDefaultCUDAGenerator(device->index());
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get<at::CUDAGeneratorImpl>()->philox_cuda_state(0).offset_intragraph_;
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
 // The random and autocast state a forward ran in.
 struct Ambient {
   at::Tensor cpu_rng;
   std::optional<c10::Device> cuda_device;
-  at::Tensor cuda_rng;
+  at::Tensor cuda_rng;  // undefined when captured
+  bool captured = false;  // the forward ran inside a CUDA graph capture
   compat::AutocastState cpu_autocast, cuda_autocast;
 
   static Ambient now(const std::vector<torch::Tensor>& inputs) {
@@ -32,7 +53,8 @@ struct Ambient {
         a.cuda_device = x.device();
         break;
       }
-    if (a.cuda_device) a.cuda_rng = at::globalContext().defaultGenerator(*a.cuda_device).get_state();
+    a.captured = a.cuda_device && compat::stream_capturing();
+    if (a.cuda_device && !a.captured) a.cuda_rng = at::globalContext().defaultGenerator(*a.cuda_device).get_state();
     a.cpu_autocast = compat::autocast_state(c10::DeviceType::CPU);
     a.cuda_autocast = compat::autocast_state(c10::DeviceType::CUDA);
     return a;
@@ -44,7 +66,7 @@ struct Ambient {
 class AmbientGuard {
  public:
   explicit AmbientGuard(const Ambient& a) : saved_(Ambient::now({})) {
-    if (a.cuda_device) {
+    if (a.cuda_device && !a.captured) {
       cuda_gen_ = at::globalContext().defaultGenerator(*a.cuda_device);
       saved_cuda_rng_ = cuda_gen_->get_state();
       cuda_gen_->set_state(a.cuda_rng);
@@ -134,7 +156,12 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     (void)params;  // inputs of the node, so that the graph reaches them
     std::vector<torch::Tensor> in(inputs.begin(), inputs.end());
     st->ambient = Ambient::now(in);
+    const uint64_t offset = st->ambient.captured ? captured_rng_offset(st->ambient.cuda_device) : 0;
     auto outs = distinct(st->fn(in), *st, /*record=*/true);
+    check_user(!st->ambient.captured || captured_rng_offset(st->ambient.cuda_device) == offset,
+               "recompute: a recomputed part draws random numbers on the GPU (dropout, say) inside a CUDA graph "
+               "capture, where its re-run in backward cannot draw the same ones.",
+               "set its dropout to 0, or train without --cuda-graph.");
     ctx->save_for_backward(in);
     ctx->saved_data["state"] = c10::IValue::make_capsule(st);
     return outs;

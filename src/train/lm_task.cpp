@@ -52,6 +52,10 @@ models::GptOptions LmTask::model_options(const Config& c) {
   o.recompute(parse_recompute(c.recompute));
   check_user(o.recompute().kind != RecomputePolicy::Kind::kStages, "--recompute stages applies to the ResNets.",
              "for a GPT use --recompute mlp, blocks or blocks:N.");
+  check_user(!(c.cuda_graph && o.recompute().kind != RecomputePolicy::Kind::kNone && o.dropout() > 0),
+             "--recompute " + c.recompute + " with --cuda-graph and --dropout " + c10::str(o.dropout()) +
+                 ": a captured step cannot replay dropout's random numbers in the recomputed backward.",
+             "use --dropout 0, or drop --cuda-graph or --recompute.");
   return o;
 }
 

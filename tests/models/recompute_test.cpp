@@ -20,6 +20,8 @@
 #include "ddp/models/gpt.h"
 #include "ddp/models/recompute.h"
 #include "ddp/models/resnet.h"
+#include "ddp/train/lm_task.h"
+#include "ddp/train/train_step.h"
 #include "support/small_gpt.h"
 #include "support/testing.h"
 
@@ -368,6 +370,66 @@ TEST(Recompute, GptBf16LossesMatchWithKernels_CUDA) {
     ASSERT_EQ(got.size(), none.size());
     for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], none[i], 1e-6) << level << ", step " << i;
   }
+}
+
+// Under --cuda-graph the recomputed backward is captured with the rest of
+// the step: the same losses as the eager step, and the step really is one
+// graph (small_gpt_bf16_losses fails the test otherwise).
+TEST(Recompute, CapturedStepEqualsEager_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  testing::FusedLinearOn linear;
+  testing::FusedLayerNormOn ln;
+  const auto o = models::GptOptions().n_layer(4).n_head(4).n_embd(128).block_size(64).vocab_size(256);
+  for (const char* level : {"mlp", "blocks"}) {
+    const auto rc = models::GptOptions(o).recompute(parse_recompute(level));
+    const auto eager = testing::small_gpt_bf16_losses(rc, /*graph=*/false, 8);
+    const auto graphed = testing::small_gpt_bf16_losses(rc, /*graph=*/true, 8);
+    ASSERT_EQ(graphed.size(), eager.size());
+    for (size_t i = 0; i < eager.size(); ++i) EXPECT_NEAR(graphed[i], eager[i], 1e-6) << level << ", step " << i;
+  }
+}
+
+// Dropout inside a recomputed part cannot be replayed in a captured
+// backward: ddp::recompute says so, and the step runs eagerly with that
+// reason (the losses still fall: it trains).
+TEST(Recompute, DropoutInACapturedStepFallsBackWithTheReason_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  const torch::Device gpu(torch::kCUDA, 0);
+  auto world = testing::one_rank_world(true);
+  torch::manual_seed(5);
+  LmTask task;
+  auto model = task.make_gpt(models::GptOptions().n_layer(2).n_head(2).n_embd(64).block_size(32).vocab_size(128).dropout(
+                                 0.1).recompute(parse_recompute("blocks")),
+                             "tokens");
+  model->to(gpu);
+  model->train();
+  TrainStep step(task, *model, *world,
+                 TrainStepOptions().amp("bf16").cuda_graph(true).graph_warmup(1).optimizer(
+                     FlatOptimizerOptions().name("adamw").lr(3e-3)));
+  auto x = torch::randint(0, 128, {4, 32}, torch::kLong).to(gpu);
+  data::Batch batch{{"input", x}, {"target", (x * 3 + 1).remainder(128)}};
+  std::vector<double> losses;
+  for (int i = 0; i < 6; ++i) losses.push_back(step.run(batch, true, 3e-3).loss.item<double>());
+  EXPECT_FALSE(step.graphed());
+  EXPECT_NE(step.graph_fallback().find("draws random numbers"), std::string::npos) << step.graph_fallback();
+  EXPECT_LT(losses.back(), losses.front());
+}
+
+// The built-in GPT refuses --recompute with --cuda-graph and dropout up
+// front, with the fix; without dropout the pair is accepted.
+TEST(Recompute, CudaGraphWithDropoutIsRefusedForTheGpt) {
+  auto lm_config = [](std::vector<std::string> args) {
+    Config defaults;
+    LmTask().add_flags(defaults);
+    args.insert(args.begin(), {"ddptrain", "--task", "lm", "--recompute", "blocks", "--cuda-graph"});
+    std::vector<const char*> argv;
+    for (const auto& a : args) argv.push_back(a.c_str());
+    return parse_cli(static_cast<int>(argv.size()), argv.data(), defaults);
+  };
+  const auto msg = testing::user_error([&] { LmTask::model_options(lm_config({"--dropout", "0.1"})); });
+  EXPECT_NE(msg.find("--dropout 0.1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("use --dropout 0"), std::string::npos) << msg;
+  EXPECT_EQ(LmTask::model_options(lm_config({})).recompute().kind, RecomputePolicy::Kind::kBlocks);
 }
 
 }  // namespace
