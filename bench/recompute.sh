@@ -18,6 +18,7 @@
 #
 #   bench/recompute.sh OUT.jsonl [MODEL ...]     (default: all four sizes)
 #   STEPS=5 MAX_BATCH=256 START=1 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
+# DDP_FLAGS: more ddptrain flags for both ddptrain contenders (e.g. --cuda-graph).
 # START: the first batch tried (doubling from there, bisecting below it if it
 # does not fit), to spend fewer tries where the range is known.
 #
@@ -47,7 +48,8 @@ try() {
     ddptrain | ddptrain-rc)
       cmd=("$DDPTRAIN" bench --task lm --model "$model" --batch "$batch" --amp bf16 --optimizer adamw --lr 6e-4
            --weight-decay 0.1 --clip-grad-norm 1 --bench-steps "$STEPS" --size 1)
-      [ "$who" = ddptrain-rc ] && cmd+=(--recompute blocks) ;;
+      [ "$who" = ddptrain-rc ] && cmd+=(--recompute blocks)
+      cmd+=(${DDP_FLAGS:-}) ;;
     resnet | resnet-rc)
       cmd=("$DDPTRAIN" bench --model "$model" --image-size 224 --batch "$batch" --amp bf16 --optimizer sgd
            --bench-steps "$STEPS" --size 1)
