@@ -33,7 +33,7 @@ $B shards "$F_DIR" "$SH/train" | tee "$OUT/shards.txt"
 $B shards "$VAL" "$SH/val" >/dev/null
 t1=$(date +%s.%N)
 PATTERN=$(sed -n 's/^wrote [0-9]* shard(s): \(.*\) (classes.*/\1/p' "$OUT/shards.txt")
-echo "{\"step\": \"ddptrain shards\", \"files\": $F_FILES, \"seconds\": $(echo "$t1 - $t0" | bc), \"bytes\": $(du -sb "$SH" | cut -f1)}" | tee -a "$R"
+echo "{\"step\": \"ddptrain shards\", \"files\": $F_FILES, \"seconds\": $($PY -c "print(round($t1 - $t0, 1))"), \"bytes\": $(du -sb "$SH" | cut -f1)}" | tee -a "$R"
 
 if [[ ${CPU:-0} == 1 ]]; then
   MODEL=(--model cnn --image-size 64 --batch 64 --epochs 2 --backend gloo --size 1)

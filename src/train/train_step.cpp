@@ -52,6 +52,19 @@ class NetLossTask : public Task {
 };
 
 #ifdef DDP_WITH_CUDA
+// A capture, once begun, holds the device's CUDA generator in capture mode
+// (its random numbers counted for the graph) until capture_end; a capture
+// abandoned half-way never gets there, and in LibTorch 2.x every later eager
+// random draw (dropout) then fails. A small capture begun and ended on the
+// same stream lets the generator go. (Not empty: an empty graph warns.)
+void release_generator_from_capture(const c10::cuda::CUDAStream& stream) {
+  c10::cuda::CUDAStreamGuard on(stream);
+  at::cuda::CUDAGraph release;
+  compat::begin_capture(release);
+  at::empty({1}, at::TensorOptions().device(stream.device())).zero_();
+  release.capture_end();
+}
+
 // True when `b` has the same names, shapes and strides as the graph's
 // static inputs, so it can be copied into them.
 bool same_layout(const data::Batch& b, const data::Batch& like) {
@@ -328,6 +341,7 @@ bool TrainStep::try_capture(const data::Batch& batch) {
     // graph would make the next eager step reduce too early or not at all.
     sync_->abandon_step(/*wait_launched=*/false);
     sync_->bf16_copies_stale();
+    release_generator_from_capture(g.stream);
     (void)graph_.release();
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     std::string what = c10_error ? c10_error->what_without_backtrace() : e.what();

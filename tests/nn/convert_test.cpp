@@ -156,6 +156,7 @@ TEST(ConvertLayers, FiftyStepTrajectoryEqualsTheUnconverted) {
 // Sequential. Its start line says what was converted, and its trained
 // model, optimizer state and metrics equal --convert-layers off's bits.
 TEST(ConvertLayers, TheTabularExampleConvertsItsMlpAndTrainsTheSameBits) {
+  DDP_SKIP_UNLESS_GLOO();
   const auto data = ddp::testing::temp_dir("convert_tabular_data");
   ddp::testing::write_sales_csvs(data, 800, 200);
   std::map<std::string, std::map<std::string, torch::Tensor>> states;
