@@ -82,6 +82,9 @@ class Converter {
 
   void visit(Module& m, const std::string& path) {
     if (!seen_.insert(&m).second) return;
+    // ddptrain's own models chose their layers (the GPT runs its kernels on
+    // torch::nn::Linear's weights): left as they are, and not reported.
+    if (m.name().rfind("ddp::models::", 0) == 0) return;
     auto* seq = dynamic_cast<torch::nn::SequentialImpl*>(&m);
     if (seq) convert_sequential(*seq, path);
     for (const auto& child : m.named_children()) {

@@ -8,6 +8,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include "ddp/io/torch_pickle.h"
+#include "ddp/models/registry.h"
 #include "ddp/nn.h"
 #include "support/testing.h"
 
@@ -119,6 +120,24 @@ TEST(ConvertLayers, RefusesWhatItCannotSwapSafely) {
   torch::nn::Linear bare(3, 3);
   c = ddp::nn::convert_layers(*bare);
   EXPECT_EQ(kept_why(c, "(the model)"), "the caller holds it");
+}
+
+// ddptrain's own models chose their layers (the GPT runs its kernels on
+// torch::nn::Linear's weights): nothing converted, nothing reported as
+// kept for the user to fix, so a built-in model's run prints no layers line.
+TEST(ConvertLayers, LeavesDdptrainsOwnModelsAsTheyAre) {
+  for (const char* name : {"resnet18", "resnet50", "cnn"}) {
+    ddp::models::ModelSpec spec;
+    spec.name = name;
+    auto model = ddp::models::make_model(spec);
+    const auto before = model->named_parameters(true);
+    const auto conversion = ddp::nn::convert_layers(*model);
+    EXPECT_EQ(conversion.converted(), 0) << name;
+    EXPECT_TRUE(conversion.kept.empty()) << name << ": " << conversion.summary();
+    const auto after = model->named_parameters(true);
+    ASSERT_EQ(after.size(), before.size()) << name;
+    for (const auto& p : before) EXPECT_TRUE(after[p.key()].is_same(p.value())) << name << " " << p.key();
+  }
 }
 
 TEST(ConvertLayers, DrawsNoRandomNumbers) {

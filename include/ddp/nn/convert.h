@@ -17,7 +17,7 @@
 // holds (its owner might call it: the conversion would split one layer in
 // two), a layer inside a ModuleList or ModuleDict (their users take
 // elements by type), a BatchNorm with momentum nullopt, and the model
-// itself.
+// itself. ddptrain's own models (ddp::models) are left alone.
 #pragma once
 
 #include <torch/torch.h>
