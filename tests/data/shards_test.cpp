@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <filesystem>
 #include <fstream>
@@ -333,6 +334,160 @@ TEST(BadShard, ShardVanishingMidEpochNamesTheShardAndTheNextSample) {
       << msg;
 }
 
+// ---- fields beyond the image, and bad samples skipped ----
+
+namespace {
+
+// Shard DIR/f.tar of `n` samples k<i>: a PNG, .cls i % 3, and the fields a
+// task asks for: .cls2 (i * 10, text), .f32 (three raw floats i, i + 0.5,
+// -i) and .txt ("i, 2i").
+std::string write_field_shard(const std::string& dir, int64_t n) {
+  TarWriter w(dir + "/f.tar");
+  for (int64_t i = 0; i < n; ++i) {
+    const auto png = png_bytes(i);
+    const std::string key = "k" + std::to_string(i), cls = std::to_string(i % 3), cls2 = std::to_string(i * 10);
+    const float f32[3] = {static_cast<float>(i), static_cast<float>(i) + 0.5f, -static_cast<float>(i)};
+    const std::string txt = std::to_string(i) + ", " + std::to_string(2 * i) + "\n";
+    w.add(key + ".png", png.data(), png.size());
+    w.add(key + ".cls", cls.data(), cls.size());
+    w.add(key + ".cls2", cls2.data(), cls2.size());
+    w.add(key + ".f32", f32, sizeof f32);
+    w.add(key + ".txt", txt.data(), txt.size());
+  }
+  w.close();
+  return dir + "/f.tar";
+}
+
+std::vector<ddp::data::ShardField> test_fields() {
+  return {{"cls2", ddp::data::integer_field("label2")},
+          {"f32", ddp::data::float32_field("embedding")},
+          {"txt", ddp::data::numbers_field("numbers")}};
+}
+
+}  // namespace
+
+// A task's own fields reach the batch as named tensors beside "input" and
+// "target", stacked in the batch's order, streamed or by index.
+TEST(ShardFields, OtherExtensionsBecomeNamedTensorsOfTheBatch) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_fields");
+  const auto path = write_field_shard(dir, 7);
+  auto index = ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().fields({"cls2", "f32", "txt"}));
+  const auto data = std::make_shared<ShardDataset>(
+      std::move(index),
+      ShardDatasetOptions().transform(ddp::data::ImageTransformOptions().size(8).train(false)).fields(test_fields()),
+      "fields");
+  const auto ids = data->epoch_order(StreamOrderOptions().seed(3).streams(1).shuffle_buffer(4), 0);
+  ddp::data::Loader loader(data, ids, ddp::data::LoaderOptions(3).workers(2).seed(3));
+  std::vector<int64_t> seen;
+  while (auto b = loader.next()) {
+    EXPECT_EQ(b->names(), (std::vector<std::string>{"embedding", "input", "label2", "numbers", "target"}));
+    for (int64_t j = 0; j < b->target().size(0); ++j) {
+      const int64_t i = ids[seen.size()];  // key k<i> is sample id i
+      EXPECT_EQ(b->target()[j].item<int64_t>(), i % 3);
+      EXPECT_EQ(b->at("label2")[j].item<int64_t>(), 10 * i);
+      EXPECT_TRUE(torch::equal(b->at("embedding")[j], torch::tensor({1.0f * i, i + 0.5f, -1.0f * i})));
+      EXPECT_TRUE(torch::equal(b->at("numbers")[j], torch::tensor({1.0f * i, 2.0f * i})));
+      seen.push_back(i);
+    }
+  }
+  EXPECT_EQ(seen, ids);
+  const auto indexed = data->get_batch({4, 1});
+  EXPECT_EQ(indexed.at("label2")[0].item<int64_t>(), 40);
+  EXPECT_EQ(indexed.at("embedding").sizes(), (std::vector<int64_t>{2, 3}));
+  // Without an image: the fields alone.
+  auto plain = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().image(false).fields({"cls2"})),
+      ShardDatasetOptions().image(false).fields({{"cls2", ddp::data::integer_field("target")}}), "no image");
+  EXPECT_EQ(plain->get_batch({2, 5}).names(), (std::vector<std::string>{"target"}));
+  EXPECT_TRUE(plain->input_shape().empty());
+  // A field every sample needs, missing: the scan names it.
+  auto msg = user_error([&] { ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().fields({"json"})); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k0 has no .json; its files: .cls, .cls2, .f32, .png, .txt."),
+            std::string::npos) << msg;
+}
+
+// A field that does not decode, or decodes to another shape than the rest
+// of its batch, stops the batch naming the shard, sample and field.
+TEST(ShardFields, AFieldThatDoesNotDecodeNamesTheSample) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_fields_bad");
+  {
+    TarWriter w(dir + "/b.tar");
+    const std::pair<const char*, const char*> samples[] = {{"a", "1 2"}, {"b", "3 4 5"}, {"c", "6 x"}};
+    for (const auto& [key, txt] : samples) w.add(std::string(key) + ".txt", txt, std::strlen(txt));
+    w.close();
+  }
+  auto data = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({dir + "/b.tar"}, ddp::data::ShardScanOptions().image(false).fields({"txt"})),
+      ShardDatasetOptions().image(false).fields({{"txt", ddp::data::numbers_field("v")}}), "bad fields");
+  auto msg = user_error([&] { data->get_batch({0, 1}); });
+  EXPECT_NE(msg.find("sample b's 'v' is not shaped as sample a's [2]."), std::string::npos) << msg;
+  msg = user_error([&] { data->get_batch({2}); });
+  EXPECT_NE(msg.find("shard " + dir + "/b.tar: sample c's .txt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'x' is not a number"), std::string::npos) << msg;
+}
+
+// --skip-bad-samples: a sample missing a field is left out at the scan
+// (listed); one whose image does not decode is replaced, in its place, by
+// the next sample of its shard that decodes (image, label and fields), the
+// same for any worker count, and counted for its epoch. Without the flag
+// both stop the run, naming shard and key.
+TEST(BadShard, SkipBadSamplesLeavesOutIncompleteAndReplacesUndecodable) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("bad_skip");
+  {
+    TarWriter w(dir + "/s.tar");
+    for (int64_t i = 0; i < 8; ++i) {
+      const auto png = png_bytes(i);
+      const std::string key = "k" + std::to_string(i), cls = std::to_string(i);
+      if (i == 5) w.add(key + ".png", "not a png", 9);  // corrupt
+      else w.add(key + ".png", png.data(), png.size());
+      if (i != 2) w.add(key + ".cls", cls.data(), cls.size());  // k2: no class
+    }
+    w.close();
+  }
+  const std::string path = dir + "/s.tar";
+  auto msg = user_error([&] { ddp::data::scan_image_shards({path}); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k2 has no class (.cls)"), std::string::npos) << msg;
+  auto index = ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().skip_incomplete(true));
+  EXPECT_EQ(index.left_out, (std::vector<std::string>{path + ": k2 (no class (.cls))"}));
+  ASSERT_EQ(index.size(), 7);  // k0 k1 k3 k4 k5 k6 k7: id 4 is k5
+  EXPECT_EQ(index.keys[4], "k5");
+  auto make = [&](bool skip) {
+    return std::make_shared<ShardDataset>(
+        index, ShardDatasetOptions().transform(ddp::data::ImageTransformOptions().size(8).train(true)).skip_bad(skip),
+        "skip");
+  };
+  msg = user_error([&] { make(false)->get_batch({4}); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k5's image does not decode"), std::string::npos) << msg;
+
+  const auto data = make(true), good = make(false);
+  const auto o = StreamOrderOptions().seed(4).epoch(2).streams(1).shuffle_buffer(3);
+  const ddp::data::DrawKey key{4, 2, 0};
+  std::vector<ddp::data::Batch> by_workers;
+  for (int64_t workers : {0, 2}) {
+    const auto ids = data->epoch_order(o, 0);
+    ASSERT_EQ(ids.size(), 7u);
+    ddp::data::Loader loader(data, ids, ddp::data::LoaderOptions(7).workers(workers).seed(4).epoch(2).rank(0));
+    by_workers.push_back(*loader.next());
+    const auto& b = by_workers.back();
+    const auto at = static_cast<int64_t>(std::find(ids.begin(), ids.end(), 4) - ids.begin());
+    // k5's place holds k6 (id 5): its label, and its image as drawn for k5's position.
+    EXPECT_EQ(b.target()[at].item<int64_t>(), 6);
+    const auto k6 = good->get_keyed_batch({5}, key, at);
+    EXPECT_TRUE(torch::equal(b.input()[at], k6.input()[0]));
+    for (int64_t j = 0; j < 7; ++j) {
+      if (j != at) {
+        EXPECT_TRUE(torch::equal(b.input()[j], good->get_keyed_batch({ids[static_cast<size_t>(j)]}, key, j).input()[0]));
+      }
+    }
+  }
+  EXPECT_TRUE(torch::equal(by_workers[0].input(), by_workers[1].input()));
+  EXPECT_EQ(data->skipped(2), 2);  // once per pass
+  EXPECT_EQ(data->skipped(1), 0);
+}
+
 // ---- the program ----
 
 namespace {
@@ -407,6 +562,46 @@ TEST(ShardsCommand, WritesAFolderAsShardsThatTrainingReads) {
   // 36 samples in 2 streams of 18, one per rank: 5 batches of 4, 4, 4, 4, 2.
   EXPECT_NE(t.output.find("epoch 2/2 step 5/5"), std::string::npos) << t.output;
   EXPECT_EQ(ddp::testing::metrics_jsonl(save).size(), 2u);
+}
+
+// --skip-bad-samples in a 2-rank run: a shard with a sample without a class
+// (left out at the start) and one whose image does not decode (replaced in
+// each epoch, counted once per epoch over both ranks); the ranks keep equal
+// epochs. Without the flag the run stops at the scan, naming shard and key.
+TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_skip");
+  write_shards(dir, {6, 6, 6}, 3);
+  {
+    TarWriter w(dir + "/s-3.tar");  // 7 samples: b2 has no class, b4's image does not decode
+    for (int64_t i = 0; i < 7; ++i) {
+      const auto png = png_bytes(100 + i);
+      const std::string key = "b" + std::to_string(i), cls = std::to_string(i % 3);
+      if (i == 4) w.add(key + ".png", "garbage", 7);
+      else w.add(key + ".png", png.data(), png.size());
+      if (i != 2) w.add(key + ".cls", cls.data(), cls.size());
+    }
+    w.close();
+  }
+  const auto train = dir + "/s-{0..3}.tar", val = dir + "/s-0.tar";
+  const auto save = ddp::testing::temp_dir("shards_skip_run");
+  auto stop = ddp::testing::run_process(shard_run_args(save, train, val));
+  EXPECT_EQ(stop.exit_code, ddp::exit_code::kUsage) << stop.output;
+  EXPECT_NE(stop.output.find("shard " + dir + "/s-3.tar: sample b2 has no class (.cls)"), std::string::npos)
+      << stop.output;
+  auto args = shard_run_args(save, train, val);
+  args.push_back("--skip-bad-samples");
+  auto t = ddp::testing::run_process(args);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find("1 incomplete sample(s) left out (--skip-bad-samples), the first: " + dir + "/s-3.tar: b2"),
+            std::string::npos) << t.output;
+  // 24 samples in 2 streams of 12, one per rank: 3 batches of 4 each epoch.
+  EXPECT_NE(t.output.find("epoch 2/2 step 3/3"), std::string::npos) << t.output;
+  std::regex line(R"(epoch [12]/2 .* skipped 1 bad sample\(s\))");
+  EXPECT_EQ(std::distance(std::sregex_iterator(t.output.begin(), t.output.end(), line), std::sregex_iterator()), 2)
+      << t.output;
+  EXPECT_NE(t.output.find("sample b4's image does not decode"), std::string::npos) << t.output;
 }
 
 // A 2-rank run on shards stopped mid-epoch (a preemption in epoch 2 of 2)
