@@ -757,13 +757,17 @@ TEST(ShardDataset, GpuDecodeBatchesCarryTheShardsJpegsAndTheCpuPathsWindows) {
       const std::string key = "s" + std::to_string(i), cls = std::to_string(i % 2);
       w.add(key + (i == 5 ? ".png" : ".jpg"), files.back().data(), files.back().size());
       w.add(key + ".cls", cls.data(), cls.size());
+      const std::string cls2 = std::to_string(10 * i);
+      w.add(key + ".cls2", cls2.data(), cls2.size());
     }
     w.close();
   }
   const auto transform = ddp::data::ImageTransformOptions().size(16);
-  auto data = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
-                                             ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0.5),
-                                             "gpu shards");
+  auto data = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({dir + "/g.tar"}, ddp::data::ShardScanOptions().fields({"cls2"})),
+      ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0.5).fields(
+          {{"cls2", ddp::data::integer_field("second")}}),
+      "gpu shards");
   const ddp::data::DrawKey key{4, 1, 0};
   const auto ids = data->epoch_order(StreamOrderOptions().seed(4).epoch(1).shuffle_buffer(3), 0);
   auto batch = data->get_keyed_batch(ids, key, 0);
@@ -776,6 +780,7 @@ TEST(ShardDataset, GpuDecodeBatchesCarryTheShardsJpegsAndTheCpuPathsWindows) {
     const auto r = rows[j];
     EXPECT_EQ(r[ddp::data::kEcIndex].item<int64_t>(), id);
     EXPECT_EQ(batch.target()[j].item<int64_t>(), id % 2);
+    EXPECT_EQ(batch.at("second")[j].item<int64_t>(), 10 * id) << "a task's field rides with the encoded batch";
     const bool cpu = ddp::data::uses_cpu_decode(j, 0.5) || id == 5;
     EXPECT_EQ(r[ddp::data::kEcKind].item<int64_t>(), cpu ? ddp::data::kEncodedRgb : ddp::data::kEncodedJpeg) << j;
     if (cpu) {
@@ -826,8 +831,12 @@ TEST(ShardDataset, GpuDecodeMatchesTheCpuPath_CUDA) {
   }
   for (bool train : {true, false}) {
     const auto transform = ddp::data::ImageTransformOptions().size(64).train(train);
-    auto gpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
-                                              ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0), "gpu");
+    // .cls read again as a field of the task's: it must survive the stage.
+    auto gpu = std::make_shared<ShardDataset>(
+        ddp::data::scan_image_shards({dir + "/g.tar"}),
+        ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0).fields(
+            {{"cls", ddp::data::integer_field("again")}}),
+        "gpu");
     auto cpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
                                               ShardDatasetOptions().transform(transform).scaled_jpeg_decode(false), "cpu");
     const ddp::data::DrawKey key{5, 2, 0};
@@ -839,6 +848,8 @@ TEST(ShardDataset, GpuDecodeMatchesTheCpuPath_CUDA) {
     gpu->device_stage()->run(batch, torch::Device(torch::kCUDA, 0));
     const auto got = batch.input().cpu();
     ASSERT_EQ(got.sizes(), want.input().sizes());
+    EXPECT_EQ(batch.names(), (std::vector<std::string>{"again", "input", "target"}));
+    EXPECT_TRUE(torch::equal(batch.at("again"), want.target())) << "a task's field rides through the stage";
     const double level = 1.0 / (255.0 * 0.229);
     for (int64_t i = 0; i < got.size(0); ++i) {
       const auto diff = (got[i] - want.input()[i]).abs();
