@@ -607,22 +607,26 @@ TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
 // A 2-rank run on shards stopped mid-epoch (a preemption in epoch 2 of 2)
 // and resumed from its checkpoint ends with the same weights, bit for bit,
 // as the run that was never stopped.
-TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
-  DDP_SKIP_UNLESS_LIBARCHIVE();
-  DDP_SKIP_UNLESS_GLOO();
-  const auto dir = ddp::testing::temp_dir("shards_resume");
-  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+namespace {
+
+// A 2-rank run on `train` (`steps` steps an epoch) stopped by SIGTERM
+// after step steps + 5 and resumed from its checkpoint ends epoch 2 with
+// the weights and validation loss of the run never stopped, bit for bit.
+// *straight_output gets that run's output.
+void expect_preempted_resume_is_straight(const std::string& train, const std::string& val, int64_t steps,
+                                         const std::vector<std::string>& extra, std::string* straight_output) {
   auto straight = ddp::testing::temp_dir("shards_straight"), split = ddp::testing::temp_dir("shards_split");
   auto args = shard_run_args(straight, train, val);
+  args.insert(args.end(), extra.begin(), extra.end());
   auto a = ddp::testing::run_process(args);
   ASSERT_EQ(a.exit_code, 0) << a.output;
+  *straight_output = a.output;
 
   args = shard_run_args(split, train, val);
-  // SIGTERM after step 25, epoch 2's fifth; the ranks agree to stop a
-  // step or a few later, still inside epoch 2 (resumed_step checks).
-  args.insert(args.end(), {"--inject-fault", "1:25:term"});
+  args.insert(args.end(), extra.begin(), extra.end());
+  // SIGTERM after epoch 2's fifth step; the ranks agree to stop a step or
+  // a few later, still inside epoch 2 (resumed_step checks).
+  args.insert(args.end(), {"--inject-fault", "1:" + std::to_string(steps + 5) + ":term"});
   auto b1 = ddp::testing::run_process(args);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   const auto preempt = ddp::testing::find_file(split, "preempt.pt");
@@ -631,7 +635,7 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
                                        "--progress", "plain", "--log-every", "1"});
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   const int64_t step = resumed_step(b2.output);
-  EXPECT_TRUE(step > 20 && step < 40) << "not stopped inside epoch 2: " << b2.output;
+  EXPECT_TRUE(step > steps && step < 2 * steps) << "not stopped inside epoch 2: " << b2.output;
 
   const auto wa = ddp::read_state_dict(ddp::testing::find_file(straight, "epoch_2.pt"));
   const auto wb = ddp::read_state_dict(ddp::testing::find_file(split, "epoch_2.pt"));
@@ -648,6 +652,48 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   ASSERT_EQ(ma.size(), 2u);
   ASSERT_EQ(mb.size(), 2u);
   EXPECT_EQ(ma[1]["val_loss"], mb[1]["val_loss"]);
+}
+
+}  // namespace
+
+TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_resume");
+  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
+  fs::create_directories(dir + "/v");
+  const auto val = write_shards(dir + "/v", {6}, 3);
+  std::string output;
+  expect_preempted_resume_is_straight(train, val, 20, {}, &output);
+  EXPECT_EQ(output.find("skipped"), std::string::npos) << "no count without the flag";
+}
+
+// --skip-bad-samples moves no position: with samples left out and samples
+// replaced, a run preempted mid-epoch and resumed is still the straight run.
+TEST(ShardsResume, WithSkippedBadSamplesResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_resume_skip");
+  write_shards(dir, {36, 28, 44, 20, 32}, 3);
+  {
+    TarWriter w(dir + "/s-5.tar");  // 8 samples: c3 has no class, c1 and c6 do not decode
+    for (int64_t i = 0; i < 8; ++i) {
+      const auto png = png_bytes(200 + i);
+      const std::string key = "c" + std::to_string(i), cls = std::to_string(i % 3);
+      if (i == 1 || i == 6) w.add(key + ".png", "garbage", 7);
+      else w.add(key + ".png", png.data(), png.size());
+      if (i != 3) w.add(key + ".cls", cls.data(), cls.size());
+    }
+    w.close();
+  }
+  fs::create_directories(dir + "/v");
+  const auto val = write_shards(dir + "/v", {6}, 3);
+  // 167 samples in 2 streams of 84: 21 steps an epoch.
+  std::string output;
+  expect_preempted_resume_is_straight(dir + "/s-{0..5}.tar", val, 21, {"--skip-bad-samples"}, &output);
+  std::regex line(R"(epoch [12]/2 .* skipped 2 bad sample\(s\))");  // c1 and c6, once each per epoch
+  EXPECT_EQ(std::distance(std::sregex_iterator(output.begin(), output.end(), line), std::sregex_iterator()), 2)
+      << output;
 }
 
 // The global batch at each step is the same samples on any world size that
