@@ -510,6 +510,30 @@ std::vector<std::string> shard_run_args(const std::string& save, const std::stri
           "--save_path", save, "--progress", "plain", "--log-every", "1", "--shuffle-buffer", "8", "--workers", "2"};
 }
 
+// PATH: `n` samples KEY<i> (a PNG from seed + i, class i % 3), of which
+// those in `undecodable` hold garbage for an image and `no_class` has no
+// .cls.
+void write_bad_shard(const std::string& path, const std::string& key_prefix, int64_t n, int64_t seed,
+                     const std::set<int64_t>& undecodable, int64_t no_class) {
+  TarWriter w(path);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto png = png_bytes(seed + i);
+    const std::string key = key_prefix + std::to_string(i), cls = std::to_string(i % 3);
+    if (undecodable.count(i)) w.add(key + ".png", "garbage", 7);
+    else w.add(key + ".png", png.data(), png.size());
+    if (i != no_class) w.add(key + ".cls", cls.data(), cls.size());
+  }
+  w.close();
+}
+
+// Five shards of 160 samples (20 steps an epoch of shard_run_args) under
+// DIR, and one validation shard under DIR/v: {train, val} patterns.
+std::pair<std::string, std::string> five_shards_and_val(const std::string& dir) {
+  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);
+  fs::create_directories(dir + "/v");
+  return {train, write_shards(dir + "/v", {6}, 3)};
+}
+
 // The step a resumed run says it starts after ("resume: FILE (epoch E, step S)").
 int64_t resumed_step(const std::string& output) {
   std::smatch m;
@@ -573,17 +597,7 @@ TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("shards_skip");
   write_shards(dir, {6, 6, 6}, 3);
-  {
-    TarWriter w(dir + "/s-3.tar");  // 7 samples: b2 has no class, b4's image does not decode
-    for (int64_t i = 0; i < 7; ++i) {
-      const auto png = png_bytes(100 + i);
-      const std::string key = "b" + std::to_string(i), cls = std::to_string(i % 3);
-      if (i == 4) w.add(key + ".png", "garbage", 7);
-      else w.add(key + ".png", png.data(), png.size());
-      if (i != 2) w.add(key + ".cls", cls.data(), cls.size());
-    }
-    w.close();
-  }
+  write_bad_shard(dir + "/s-3.tar", "b", 7, 100, {4}, 2);  // b2 has no class, b4's image does not decode
   const auto train = dir + "/s-{0..3}.tar", val = dir + "/s-0.tar";
   const auto save = ddp::testing::temp_dir("shards_skip_run");
   auto stop = ddp::testing::run_process(shard_run_args(save, train, val));
@@ -659,10 +673,7 @@ void expect_preempted_resume_is_straight(const std::string& train, const std::st
 TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
-  const auto dir = ddp::testing::temp_dir("shards_resume");
-  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+  const auto [train, val] = five_shards_and_val(ddp::testing::temp_dir("shards_resume"));
   std::string output;
   expect_preempted_resume_is_straight(train, val, 20, {}, &output);
   EXPECT_EQ(output.find("skipped"), std::string::npos) << "no count without the flag";
@@ -674,20 +685,8 @@ TEST(ShardsResume, WithSkippedBadSamplesResumedEqualsStraight_BitExact) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
   const auto dir = ddp::testing::temp_dir("shards_resume_skip");
-  write_shards(dir, {36, 28, 44, 20, 32}, 3);
-  {
-    TarWriter w(dir + "/s-5.tar");  // 8 samples: c3 has no class, c1 and c6 do not decode
-    for (int64_t i = 0; i < 8; ++i) {
-      const auto png = png_bytes(200 + i);
-      const std::string key = "c" + std::to_string(i), cls = std::to_string(i % 3);
-      if (i == 1 || i == 6) w.add(key + ".png", "garbage", 7);
-      else w.add(key + ".png", png.data(), png.size());
-      if (i != 3) w.add(key + ".cls", cls.data(), cls.size());
-    }
-    w.close();
-  }
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+  const auto val = five_shards_and_val(dir).second;
+  write_bad_shard(dir + "/s-5.tar", "c", 8, 200, {1, 6}, 3);  // c3 has no class, c1 and c6 do not decode
   // 167 samples in 2 streams of 84: 21 steps an epoch.
   std::string output;
   expect_preempted_resume_is_straight(dir + "/s-{0..5}.tar", val, 21, {"--skip-bad-samples"}, &output);
@@ -705,10 +704,7 @@ TEST(ShardsResume, WithSkippedBadSamplesResumedEqualsStraight_BitExact) {
 TEST(ShardsResume, MidEpochOnAnotherNumberOfRanksEqualsTheStraightRun) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
-  const auto dir = ddp::testing::temp_dir("shards_ranks");
-  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+  const auto [train, val] = five_shards_and_val(ddp::testing::temp_dir("shards_ranks"));
   const std::vector<std::string> sgd{"--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--augment", "none",
                                      "--seed", "3"};
   auto straight = ddp::testing::temp_dir("shards_ranks_straight"), split = ddp::testing::temp_dir("shards_ranks_split");
