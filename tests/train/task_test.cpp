@@ -292,6 +292,14 @@ TEST(Task, TabularExampleTrainsOnShardsOfItsCsv) {
   const auto m = metrics_under(dir);
   ASSERT_EQ(m.size(), 4u);
   EXPECT_GE(m[3]["test_r2"].get<double>(), kTabularR2) << r.output;
+  // A validation split cannot be carved out of a stream.
+  auto carve = common;
+  carve.insert(carve.end(), {"--val-split", "0.1"});
+  auto c = run_process(cpu_run(EXAMPLE_tabular, ddp::testing::temp_dir("tabular_shards_carve"), carve));
+  EXPECT_EQ(c.exit_code, ddp::exit_code::kUsage) << c.output;
+  EXPECT_NE(c.output.find("--val-split cannot carve a validation split out of sales shards " + data +
+                          "/train-{000000..000002}.tar: streamed shards are read in order, not by index."),
+            std::string::npos) << c.output;
 
   // A fourth shard with a record that does not parse.
   {
