@@ -222,9 +222,9 @@ int shards_bench(const Args& a) {
     fs::remove_all(out);
     fs::create_directories(out);
     ddp::ShardWriteOptions o;
-    o.folder = a.shards_from;
+    o.source = a.shards_from;
     o.out = out + "/s";
-    ddp::write_image_shards(o);
+    ddp::write_shards(o);
     mark_complete(out);
   }
   std::vector<std::string> paths;

@@ -254,13 +254,15 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
              "--image-decode gpu and --cpu-decode-share apply to --dataset imagefolder and shards only.",
              "drop them, or pass --dataset imagefolder or shards.");
   check_user(c.dataset == "imagefolder" || !c.was_given("strict-data"),
-             "--strict-data applies to --dataset imagefolder only (shards always stop at a corrupt image).",
+             "--strict-data applies to --dataset imagefolder only (shards stop at a corrupt image unless --skip-bad-samples).",
              "drop it, or pass --dataset imagefolder.");
   check_user(c.dataset == "imagefolder" || c.dataset == "shards" || (c.image_size == 0 && c.val_root.empty()),
              "--image-size and --val-root apply to --dataset imagefolder and shards only.",
              "drop them, or pass --dataset imagefolder or shards.");
-  check_user(c.dataset == "shards" || (!c.was_given("shard-streams") && !c.was_given("shuffle-buffer")),
-             "--shard-streams and --shuffle-buffer apply to --dataset shards only.", "drop them, or pass --dataset shards.");
+  check_user(c.dataset == "shards" || (!c.was_given("shard-streams") && !c.was_given("shuffle-buffer") &&
+                                       !c.was_given("skip-bad-samples")),
+             "--shard-streams, --shuffle-buffer and --skip-bad-samples apply to --dataset shards only.",
+             "drop them, or pass --dataset shards.");
   const bool gpu_decode = data::gpu_decode_chosen(c.image_decode, device);
   check_user(gpu_decode || !c.was_given("cpu-decode-share"),
              "--cpu-decode-share splits the decoding between the CPU and nvJPEG, but this run decodes every image "
@@ -307,7 +309,8 @@ data::Splits load_data(const Config& c, bool verbose, torch::Device device) {
                                        .image_size(c.image_size > 0 ? c.image_size : 224)
                                        .augment(c.augment != "none")
                                        .gpu_decode(gpu_decode)
-                                       .cpu_decode_share(c.cpu_decode_share));
+                                       .cpu_decode_share(c.cpu_decode_share)
+                                       .skip_bad(c.skip_bad_samples));
   if (c.dataset == "cifar10") return data::load_cifar10(c.data_root, c.train_samples, c.test_samples);
   // ---- built-in data ----
   const bool want_files = c.dataset != "synthetic";

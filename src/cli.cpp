@@ -68,6 +68,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--workers", "loader threads per rank (0: load in the training thread)", &c.workers, {}, "data", kMayChange, kPerNode},
       {"--shard-streams", "shards: sequential readers each epoch is cut into, fixed for the run; the world size must divide it, and a run resumes exactly on any world size that does (0: the world size of the run's first start)", &c.shard_streams, {}, "data"},
       {"--shuffle-buffer", "shards: samples each stream's shuffle buffer holds (memory: this many encoded images per stream; 1 or less: shards' order only)", &c.shuffle_buffer, {}, "data"},
+      {"--skip-bad-samples", "shards: instead of stopping, leave out a sample missing a field (at the start) and replace one whose image or field does not decode by the next sample of its shard that does (counted in the epoch line); a damaged tar or a vanished shard still stops the run", &c.skip_bad_samples, {}, "data", kMayChange},
 
       {"--task", "what to learn: classification (cross-entropy; test_loss, test_acc), regression (--loss mse|l1|huber; test_mse, test_mae, test_r2) or lm (next-token prediction with a GPT; test_loss, test_perplexity)", &c.task, {"classification", "regression", "lm"}, "model"},
       {"--model", "network; gpt-nano, gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B) and gpt are language models for --task lm", &c.model, {"cnn", "resnet18", "resnet34", "resnet50", "gpt-nano", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "gpt"}, "model"},
@@ -432,7 +433,7 @@ std::string help_footer(const ProgramInfo& program) {
   row("doctor [flags]", "check the ranks, devices and collectives of a job");
   row("bench [flags]", "time training steps (--bench-steps, --image-size)");
   row("predict --checkpoint C --out F", "the task's predict_step over --split (test) into F (.csv, .npy)");
-  row("shards FOLDER OUT [--shard-mb MB]", "an image folder as tar shards OUT-000000.tar, ... (--dataset shards)");
+  row("shards SOURCE OUT [--shard-mb MB]", "an image folder or a CSV as tar shards (--dataset shards), token files as token shards");
   if (ddptrain)
     out += "  ddptrain generate CHECKPOINT --prompt TEXT [--tokens N --temperature T --top-k K --seed S]\n"
            "                                       sample text from a --task lm checkpoint\n";

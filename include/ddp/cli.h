@@ -65,6 +65,7 @@ struct Config {
   int workers = 1;
   int shard_streams = 0;            // shards: sequential readers per epoch (0: the world size at the run's start)
   int shuffle_buffer = 1000;        // shards: samples in each stream's shuffle buffer
+  bool skip_bad_samples = false;    // shards: skip (and count) a sample missing a field or whose image does not decode
   // The task, model and optimisation.
   std::string task = "classification";  // ddptrain's built-in tasks: classification | regression
   std::string model = "cnn";

@@ -248,7 +248,10 @@ class GpuJpegStage : public DeviceStage {
     cuda::resample_normalize(pixels, geometry.to(device, /*non_blocking=*/true), input, mean_, std_);
     slot.done.record(stream);
     slot.bytes = bytes;
-    batch = TensorDict{{"input", input}, {"target", target}};
+    TensorDict out{{"input", input}, {"target", target}};
+    for (const auto& [name, t] : batch)  // a task's own fields (shards.h) ride along
+      if (name != kEncodedBytes && name != kEncodedImages && !out.contains(name)) out[name] = t;
+    batch = std::move(out);
   }
 
  private:

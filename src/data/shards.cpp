@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstring>
 #include <filesystem>
 #include <numeric>
+#include <sstream>
 #include <unordered_map>
 
 #include "ddp/data/counter_rng.h"
@@ -13,6 +15,7 @@
 #include "ddp/data/image_folder.h"  // uses_cpu_decode
 #include "ddp/data/subset.h"
 #include "ddp/error.h"
+#include "ddp/program.h"
 
 namespace ddp::data {
 
@@ -135,17 +138,6 @@ void check_streams_divide(int64_t streams, int64_t world) {
              "you will use (e.g. 8).");
 }
 
-// Moves the sample's image bytes (its first .jpg, .jpeg or .png) into *out;
-// false if it has none.
-bool take_image(ShardSample& sample, std::vector<uint8_t>* out) {
-  for (auto& [ext, bytes] : sample.fields)
-    if (is_image_extension(ext)) {
-      *out = std::move(bytes);
-      return true;
-    }
-  return false;
-}
-
 constexpr uint64_t kShardShuffleTag = 0x7368617264730001ull, kBufferShuffleTag = 0x7368617264730002ull;
 
 }  // namespace
@@ -213,28 +205,88 @@ const std::vector<uint8_t>* image_field(const ShardSample& sample) {
   return nullptr;
 }
 
-ShardIndex scan_image_shards(const std::vector<std::string>& paths) {
+ShardIndex scan_shards(const std::vector<std::string>& paths, const ShardScanOptions& o) {
   ShardIndex index;
   index.paths = paths;
   index.first.push_back(0);
   for (const auto& path : paths) {
     ShardReader reader(path);
     ShardSample s;
-    while (reader.next(&s, ShardRead::kLabel)) {
-      check_user(image_field(s) != nullptr,
-                 "shard " + path + ": sample " + s.key + " has no image (.jpg, .jpeg or .png); its files: " +
-                     fields_of(s) + ".",
-                 "write the shard again with ddptrain shards, or leave the shard out.");
-      const auto cls = s.fields.find("cls");
-      check_user(cls != s.fields.end(),
-                 "shard " + path + ": sample " + s.key + " has no class (.cls); its files: " + fields_of(s) + ".",
-                 "write the shard again with ddptrain shards, or leave the shard out.");
+    for (int64_t ordinal = 0; reader.next(&s, o.image() ? ShardRead::kLabel : ShardRead::kNothing); ++ordinal) {
+      std::string lacks;
+      if (o.image() && image_field(s) == nullptr) lacks = "image (.jpg, .jpeg or .png)";
+      else if (o.image() && !s.fields.count("cls")) lacks = "class (.cls)";
+      for (const auto& ext : o.fields())
+        if (lacks.empty() && !s.fields.count(ext)) lacks = "." + ext;
+      if (!lacks.empty()) {
+        check_user(o.skip_incomplete(),
+                   "shard " + path + ": sample " + s.key + " has no " + lacks + "; its files: " +
+                       fields_of(s) + ".",
+                   "write the shard again with ddptrain shards, leave the shard out, or pass --skip-bad-samples.");
+        index.left_out.push_back(path + ": " + s.key + " (no " + lacks + ")");
+        continue;
+      }
       index.keys.push_back(s.key);
-      index.labels.push_back(parse_class(cls->second, path, s.key));
+      index.ordinals.push_back(ordinal);
+      if (o.image()) index.labels.push_back(parse_class(s.fields.at("cls"), path, s.key));
     }
     index.first.push_back(static_cast<int64_t>(index.keys.size()));
   }
   return index;
+}
+
+// ---- fields ----
+
+FieldDecoder integer_field(const std::string& name) {
+  return [name](const std::vector<uint8_t>& bytes, const std::string& where) {
+    std::string text(bytes.begin(), bytes.end());
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+    const bool negative = !text.empty() && text[0] == '-';
+    check_user(all_digits(text.substr(negative ? 1 : 0)) && text.size() <= 18,
+               where + " is not an integer: '" + text.substr(0, 20) + "'.", "write it as decimal text, e.g. 3.");
+    return TensorDict{{name, torch::tensor(static_cast<int64_t>(std::stoll(text)), torch::kLong)}};
+  };
+}
+
+FieldDecoder numbers_field(const std::string& name) {
+  return [name](const std::vector<uint8_t>& bytes, const std::string& where) {
+    std::string text(bytes.begin(), bytes.end());
+    for (char& ch : text)
+      if (ch == ',' || ch == '\n' || ch == '\r' || ch == '\t') ch = ' ';
+    // The CSV reader's numbers: locale-independent, finite float32.
+    std::string record;
+    std::istringstream words(text);
+    int64_t n = 0;
+    for (std::string w; words >> w; ++n) record += (n ? "," : "") + w;
+    check_user(n > 0, where + " holds no number.", "write its numbers as decimal text, e.g. 0.5 1.25 -3.");
+    std::string header;
+    for (int64_t i = 0; i < n; ++i) header += (i ? ",v" : "v") + std::to_string(i);
+    const CsvTable t = parse_csv(header + "\n" + record + "\n", where);
+    std::vector<std::string> names(t.names);
+    return TensorDict{{name, t.floats(names)[0]}};
+  };
+}
+
+FieldDecoder float32_field(const std::string& name) {
+  return [name](const std::vector<uint8_t>& bytes, const std::string& where) {
+    check_user(!bytes.empty() && bytes.size() % 4 == 0,
+               where + " has " + std::to_string(bytes.size()) + " bytes, not a whole number of float32 values.",
+               "write the values as raw little-endian float32 (numpy: a.astype('<f4').tobytes()).");
+    auto t = torch::empty({static_cast<int64_t>(bytes.size() / 4)}, torch::kFloat);
+    std::memcpy(t.data_ptr<float>(), bytes.data(), bytes.size());
+    return TensorDict{{name, t}};
+  };
+}
+
+FieldDecoder csv_field(const CsvOptions& options) {
+  return [options](const std::vector<uint8_t>& bytes, const std::string& where) {
+    const CsvTable t = parse_csv(std::string(bytes.begin(), bytes.end()), where, options);
+    check_user(t.rows == 1, where + " holds " + std::to_string(t.rows) + " records; a sample's .csv holds one.",
+               "write the shards with ddptrain shards FILE.csv OUT (a header line and one record per sample).");
+    TensorDict out;
+    for (const auto& name : t.names) out[name] = t.column(name)[0];
+    return out;
+  };
 }
 
 int64_t stream_epoch_samples(int64_t total, int64_t streams, int64_t world) {
@@ -292,7 +344,7 @@ struct ShardDataset::Streams {
     std::unique_ptr<ShardReader> reader;
     int64_t shard = -1, next_ordinal = 0, next_raw = 0;
     std::vector<int64_t> position_of_raw;  // this rank's position of each raw sample, -1: another rank's
-    std::unordered_map<int64_t, std::vector<uint8_t>> read;  // raw index -> image bytes, read but not yet taken
+    std::unordered_map<int64_t, Needed> read;  // raw index -> what is needed, read but not yet taken
   };
   std::map<int64_t, Cursor> cursors;  // by stream
 };
@@ -302,20 +354,34 @@ ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::s
   // The GPU path decodes at full size: so do its samples decoded here.
   if (options_.scaled_jpeg_decode() && !options_.gpu_decode()) decode_.min_side(decode_min_side(options_.transform()));
   for (int64_t label : index_.labels) num_classes_ = std::max(num_classes_, label + 1);
+  TORCH_CHECK(!options_.image() || index_.labels.size() == index_.keys.size(), name_,
+              ": image shards scanned without their labels (ShardScanOptions::image)");
+  if (index_.ordinals.empty())  // an index built by hand: every sample of every shard
+    for (size_t i = 0; i + 1 < index_.first.size(); ++i)
+      for (int64_t k = 0; k < index_.first[i + 1] - index_.first[i]; ++k) index_.ordinals.push_back(k);
 }
 
 ShardDataset::~ShardDataset() = default;
 
 std::vector<int64_t> ShardDataset::input_shape() const {
+  if (!options_.image()) return {};
   return {3, options_.transform().size(), options_.transform().size()};
+}
+
+int64_t ShardDataset::skipped(int64_t epoch) const {
+  std::lock_guard<std::mutex> lock(skipped_mutex_);
+  auto it = skipped_.find(epoch);
+  return it == skipped_.end() ? 0 : it->second;
 }
 
 std::string ShardDataset::fingerprint() const {
   Fingerprint f;
   for (size_t i = 0; i + 1 < index_.first.size(); ++i) {
     f.add(index_.first[i + 1] - index_.first[i]);
-    for (int64_t id = index_.first[i]; id < index_.first[i + 1]; ++id)
-      f.add(index_.keys[static_cast<size_t>(id)]).add(index_.labels[static_cast<size_t>(id)]);
+    for (int64_t id = index_.first[i]; id < index_.first[i + 1]; ++id) {
+      f.add(index_.keys[static_cast<size_t>(id)]);
+      if (options_.image()) f.add(index_.labels[static_cast<size_t>(id)]);
+    }
   }
   return f.hex();
 }
@@ -337,19 +403,59 @@ std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options
   return ids;
 }
 
-std::vector<std::vector<uint8_t>> ShardDataset::stream_images(const std::vector<int64_t>& indices,
-                                                              int64_t first_position) const {
+bool ShardDataset::take(ShardSample& sample, Needed* out) const {
+  if (options_.image()) {
+    bool found = false;
+    for (auto& [ext, bytes] : sample.fields)
+      if (is_image_extension(ext)) {
+        out->image = std::move(bytes);
+        found = true;
+        break;
+      }
+    if (!found) return false;
+  }
+  out->fields.clear();
+  for (const auto& f : options_.fields()) {
+    auto it = sample.fields.find(f.extension);
+    if (it == sample.fields.end()) return false;
+    out->fields.push_back(std::move(it->second));
+  }
+  return true;
+}
+
+namespace {
+
+// Reads samples of `shard` up to its sample at `ordinal` (the one wanted,
+// read whole), checking that the wanted sample is still `expected`.
+void read_to(ShardReader& reader, int64_t& next_ordinal, int64_t ordinal, bool needed, const std::string& expected,
+             ShardSample* sample) {
+  for (; next_ordinal <= ordinal; ++next_ordinal) {
+    const bool last = next_ordinal == ordinal;
+    const bool more = reader.next(sample, last && needed ? ShardRead::kAll : ShardRead::kNothing);
+    check_user(more && (!last || sample->key == expected),
+               "shard " + reader.path() + " changed during the run: sample " + expected + " is " +
+                   (more ? "now " + sample->key : "gone") + ".",
+               "restore the shard as it was when the run started, or start a new run.");
+  }
+}
+
+const char* const kChangedHint = "restore the shard as it was when the run started, or start a new run.";
+
+}  // namespace
+
+std::vector<ShardDataset::Needed> ShardDataset::stream_samples(const std::vector<int64_t>& indices,
+                                                                int64_t first_position) const {
   Streams& st = *streams_;
   const StreamPlan& plan = st.plan;
   const int64_t N = index_.size(), Q = plan.per_stream;
-  std::vector<std::vector<uint8_t>> images;
+  std::vector<Needed> out;
   for (size_t j = 0; j < indices.size(); ++j) {
     const auto p = static_cast<size_t>(first_position) + j;
     const int64_t s = plan.stream[p], want = plan.raw[p];
     auto& c = st.cursors[s];
     while (c.next_raw <= want) {
       const int64_t id = plan.sequence[static_cast<size_t>((s * Q + c.next_raw) % N)];
-      const int64_t shard = index_.shard_of(id), ordinal = id - index_.first[static_cast<size_t>(shard)];
+      const int64_t shard = index_.shard_of(id), ordinal = index_.ordinals[static_cast<size_t>(id)];
       const std::string& path = index_.paths[static_cast<size_t>(shard)];
       const std::string& key = index_.keys[static_cast<size_t>(id)];
       if (c.shard != shard || c.next_ordinal > ordinal) {
@@ -362,32 +468,23 @@ std::vector<std::vector<uint8_t>> ShardDataset::stream_images(const std::vector<
         c.next_ordinal = 0;
       }
       ShardSample sample;
-      for (; c.next_ordinal <= ordinal; ++c.next_ordinal) {
-        const bool last = c.next_ordinal == ordinal;
-        const bool needed = last && c.position_of_raw[static_cast<size_t>(c.next_raw)] >= st.first_position;
-        const bool more = c.reader->next(&sample, needed ? ShardRead::kAll : ShardRead::kNothing);
-        const std::string& expected = index_.keys[static_cast<size_t>(index_.first[static_cast<size_t>(shard)] + c.next_ordinal)];
-        check_user(more && sample.key == expected,
-                   "shard " + path + " changed during the run: sample " + expected + " is " +
-                       (more ? "now " + sample.key : "gone") + ".",
-                   "restore the shard as it was when the run started, or start a new run.");
-        if (needed)
-          check_user(take_image(sample, &c.read[c.next_raw]),
-                     "shard " + path + " changed during the run: sample " + key + " has no image now.",
-                     "restore the shard as it was when the run started, or start a new run.");
-      }
+      const bool needed = c.position_of_raw[static_cast<size_t>(c.next_raw)] >= st.first_position;
+      read_to(*c.reader, c.next_ordinal, ordinal, needed, key, &sample);
+      if (needed)
+        check_user(take(sample, &c.read[c.next_raw]),
+                   "shard " + path + " changed during the run: sample " + key + " lacks a field now.", kChangedHint);
       ++c.next_raw;
     }
     auto it = c.read.find(want);
     TORCH_CHECK(it != c.read.end(), name_, ": stream ", s, " sample ", want, " was not read or already taken");
-    images.push_back(std::move(it->second));
+    out.push_back(std::move(it->second));
     c.read.erase(it);
   }
-  return images;
+  return out;
 }
 
-std::vector<std::vector<uint8_t>> ShardDataset::indexed_images(const std::vector<int64_t>& indices) const {
-  std::vector<std::vector<uint8_t>> images(indices.size());
+std::vector<ShardDataset::Needed> ShardDataset::indexed_samples(const std::vector<int64_t>& indices) const {
+  std::vector<Needed> out(indices.size());
   std::vector<size_t> by_id(indices.size());
   std::iota(by_id.begin(), by_id.end(), 0);
   std::stable_sort(by_id.begin(), by_id.end(), [&](size_t a, size_t b) { return indices[a] < indices[b]; });
@@ -398,93 +495,188 @@ std::vector<std::vector<uint8_t>> ShardDataset::indexed_images(const std::vector
     const int64_t id = indices[by_id[k]];
     TORCH_CHECK(id >= 0 && id < size(), name_, ": index ", id, " outside [0, ", size(), ")");
     if (k > 0 && indices[by_id[k - 1]] == id) {
-      images[by_id[k]] = images[by_id[k - 1]];
+      out[by_id[k]] = out[by_id[k - 1]];
       continue;
     }
-    const int64_t s = index_.shard_of(id), ordinal = id - index_.first[static_cast<size_t>(s)];
+    const int64_t s = index_.shard_of(id);
     const std::string& path = index_.paths[static_cast<size_t>(s)];
+    const std::string& key = index_.keys[static_cast<size_t>(id)];
     if (s != shard) {
       reader = std::make_unique<ShardReader>(path);
       shard = s;
       next_ordinal = 0;
     }
-    for (; next_ordinal <= ordinal; ++next_ordinal) {
-      const bool more = reader->next(&sample, next_ordinal == ordinal ? ShardRead::kAll : ShardRead::kNothing);
-      const std::string& expected = index_.keys[static_cast<size_t>(index_.first[static_cast<size_t>(s)] + next_ordinal)];
-      check_user(more && sample.key == expected,
-                 "shard " + path + " changed during the run: sample " + expected + " is " +
-                     (more ? "now " + sample.key : "gone") + ".",
-                 "restore the shard as it was when the run started, or start a new run.");
+    read_to(*reader, next_ordinal, index_.ordinals[static_cast<size_t>(id)], true, key, &sample);
+    check_user(take(sample, &out[by_id[k]]),
+               "shard " + path + " changed during the run: sample " + key + " lacks a field now.", kChangedHint);
+  }
+  return out;
+}
+
+TensorDict ShardDataset::decode_fields(const Needed& needed, int64_t id) const {
+  TensorDict out;
+  const std::string where = "shard " + index_.paths[static_cast<size_t>(index_.shard_of(id))] + ": sample " +
+                            index_.keys[static_cast<size_t>(id)] + "'s .";
+  for (size_t f = 0; f < options_.fields().size(); ++f) {
+    const ShardField& field = options_.fields()[f];
+    for (auto& [name, t] : field.decode(needed.fields[f], where + field.extension)) {
+      check_user(!out.contains(name) && (!options_.image() || (name != "input" && name != "target")),
+                 where + field.extension + " gives '" + name + "', which the sample has already.",
+                 "give each field's tensors names of their own.");
+      out[name] = t;
     }
-    check_user(take_image(sample, &images[by_id[k]]),
-               "shard " + path + " changed during the run: sample " + index_.keys[static_cast<size_t>(id)] +
-                   " has no image now.",
-               "restore the shard as it was when the run started, or start a new run.");
   }
-  return images;
+  return out;
 }
 
-torch::Tensor ShardDataset::decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
-                                       int64_t position, TransformWindow* window) const {
-  const std::string& path = index_.paths[static_cast<size_t>(index_.shard_of(id))];
-  const std::string& sample = index_.keys[static_cast<size_t>(id)];
-  torch::Tensor crop;
-  try {
-    CropBox box;
-    crop = decode_image_box(bytes.data(), bytes.size(), path + ":" + sample, decode_,
-                            [&](int64_t h, int64_t w) {
-                              *window = transform_window(h, w, options_.transform(), key, position);
-                              return window->source;
-                            },
-                            &box);
-  } catch (const CorruptImage& e) {
-    throw UserError("shard " + path + ": sample " + sample + "'s image does not decode: " + e.reason() + ".",
-                    "write the shard again from a good copy of the image, or leave the shard out.");
+ShardDataset::Decoded ShardDataset::decode_sample(const Needed& needed, int64_t id, const DrawKey& key,
+                                                  int64_t position) const {
+  Decoded d;
+  d.id = id;
+  if (options_.image()) {
+    const std::string& path = index_.paths[static_cast<size_t>(index_.shard_of(id))];
+    const std::string& sample = index_.keys[static_cast<size_t>(id)];
+    try {
+      CropBox box;
+      d.crop = decode_image_box(needed.image.data(), needed.image.size(), path + ":" + sample, decode_,
+                                [&](int64_t h, int64_t w) {
+                                  d.window = transform_window(h, w, options_.transform(), key, position);
+                                  return d.window.source;
+                                },
+                                &box);
+    } catch (const CorruptImage& e) {
+      throw UserError("shard " + path + ": sample " + sample + "'s image does not decode: " + e.reason() + ".",
+                      "write the shard again from a good copy of the image, leave the shard out, or pass "
+                      "--skip-bad-samples.");
+    }
+    d.window.source = CropBox{0, 0, d.crop.size(0), d.crop.size(1)};
   }
-  window->source = CropBox{0, 0, crop.size(0), crop.size(1)};
-  return crop;
+  d.fields = decode_fields(needed, id);
+  return d;
 }
 
-Batch ShardDataset::decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
+ShardDataset::Decoded ShardDataset::decode_or_replace(const Needed& needed, int64_t id, const DrawKey& key,
+                                                      int64_t position) const {
+  if (!options_.skip_bad()) return decode_sample(needed, id, key, position);
+  const int64_t shard = index_.shard_of(id), first = index_.first[static_cast<size_t>(shard)];
+  const int64_t count = index_.first[static_cast<size_t>(shard) + 1] - first;
+  std::string reason;
+  for (int64_t step = 0; step < count; ++step) {
+    const int64_t r = first + (id - first + step) % count;
+    try {
+      Decoded d = step == 0 ? decode_sample(needed, r, key, position)
+                            : decode_sample(indexed_samples({r})[0], r, key, position);
+      if (step > 0) {
+        std::lock_guard<std::mutex> lock(skipped_mutex_);
+        ++skipped_[key.epoch];
+        if (!warned_[id])
+          std::fprintf(stderr, "%s rank %lld: warning: %s; replaced by sample %s of its shard (--skip-bad-samples).\n",
+                       program_name(), static_cast<long long>(key.rank), reason.c_str(),
+                       index_.keys[static_cast<size_t>(r)].c_str());
+        warned_[id] = true;
+      }
+      return d;
+    } catch (const UserError& e) {
+      if (step == 0) {  // the message without its hint and final stop
+        reason = std::string(e.what()).substr(0, std::string(e.what()).find(" Hint: "));
+        if (!reason.empty() && reason.back() == '.') reason.pop_back();
+      }
+    }
+  }
+  throw UserError("shard " + index_.paths[static_cast<size_t>(shard)] + ": no sample decodes (the first: " + reason +
+                      ").",
+                  "write the shard again from good copies, or leave it out.");
+}
+
+namespace {
+
+// The samples' fields, name by name, stacked; UserError if one sample's
+// tensor has another shape than the first's.
+void stack_fields(const std::vector<TensorDict>& fields, const std::vector<std::string>& keys, Batch& batch) {
+  if (fields.empty()) return;
+  for (const auto& [name, first] : fields[0]) {
+    std::vector<torch::Tensor> parts;
+    for (size_t j = 0; j < fields.size(); ++j) {
+      check_user(fields[j].contains(name) && fields[j].at(name).sizes() == first.sizes(),
+                 "sample " + keys[j] + "'s '" + name + "' is not shaped as sample " + keys[0] + "'s " +
+                     c10::str(first.sizes()) + ".",
+                 "give this field the same shape in every sample.");
+      parts.push_back(fields[j].at(name));
+    }
+    batch[name] = torch::stack(parts);
+  }
+}
+
+}  // namespace
+
+Batch ShardDataset::decode_batch(const std::vector<Needed>& samples, const std::vector<int64_t>& indices,
                                  const DrawKey& key, int64_t first_position) const {
   const int64_t size = options_.transform().size(), b = static_cast<int64_t>(indices.size());
-  Batch batch{torch::empty({b, 3, size, size}), torch::empty({b}, torch::kLong)};
-  int64_t* labels = batch.target().data_ptr<int64_t>();
+  Batch batch;
+  if (options_.image()) batch = Batch{torch::empty({b, 3, size, size}), torch::empty({b}, torch::kLong)};
+  std::vector<TensorDict> fields;
+  std::vector<std::string> keys;
   for (int64_t j = 0; j < b; ++j) {
-    const int64_t id = indices[static_cast<size_t>(j)];
-    TransformWindow window;
-    const torch::Tensor crop = decode_crop(images[static_cast<size_t>(j)], id, key, first_position + j, &window);
-    batch.input()[j].copy_(apply_transform_window(crop, window, options_.transform()));
-    labels[j] = index_.labels[static_cast<size_t>(id)];
+    const Decoded d = decode_or_replace(samples[static_cast<size_t>(j)], indices[static_cast<size_t>(j)], key,
+                                        first_position + j);
+    if (options_.image()) {
+      batch.input()[j].copy_(apply_transform_window(d.crop, d.window, options_.transform()));
+      batch.target()[j] = index_.labels[static_cast<size_t>(d.id)];
+    }
+    fields.push_back(d.fields);
+    keys.push_back(index_.keys[static_cast<size_t>(d.id)]);
   }
+  stack_fields(fields, keys, batch);
   return batch;
 }
 
-EncodedSample ShardDataset::crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key,
-                                        int64_t position) const {
+EncodedSample ShardDataset::crop_on_cpu(const Decoded& d) const {
   EncodedSample s;
   s.kind = kEncodedRgb;
-  s.index = id;
-  s.label = index_.labels[static_cast<size_t>(id)];
-  const torch::Tensor crop = decode_crop(bytes, id, key, position, &s.window).contiguous();
+  s.index = d.id;
+  s.label = index_.labels[static_cast<size_t>(d.id)];
+  s.window = d.window;
+  const torch::Tensor crop = d.crop.contiguous();
   s.height = crop.size(0);
   s.width = crop.size(1);
   s.bytes.assign(crop.data_ptr<uint8_t>(), crop.data_ptr<uint8_t>() + crop.numel());
   return s;
 }
 
-Batch ShardDataset::encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
-                            const DrawKey& key, int64_t first_position) const {
-  std::vector<EncodedSample> samples;
-  samples.reserve(indices.size());
+Batch ShardDataset::encoded(std::vector<Needed>& samples, const std::vector<int64_t>& indices, const DrawKey& key,
+                            int64_t first_position) const {
+  std::vector<EncodedSample> encoded;
+  std::vector<TensorDict> fields;
+  std::vector<std::string> keys;
+  encoded.reserve(indices.size());
   for (size_t j = 0; j < indices.size(); ++j) {
     const int64_t id = indices[j], position = first_position + static_cast<int64_t>(j);
     std::optional<EncodedSample> jpeg;
-    if (!uses_cpu_decode(position, options_.cpu_decode_share()))
-      jpeg = plain_jpeg_sample(images[j], id, index_.labels[static_cast<size_t>(id)], options_.transform(), key, position);
-    samples.push_back(jpeg ? std::move(*jpeg) : crop_on_cpu(images[j], id, key, position));
+    std::optional<TensorDict> jpeg_fields;
+    if (!uses_cpu_decode(position, options_.cpu_decode_share())) {
+      try {
+        jpeg_fields = decode_fields(samples[j], id);
+      } catch (const UserError&) {
+        if (!options_.skip_bad()) throw;  // else the CPU path below replaces the sample
+      }
+      if (jpeg_fields)
+        jpeg = plain_jpeg_sample(samples[j].image, id, index_.labels[static_cast<size_t>(id)], options_.transform(),
+                                 key, position);
+    }
+    if (jpeg) {
+      encoded.push_back(std::move(*jpeg));
+      fields.push_back(std::move(*jpeg_fields));
+      keys.push_back(index_.keys[static_cast<size_t>(id)]);
+    } else {
+      const Decoded d = decode_or_replace(samples[j], id, key, position);
+      encoded.push_back(crop_on_cpu(d));
+      fields.push_back(d.fields);
+      keys.push_back(index_.keys[static_cast<size_t>(d.id)]);
+    }
   }
-  return encoded_batch(samples, key, first_position);
+  Batch batch = encoded_batch(encoded, key, first_position);
+  stack_fields(fields, keys, batch);
+  return batch;
 }
 
 std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
@@ -493,7 +685,7 @@ std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
     // A file nvJPEG rejects is decoded here, read again by its index.
     stage_ = make_gpu_jpeg_stage(options_.transform(), options_.gpu_decode_in_flight(),
                                  [this](int64_t id, const DrawKey& key, int64_t position) {
-                                   return crop_on_cpu(indexed_images({id})[0], id, key, position);
+                                   return crop_on_cpu(decode_sample(indexed_samples({id})[0], id, key, position));
                                  });
   });
   return stage_;
@@ -501,7 +693,7 @@ std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
 
 Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                                     int64_t first_position) const {
-  std::vector<std::vector<uint8_t>> images;
+  std::vector<Needed> samples;
   bool streamed = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -510,30 +702,37 @@ Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const D
                st->options.rank() == key.rank && first_position >= st->first_position &&
                first_position + static_cast<int64_t>(indices.size()) <= static_cast<int64_t>(st->plan.ids.size()) &&
                std::equal(indices.begin(), indices.end(), st->plan.ids.begin() + first_position);
-    if (streamed) images = stream_images(indices, first_position);
+    if (streamed) samples = stream_samples(indices, first_position);
   }
-  if (!streamed) images = indexed_images(indices);
-  if (options_.gpu_decode()) return encoded(images, indices, key, first_position);
-  return decode_batch(images, indices, key, first_position);
+  if (!streamed) samples = indexed_samples(indices);
+  if (options_.gpu_decode() && options_.image()) return encoded(samples, indices, key, first_position);
+  return decode_batch(samples, indices, key, first_position);
 }
 
 Batch ShardDataset::get_batch(const std::vector<int64_t>& indices) const {
-  return decode_batch(indexed_images(indices), indices, DrawKey{}, 0);
+  return decode_batch(indexed_samples(indices), indices, DrawKey{}, 0);
 }
 
 Example ShardDataset::get(int64_t index) const {
   Batch b = get_batch({index});
-  return {b.input()[0], b.target()[0]};
+  Example e;
+  for (auto& [name, t] : b) e[name] = t[0];
+  return e;
 }
 
 Splits load_image_shards(const ShardSplitOptions& options) {
   require_libarchive("--dataset shards");
   check_user(!options.val_pattern().empty(), "--dataset shards needs validation shards, and no --val-root is given.",
              "pass --val-root 'val-{0000..0003}.tar' (ddptrain shards writes them from an image folder).");
-  ShardIndex train = scan_image_shards(expand_shard_pattern(options.pattern()));
+  const auto scan = ShardScanOptions().skip_incomplete(options.skip_bad());
+  ShardIndex train = scan_shards(expand_shard_pattern(options.pattern()), scan);
   check_user(train.size() > 0, "the shards " + options.pattern() + " hold no sample.",
              "check --data_root; ddptrain shards writes shards from an image folder.");
-  ShardIndex val = scan_image_shards(expand_shard_pattern(options.val_pattern()));
+  ShardIndex val = scan_shards(expand_shard_pattern(options.val_pattern()), scan);
+  for (const auto* split : {&train, &val})
+    if (!split->left_out.empty())
+      std::fprintf(stderr, "%s: warning: %zu incomplete sample(s) left out (--skip-bad-samples), the first: %s.\n",
+                   program_name(), split->left_out.size(), split->left_out[0].c_str());
   int64_t classes = 0;
   for (int64_t label : train.labels) classes = std::max(classes, label + 1);
   for (size_t i = 0; i < val.labels.size(); ++i)
@@ -546,7 +745,10 @@ Splits load_image_shards(const ShardSplitOptions& options) {
   splits.mean = kImageNetMean;
   splits.std = kImageNetStd;
   splits.train_augmented = true;
-  const auto decode = ShardDatasetOptions().gpu_decode(options.gpu_decode()).cpu_decode_share(options.cpu_decode_share());
+  const auto decode = ShardDatasetOptions()
+                          .gpu_decode(options.gpu_decode())
+                          .cpu_decode_share(options.cpu_decode_share())
+                          .skip_bad(options.skip_bad());
   splits.train = std::make_shared<ShardDataset>(
       std::move(train), ShardDatasetOptions(decode).transform(ImageTransformOptions(transform).train(options.augment())),
       "shards " + options.pattern() + " (train)");

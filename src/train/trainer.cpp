@@ -490,6 +490,14 @@ EpochMetrics Trainer::fit() {
       train_loss = train_epoch(epoch, samples, logs);
     }
     const double train_seconds = seconds_since(t0);
+    // ---- --skip-bad-samples: the samples every rank replaced, summed ----
+    int64_t skipped = -1;
+    const auto* streamed = dynamic_cast<const data::StreamDataset*>(data_.train.get());
+    if (streamed && config_.skip_bad_samples) {
+      auto n = torch::tensor({static_cast<double>(streamed->skipped(epoch - 1))}, torch::kDouble).to(world_.device());
+      world_.all_reduce(n, "skipped samples (--skip-bad-samples)");
+      skipped = static_cast<int64_t>(n.item<double>());
+    }
     // ---- a stop agreed at the epoch's last step saves it without waiting
     // for its validation; the resumed run validates it ----
     if (stop_after_epoch_) save_and_stop(run_dir_ + "/preempt.pt");
@@ -539,6 +547,7 @@ EpochMetrics Trainer::fit() {
       char tail[128];
       std::snprintf(tail, sizeof(tail), "  %.1f s  %.0f samples/s  data wait %.0f%%", last.epoch_seconds,
                     last.samples_per_second, 100 * data_wait_seconds_ / std::max(train_seconds, 1e-9));
+      if (skipped >= 0) line += "  skipped " + std::to_string(skipped) + " bad sample(s)";
       std::printf("%s%s\n", line.c_str(), tail);
       std::fflush(stdout);
     }

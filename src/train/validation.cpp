@@ -4,6 +4,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "ddp/data/shards.h"  // StreamDataset
 #include "ddp/data/subset.h"
 #include "ddp/error.h"
 
@@ -35,6 +36,11 @@ void add_validation_split(data::Splits& data, const Config& c) {
                    data.train->name() + ", but the task's make_data() gives its own (" + data.val->name() + ").",
                "drop --val-split, or leave Splits::val empty in make_data() to carve one.");
   } else if (c.val_split > 0) {
+    check_user(!dynamic_cast<const data::StreamDataset*>(data.train.get()),
+               "--val-split cannot carve a validation split out of " + data.train->name() +
+                   ": streamed shards are read in order, not by index.",
+               "write the validation data as shards of its own and give them as the task's Splits::val, or drop "
+               "--val-split.");
     std::tie(data.train, data.val) = data::carve_validation(data.train, c.val_split, static_cast<uint64_t>(c.seed));
   }
   check_user(!c.test_every_epoch || data.val,

@@ -9,6 +9,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <filesystem>
 #include <fstream>
@@ -333,6 +334,160 @@ TEST(BadShard, ShardVanishingMidEpochNamesTheShardAndTheNextSample) {
       << msg;
 }
 
+// ---- fields beyond the image, and bad samples skipped ----
+
+namespace {
+
+// Shard DIR/f.tar of `n` samples k<i>: a PNG, .cls i % 3, and the fields a
+// task asks for: .cls2 (i * 10, text), .f32 (three raw floats i, i + 0.5,
+// -i) and .txt ("i, 2i").
+std::string write_field_shard(const std::string& dir, int64_t n) {
+  TarWriter w(dir + "/f.tar");
+  for (int64_t i = 0; i < n; ++i) {
+    const auto png = png_bytes(i);
+    const std::string key = "k" + std::to_string(i), cls = std::to_string(i % 3), cls2 = std::to_string(i * 10);
+    const float f32[3] = {static_cast<float>(i), static_cast<float>(i) + 0.5f, -static_cast<float>(i)};
+    const std::string txt = std::to_string(i) + ", " + std::to_string(2 * i) + "\n";
+    w.add(key + ".png", png.data(), png.size());
+    w.add(key + ".cls", cls.data(), cls.size());
+    w.add(key + ".cls2", cls2.data(), cls2.size());
+    w.add(key + ".f32", f32, sizeof f32);
+    w.add(key + ".txt", txt.data(), txt.size());
+  }
+  w.close();
+  return dir + "/f.tar";
+}
+
+std::vector<ddp::data::ShardField> test_fields() {
+  return {{"cls2", ddp::data::integer_field("label2")},
+          {"f32", ddp::data::float32_field("embedding")},
+          {"txt", ddp::data::numbers_field("numbers")}};
+}
+
+}  // namespace
+
+// A task's own fields reach the batch as named tensors beside "input" and
+// "target", stacked in the batch's order, streamed or by index.
+TEST(ShardFields, OtherExtensionsBecomeNamedTensorsOfTheBatch) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_fields");
+  const auto path = write_field_shard(dir, 7);
+  auto index = ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().fields({"cls2", "f32", "txt"}));
+  const auto data = std::make_shared<ShardDataset>(
+      std::move(index),
+      ShardDatasetOptions().transform(ddp::data::ImageTransformOptions().size(8).train(false)).fields(test_fields()),
+      "fields");
+  const auto ids = data->epoch_order(StreamOrderOptions().seed(3).streams(1).shuffle_buffer(4), 0);
+  ddp::data::Loader loader(data, ids, ddp::data::LoaderOptions(3).workers(2).seed(3));
+  std::vector<int64_t> seen;
+  while (auto b = loader.next()) {
+    EXPECT_EQ(b->names(), (std::vector<std::string>{"embedding", "input", "label2", "numbers", "target"}));
+    for (int64_t j = 0; j < b->target().size(0); ++j) {
+      const int64_t i = ids[seen.size()];  // key k<i> is sample id i
+      EXPECT_EQ(b->target()[j].item<int64_t>(), i % 3);
+      EXPECT_EQ(b->at("label2")[j].item<int64_t>(), 10 * i);
+      EXPECT_TRUE(torch::equal(b->at("embedding")[j], torch::tensor({1.0f * i, i + 0.5f, -1.0f * i})));
+      EXPECT_TRUE(torch::equal(b->at("numbers")[j], torch::tensor({1.0f * i, 2.0f * i})));
+      seen.push_back(i);
+    }
+  }
+  EXPECT_EQ(seen, ids);
+  const auto indexed = data->get_batch({4, 1});
+  EXPECT_EQ(indexed.at("label2")[0].item<int64_t>(), 40);
+  EXPECT_EQ(indexed.at("embedding").sizes(), (std::vector<int64_t>{2, 3}));
+  // Without an image: the fields alone.
+  auto plain = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().image(false).fields({"cls2"})),
+      ShardDatasetOptions().image(false).fields({{"cls2", ddp::data::integer_field("target")}}), "no image");
+  EXPECT_EQ(plain->get_batch({2, 5}).names(), (std::vector<std::string>{"target"}));
+  EXPECT_TRUE(plain->input_shape().empty());
+  // A field every sample needs, missing: the scan names it.
+  auto msg = user_error([&] { ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().fields({"json"})); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k0 has no .json; its files: .cls, .cls2, .f32, .png, .txt."),
+            std::string::npos) << msg;
+}
+
+// A field that does not decode, or decodes to another shape than the rest
+// of its batch, stops the batch naming the shard, sample and field.
+TEST(ShardFields, AFieldThatDoesNotDecodeNamesTheSample) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_fields_bad");
+  {
+    TarWriter w(dir + "/b.tar");
+    const std::pair<const char*, const char*> samples[] = {{"a", "1 2"}, {"b", "3 4 5"}, {"c", "6 x"}};
+    for (const auto& [key, txt] : samples) w.add(std::string(key) + ".txt", txt, std::strlen(txt));
+    w.close();
+  }
+  auto data = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({dir + "/b.tar"}, ddp::data::ShardScanOptions().image(false).fields({"txt"})),
+      ShardDatasetOptions().image(false).fields({{"txt", ddp::data::numbers_field("v")}}), "bad fields");
+  auto msg = user_error([&] { data->get_batch({0, 1}); });
+  EXPECT_NE(msg.find("sample b's 'v' is not shaped as sample a's [2]."), std::string::npos) << msg;
+  msg = user_error([&] { data->get_batch({2}); });
+  EXPECT_NE(msg.find("shard " + dir + "/b.tar: sample c's .txt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'x' is not a number"), std::string::npos) << msg;
+}
+
+// --skip-bad-samples: a sample missing a field is left out at the scan
+// (listed); one whose image does not decode is replaced, in its place, by
+// the next sample of its shard that decodes (image, label and fields), the
+// same for any worker count, and counted for its epoch. Without the flag
+// both stop the run, naming shard and key.
+TEST(BadShard, SkipBadSamplesLeavesOutIncompleteAndReplacesUndecodable) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("bad_skip");
+  {
+    TarWriter w(dir + "/s.tar");
+    for (int64_t i = 0; i < 8; ++i) {
+      const auto png = png_bytes(i);
+      const std::string key = "k" + std::to_string(i), cls = std::to_string(i);
+      if (i == 5) w.add(key + ".png", "not a png", 9);  // corrupt
+      else w.add(key + ".png", png.data(), png.size());
+      if (i != 2) w.add(key + ".cls", cls.data(), cls.size());  // k2: no class
+    }
+    w.close();
+  }
+  const std::string path = dir + "/s.tar";
+  auto msg = user_error([&] { ddp::data::scan_image_shards({path}); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k2 has no class (.cls)"), std::string::npos) << msg;
+  auto index = ddp::data::scan_shards({path}, ddp::data::ShardScanOptions().skip_incomplete(true));
+  EXPECT_EQ(index.left_out, (std::vector<std::string>{path + ": k2 (no class (.cls))"}));
+  ASSERT_EQ(index.size(), 7);  // k0 k1 k3 k4 k5 k6 k7: id 4 is k5
+  EXPECT_EQ(index.keys[4], "k5");
+  auto make = [&](bool skip) {
+    return std::make_shared<ShardDataset>(
+        index, ShardDatasetOptions().transform(ddp::data::ImageTransformOptions().size(8).train(true)).skip_bad(skip),
+        "skip");
+  };
+  msg = user_error([&] { make(false)->get_batch({4}); });
+  EXPECT_NE(msg.find("shard " + path + ": sample k5's image does not decode"), std::string::npos) << msg;
+
+  const auto data = make(true), good = make(false);
+  const auto o = StreamOrderOptions().seed(4).epoch(2).streams(1).shuffle_buffer(3);
+  const ddp::data::DrawKey key{4, 2, 0};
+  std::vector<ddp::data::Batch> by_workers;
+  for (int64_t workers : {0, 2}) {
+    const auto ids = data->epoch_order(o, 0);
+    ASSERT_EQ(ids.size(), 7u);
+    ddp::data::Loader loader(data, ids, ddp::data::LoaderOptions(7).workers(workers).seed(4).epoch(2).rank(0));
+    by_workers.push_back(*loader.next());
+    const auto& b = by_workers.back();
+    const auto at = static_cast<int64_t>(std::find(ids.begin(), ids.end(), 4) - ids.begin());
+    // k5's place holds k6 (id 5): its label, and its image as drawn for k5's position.
+    EXPECT_EQ(b.target()[at].item<int64_t>(), 6);
+    const auto k6 = good->get_keyed_batch({5}, key, at);
+    EXPECT_TRUE(torch::equal(b.input()[at], k6.input()[0]));
+    for (int64_t j = 0; j < 7; ++j) {
+      if (j != at) {
+        EXPECT_TRUE(torch::equal(b.input()[j], good->get_keyed_batch({ids[static_cast<size_t>(j)]}, key, j).input()[0]));
+      }
+    }
+  }
+  EXPECT_TRUE(torch::equal(by_workers[0].input(), by_workers[1].input()));
+  EXPECT_EQ(data->skipped(2), 2);  // once per pass
+  EXPECT_EQ(data->skipped(1), 0);
+}
+
 // ---- the program ----
 
 namespace {
@@ -353,6 +508,30 @@ std::vector<std::string> shard_run_args(const std::string& save, const std::stri
   return {DDPTRAIN_EXE, "--dataset", "shards", "--data_root", train, "--val-root", val, "--image-size", "16",
           "--model", "cnn", "--batch", "4", "--epochs", "2", "--size", "2", "--backend", "gloo", "--timeout", "60",
           "--save_path", save, "--progress", "plain", "--log-every", "1", "--shuffle-buffer", "8", "--workers", "2"};
+}
+
+// PATH: `n` samples KEY<i> (a PNG from seed + i, class i % 3), of which
+// those in `undecodable` hold garbage for an image and `no_class` has no
+// .cls.
+void write_bad_shard(const std::string& path, const std::string& key_prefix, int64_t n, int64_t seed,
+                     const std::set<int64_t>& undecodable, int64_t no_class) {
+  TarWriter w(path);
+  for (int64_t i = 0; i < n; ++i) {
+    const auto png = png_bytes(seed + i);
+    const std::string key = key_prefix + std::to_string(i), cls = std::to_string(i % 3);
+    if (undecodable.count(i)) w.add(key + ".png", "garbage", 7);
+    else w.add(key + ".png", png.data(), png.size());
+    if (i != no_class) w.add(key + ".cls", cls.data(), cls.size());
+  }
+  w.close();
+}
+
+// Five shards of 160 samples (20 steps an epoch of shard_run_args) under
+// DIR, and one validation shard under DIR/v: {train, val} patterns.
+std::pair<std::string, std::string> five_shards_and_val(const std::string& dir) {
+  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);
+  fs::create_directories(dir + "/v");
+  return {train, write_shards(dir + "/v", {6}, 3)};
 }
 
 // The step a resumed run says it starts after ("resume: FILE (epoch E, step S)").
@@ -409,25 +588,59 @@ TEST(ShardsCommand, WritesAFolderAsShardsThatTrainingReads) {
   EXPECT_EQ(ddp::testing::metrics_jsonl(save).size(), 2u);
 }
 
+// --skip-bad-samples in a 2-rank run: a shard with a sample without a class
+// (left out at the start) and one whose image does not decode (replaced in
+// each epoch, counted once per epoch over both ranks); the ranks keep equal
+// epochs. Without the flag the run stops at the scan, naming shard and key.
+TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_skip");
+  write_shards(dir, {6, 6, 6}, 3);
+  write_bad_shard(dir + "/s-3.tar", "b", 7, 100, {4}, 2);  // b2 has no class, b4's image does not decode
+  const auto train = dir + "/s-{0..3}.tar", val = dir + "/s-0.tar";
+  const auto save = ddp::testing::temp_dir("shards_skip_run");
+  auto stop = ddp::testing::run_process(shard_run_args(save, train, val));
+  EXPECT_EQ(stop.exit_code, ddp::exit_code::kUsage) << stop.output;
+  EXPECT_NE(stop.output.find("shard " + dir + "/s-3.tar: sample b2 has no class (.cls)"), std::string::npos)
+      << stop.output;
+  auto args = shard_run_args(save, train, val);
+  args.push_back("--skip-bad-samples");
+  auto t = ddp::testing::run_process(args);
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find("1 incomplete sample(s) left out (--skip-bad-samples), the first: " + dir + "/s-3.tar: b2"),
+            std::string::npos) << t.output;
+  // 24 samples in 2 streams of 12, one per rank: 3 batches of 4 each epoch.
+  EXPECT_NE(t.output.find("epoch 2/2 step 3/3"), std::string::npos) << t.output;
+  std::regex line(R"(epoch [12]/2 .* skipped 1 bad sample\(s\))");
+  EXPECT_EQ(std::distance(std::sregex_iterator(t.output.begin(), t.output.end(), line), std::sregex_iterator()), 2)
+      << t.output;
+  EXPECT_NE(t.output.find("sample b4's image does not decode"), std::string::npos) << t.output;
+}
+
 // A 2-rank run on shards stopped mid-epoch (a preemption in epoch 2 of 2)
 // and resumed from its checkpoint ends with the same weights, bit for bit,
 // as the run that was never stopped.
-TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
-  DDP_SKIP_UNLESS_LIBARCHIVE();
-  DDP_SKIP_UNLESS_GLOO();
-  const auto dir = ddp::testing::temp_dir("shards_resume");
-  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+namespace {
+
+// A 2-rank run on `train` (`steps` steps an epoch) stopped by SIGTERM
+// after step steps + 5 and resumed from its checkpoint ends epoch 2 with
+// the weights and validation loss of the run never stopped, bit for bit.
+// *straight_output gets that run's output.
+void expect_preempted_resume_is_straight(const std::string& train, const std::string& val, int64_t steps,
+                                         const std::vector<std::string>& extra, std::string* straight_output) {
   auto straight = ddp::testing::temp_dir("shards_straight"), split = ddp::testing::temp_dir("shards_split");
   auto args = shard_run_args(straight, train, val);
+  args.insert(args.end(), extra.begin(), extra.end());
   auto a = ddp::testing::run_process(args);
   ASSERT_EQ(a.exit_code, 0) << a.output;
+  *straight_output = a.output;
 
   args = shard_run_args(split, train, val);
-  // SIGTERM after step 25, epoch 2's fifth; the ranks agree to stop a
-  // step or a few later, still inside epoch 2 (resumed_step checks).
-  args.insert(args.end(), {"--inject-fault", "1:25:term"});
+  args.insert(args.end(), extra.begin(), extra.end());
+  // SIGTERM after epoch 2's fifth step; the ranks agree to stop a step or
+  // a few later, still inside epoch 2 (resumed_step checks).
+  args.insert(args.end(), {"--inject-fault", "1:" + std::to_string(steps + 5) + ":term"});
   auto b1 = ddp::testing::run_process(args);
   ASSERT_EQ(b1.exit_code, ddp::exit_code::kPreempted) << b1.output;
   const auto preempt = ddp::testing::find_file(split, "preempt.pt");
@@ -436,7 +649,7 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
                                        "--progress", "plain", "--log-every", "1"});
   ASSERT_EQ(b2.exit_code, 0) << b2.output;
   const int64_t step = resumed_step(b2.output);
-  EXPECT_TRUE(step > 20 && step < 40) << "not stopped inside epoch 2: " << b2.output;
+  EXPECT_TRUE(step > steps && step < 2 * steps) << "not stopped inside epoch 2: " << b2.output;
 
   const auto wa = ddp::read_state_dict(ddp::testing::find_file(straight, "epoch_2.pt"));
   const auto wb = ddp::read_state_dict(ddp::testing::find_file(split, "epoch_2.pt"));
@@ -455,6 +668,33 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
   EXPECT_EQ(ma[1]["val_loss"], mb[1]["val_loss"]);
 }
 
+}  // namespace
+
+TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto [train, val] = five_shards_and_val(ddp::testing::temp_dir("shards_resume"));
+  std::string output;
+  expect_preempted_resume_is_straight(train, val, 20, {}, &output);
+  EXPECT_EQ(output.find("skipped"), std::string::npos) << "no count without the flag";
+}
+
+// --skip-bad-samples moves no position: with samples left out and samples
+// replaced, a run preempted mid-epoch and resumed is still the straight run.
+TEST(ShardsResume, WithSkippedBadSamplesResumedEqualsStraight_BitExact) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("shards_resume_skip");
+  const auto val = five_shards_and_val(dir).second;
+  write_bad_shard(dir + "/s-5.tar", "c", 8, 200, {1, 6}, 3);  // c3 has no class, c1 and c6 do not decode
+  // 167 samples in 2 streams of 84: 21 steps an epoch.
+  std::string output;
+  expect_preempted_resume_is_straight(dir + "/s-{0..5}.tar", val, 21, {"--skip-bad-samples"}, &output);
+  std::regex line(R"(epoch [12]/2 .* skipped 2 bad sample\(s\))");  // c1 and c6, once each per epoch
+  EXPECT_EQ(std::distance(std::sregex_iterator(output.begin(), output.end(), line), std::sregex_iterator()), 2)
+      << output;
+}
+
 // The global batch at each step is the same samples on any world size that
 // divides the run's streams: a 2-rank run preempted mid-epoch and resumed
 // on 1 rank (batch 8 for 2 x 4) ends where the straight 2-rank run ends, to
@@ -464,10 +704,7 @@ TEST(ShardsResume, PreemptedMidEpochAndResumedEqualsStraight_BitExact) {
 TEST(ShardsResume, MidEpochOnAnotherNumberOfRanksEqualsTheStraightRun) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
-  const auto dir = ddp::testing::temp_dir("shards_ranks");
-  const auto train = write_shards(dir, {36, 28, 44, 20, 32}, 3);  // 160 samples: 20 steps an epoch
-  fs::create_directories(dir + "/v");
-  const auto val = write_shards(dir + "/v", {6}, 3);
+  const auto [train, val] = five_shards_and_val(ddp::testing::temp_dir("shards_ranks"));
   const std::vector<std::string> sgd{"--optimizer", "sgd", "--lr", "0.01", "--momentum", "0", "--augment", "none",
                                      "--seed", "3"};
   auto straight = ddp::testing::temp_dir("shards_ranks_straight"), split = ddp::testing::temp_dir("shards_ranks_split");
@@ -562,13 +799,17 @@ TEST(ShardDataset, GpuDecodeBatchesCarryTheShardsJpegsAndTheCpuPathsWindows) {
       const std::string key = "s" + std::to_string(i), cls = std::to_string(i % 2);
       w.add(key + (i == 5 ? ".png" : ".jpg"), files.back().data(), files.back().size());
       w.add(key + ".cls", cls.data(), cls.size());
+      const std::string cls2 = std::to_string(10 * i);
+      w.add(key + ".cls2", cls2.data(), cls2.size());
     }
     w.close();
   }
   const auto transform = ddp::data::ImageTransformOptions().size(16);
-  auto data = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
-                                             ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0.5),
-                                             "gpu shards");
+  auto data = std::make_shared<ShardDataset>(
+      ddp::data::scan_shards({dir + "/g.tar"}, ddp::data::ShardScanOptions().fields({"cls2"})),
+      ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0.5).fields(
+          {{"cls2", ddp::data::integer_field("second")}}),
+      "gpu shards");
   const ddp::data::DrawKey key{4, 1, 0};
   const auto ids = data->epoch_order(StreamOrderOptions().seed(4).epoch(1).shuffle_buffer(3), 0);
   auto batch = data->get_keyed_batch(ids, key, 0);
@@ -581,6 +822,7 @@ TEST(ShardDataset, GpuDecodeBatchesCarryTheShardsJpegsAndTheCpuPathsWindows) {
     const auto r = rows[j];
     EXPECT_EQ(r[ddp::data::kEcIndex].item<int64_t>(), id);
     EXPECT_EQ(batch.target()[j].item<int64_t>(), id % 2);
+    EXPECT_EQ(batch.at("second")[j].item<int64_t>(), 10 * id) << "a task's field rides with the encoded batch";
     const bool cpu = ddp::data::uses_cpu_decode(j, 0.5) || id == 5;
     EXPECT_EQ(r[ddp::data::kEcKind].item<int64_t>(), cpu ? ddp::data::kEncodedRgb : ddp::data::kEncodedJpeg) << j;
     if (cpu) {
@@ -631,8 +873,12 @@ TEST(ShardDataset, GpuDecodeMatchesTheCpuPath_CUDA) {
   }
   for (bool train : {true, false}) {
     const auto transform = ddp::data::ImageTransformOptions().size(64).train(train);
-    auto gpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
-                                              ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0), "gpu");
+    // .cls read again as a field of the task's: it must survive the stage.
+    auto gpu = std::make_shared<ShardDataset>(
+        ddp::data::scan_image_shards({dir + "/g.tar"}),
+        ShardDatasetOptions().transform(transform).gpu_decode(true).cpu_decode_share(0).fields(
+            {{"cls", ddp::data::integer_field("again")}}),
+        "gpu");
     auto cpu = std::make_shared<ShardDataset>(ddp::data::scan_image_shards({dir + "/g.tar"}),
                                               ShardDatasetOptions().transform(transform).scaled_jpeg_decode(false), "cpu");
     const ddp::data::DrawKey key{5, 2, 0};
@@ -644,6 +890,8 @@ TEST(ShardDataset, GpuDecodeMatchesTheCpuPath_CUDA) {
     gpu->device_stage()->run(batch, torch::Device(torch::kCUDA, 0));
     const auto got = batch.input().cpu();
     ASSERT_EQ(got.sizes(), want.input().sizes());
+    EXPECT_EQ(batch.names(), (std::vector<std::string>{"again", "input", "target"}));
+    EXPECT_TRUE(torch::equal(batch.at("again"), want.target())) << "a task's field rides through the stage";
     const double level = 1.0 / (255.0 * 0.229);
     for (int64_t i = 0; i < got.size(0); ++i) {
       const auto diff = (got[i] - want.input()[i]).abs();

@@ -2,7 +2,10 @@
 // the consecutive members of a tar file that share a key (the member's path
 // up to the first dot of its file name; the rest is the field's extension),
 // e.g. n01440764_10026.jpg + n01440764_10026.cls. Image samples need an
-// image (.jpg, .jpeg or .png) and a class (.cls: the label as decimal text).
+// image (.jpg, .jpeg or .png) and a class (.cls: the label as decimal text);
+// a task may ask for other fields (ShardField: .csv, .json, .cls2, raw
+// float32, ...), each decoded into named tensors of the batch, with or
+// without an image.
 //
 // The order of an epoch is a function of (seed, epoch, streams) only,
 // where `streams` (--shard-streams, the world size of the run's first start
@@ -35,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -42,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "ddp/data/csv.h"
 #include "ddp/data/dataset.h"
 #include "ddp/data/gpu_images.h"
 #include "ddp/data/image_codec.h"
@@ -92,16 +97,53 @@ struct ShardIndex {
   std::vector<std::string> paths;
   std::vector<int64_t> first;      // paths.size() + 1 entries: shard i holds ids [first[i], first[i+1])
   std::vector<std::string> keys;   // per id
-  std::vector<int64_t> labels;     // per id, from .cls
+  std::vector<int64_t> labels;     // per id, from .cls (empty when samples have no image)
+  std::vector<int64_t> ordinals;   // per id: its place among all its shard's samples, left-out ones included
+  std::vector<std::string> left_out;  // "shard: key (what it lacks)" of each incomplete sample left out
   int64_t size() const { return first.empty() ? 0 : first.back(); }
   int64_t shard_of(int64_t id) const;
   std::vector<int64_t> shard_sizes() const;
 };
 
+/// How one field's bytes become named tensors of one sample. `where`
+/// ("shard PATH: sample KEY's .EXT") begins the UserError of bytes that do
+/// not decode.
+using FieldDecoder = std::function<TensorDict(const std::vector<uint8_t>& bytes, const std::string& where)>;
+
+/// A field every sample has (by extension, e.g. "json", "cls2", "f32") and
+/// what it gives the batch: each name of the decoder's tensors, stacked.
+struct ShardField {
+  std::string extension;
+  FieldDecoder decode;
+};
+
+/// Decimal text (as a .cls): `name`, an int64 scalar.
+FieldDecoder integer_field(const std::string& name);
+/// Numbers as decimal text separated by spaces, commas or line breaks:
+/// `name`, a float32 vector of them (every sample must hold as many).
+FieldDecoder numbers_field(const std::string& name);
+/// Raw little-endian float32 values: `name`, a float32 vector.
+FieldDecoder float32_field(const std::string& name);
+/// A CSV header line and one record, as `ddptrain shards FILE.csv` writes
+/// them: every column under its own name, a scalar read as read_csv reads
+/// it (float32; int64 for options.categories()).
+FieldDecoder csv_field(const CsvOptions& options = {});
+
+struct ShardScanOptions {
+  /// Samples need an image and a .cls.
+  TORCH_ARG(bool, image) = true;
+  /// Extensions every sample needs besides.
+  TORCH_ARG(std::vector<std::string>, fields);
+  /// Leave out a sample missing one (listed in ShardIndex::left_out)
+  /// instead of stopping.
+  TORCH_ARG(bool, skip_incomplete) = false;
+};
+
 /// Reads every shard once (headers, and each sample's .cls), so that a
 /// damaged shard or an incomplete sample stops the run before it trains.
 /// UserError naming the shard and the sample key.
-ShardIndex scan_image_shards(const std::vector<std::string>& paths);
+ShardIndex scan_shards(const std::vector<std::string>& paths, const ShardScanOptions& options);
+inline ShardIndex scan_image_shards(const std::vector<std::string>& paths) { return scan_shards(paths, {}); }
 
 struct StreamOrderOptions {
   TORCH_ARG(uint64_t, seed) = 0;
@@ -143,6 +185,9 @@ class StreamDataset : public Dataset {
   virtual int64_t epoch_samples(int64_t streams, int64_t world) const {
     return stream_epoch_samples(size(), streams, world);
   }
+  /// Samples this process replaced in epoch `epoch` (from 0) because they
+  /// did not decode (ShardDatasetOptions::skip_bad).
+  virtual int64_t skipped(int64_t epoch) const { return 0 * epoch; }
 };
 
 struct ShardDatasetOptions {
@@ -159,9 +204,22 @@ struct ShardDatasetOptions {
   TORCH_ARG(double, cpu_decode_share) = 1;
   /// With gpu_decode: ImageFolderOptions::gpu_decode_in_flight.
   TORCH_ARG(int64_t, gpu_decode_in_flight) = 2;
+  /// The image as "input" and the .cls as "target" (scanned with
+  /// ShardScanOptions::image); off: only `fields`.
+  TORCH_ARG(bool, image) = true;
+  /// Other fields of every sample, as named tensors of the batch (in the
+  /// CPU and GPU paths alike).
+  TORCH_ARG(std::vector<ShardField>, fields);
+  /// A sample whose image or field does not decode is replaced by the next
+  /// sample of its shard that does (wrapping to the shard's first; the same
+  /// on every run, rank count and worker count), with a warning, and
+  /// counted in skipped(); off: UserError. With gpu_decode, a JPEG that only
+  /// nvJPEG refuses is replaced by its CPU decode as before.
+  TORCH_ARG(bool, skip_bad) = false;
 };
 
-/// Image shards: "input" 3 x size x size, "target" the .cls label.
+/// Image shards: "input" 3 x size x size, "target" the .cls label, and the
+/// named tensors of `fields`; or, without an image, those alone.
 /// Indexed access (get, get_batch; evaluation, predict) reads each asked
 /// sample's shard from its start, skipping the members before it. A
 /// corrupt image stops the run naming its shard and key.
@@ -176,6 +234,7 @@ class ShardDataset : public StreamDataset {
   Batch get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                         int64_t first_position) const override;
   std::vector<int64_t> input_shape() const override;
+  int64_t skipped(int64_t epoch) const override;
   int64_t num_classes() const override { return num_classes_; }
   std::string name() const override { return name_; }
   /// A hash of each shard's sample keys and labels, in order (no paths).
@@ -189,20 +248,38 @@ class ShardDataset : public StreamDataset {
 
  private:
   struct Streams;  // the armed epoch's readers
-  // The image bytes of each of `indices` (positions first_position + j of
-  // the armed plan), read as streams.
-  std::vector<std::vector<uint8_t>> stream_images(const std::vector<int64_t>& indices, int64_t first_position) const;
-  std::vector<std::vector<uint8_t>> indexed_images(const std::vector<int64_t>& indices) const;
-  Batch decode_batch(const std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices,
-                     const DrawKey& key, int64_t first_position) const;
+  // What a batch needs of a sample: its image's bytes (if the dataset has
+  // images) and each field's, in options_.fields() order.
+  struct Needed {
+    std::vector<uint8_t> image;
+    std::vector<std::vector<uint8_t>> fields;
+  };
+  // One sample decoded: its crop and window (images), label and fields.
+  struct Decoded {
+    int64_t id = 0;
+    torch::Tensor crop;
+    TransformWindow window;
+    TensorDict fields;
+  };
+  // What each of `indices` needs (positions first_position + j of the armed
+  // plan), read as streams.
+  std::vector<Needed> stream_samples(const std::vector<int64_t>& indices, int64_t first_position) const;
+  std::vector<Needed> indexed_samples(const std::vector<int64_t>& indices) const;
+  // Moves what is needed out of `sample`; false if it lacks some of it.
+  bool take(ShardSample& sample, Needed* out) const;
+  TensorDict decode_fields(const Needed& needed, int64_t id) const;
+  // Sample `id` decoded for (key, position): its crop (a window rebased
+  // onto the crop) and fields. UserError if it does not decode.
+  Decoded decode_sample(const Needed& needed, int64_t id, const DrawKey& key, int64_t position) const;
+  // decode_sample; with skip_bad, a sample that does not decode is replaced
+  // by the next sample of its shard that does, and counted.
+  Decoded decode_or_replace(const Needed& needed, int64_t id, const DrawKey& key, int64_t position) const;
+  Batch decode_batch(const std::vector<Needed>& samples, const std::vector<int64_t>& indices, const DrawKey& key,
+                     int64_t first_position) const;
   // gpu_decode: the batch as it travels to the device (gpu_images.h).
-  Batch encoded(std::vector<std::vector<uint8_t>>& images, const std::vector<int64_t>& indices, const DrawKey& key,
+  Batch encoded(std::vector<Needed>& samples, const std::vector<int64_t>& indices, const DrawKey& key,
                 int64_t first_position) const;
-  // Sample `id`'s crop for (key, position), decoded here; *window gets its
-  // transform window, its source rebased onto the crop.
-  torch::Tensor decode_crop(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position,
-                            TransformWindow* window) const;
-  EncodedSample crop_on_cpu(const std::vector<uint8_t>& bytes, int64_t id, const DrawKey& key, int64_t position) const;
+  EncodedSample crop_on_cpu(const Decoded& decoded) const;
 
   ShardIndex index_;
   ShardDatasetOptions options_;
@@ -213,6 +290,9 @@ class ShardDataset : public StreamDataset {
   mutable std::unique_ptr<Streams> streams_;  // null: no epoch armed
   mutable std::once_flag stage_once_;
   mutable std::shared_ptr<DeviceStage> stage_;
+  mutable std::mutex skipped_mutex_;             // guards skipped_, warned_
+  mutable std::map<int64_t, int64_t> skipped_;   // epoch -> samples replaced
+  mutable std::map<int64_t, bool> warned_;       // ids already reported
 };
 
 /// The image field of a sample: its first .jpg, .jpeg or .png (any case).
@@ -229,6 +309,9 @@ struct ShardSplitOptions {
   /// Decode on the GPU (--image-decode gpu) and its CPU share (--cpu-decode-share).
   TORCH_ARG(bool, gpu_decode) = false;
   TORCH_ARG(double, cpu_decode_share) = 1;
+  /// --skip-bad-samples: leave out incomplete samples, replace those that
+  /// do not decode (ShardDatasetOptions::skip_bad).
+  TORCH_ARG(bool, skip_bad) = false;
 };
 
 /// Train and validation splits of image shards, normalised with ImageNet's
