@@ -274,7 +274,8 @@ Trainer::Trainer(Config config, World& world, Task& task)
     if (config_.shard_gradients)
       DDP_PRINT0(world_, "gradients: %.2f MiB on this rank, sharded over %d rank(s), and up to 3 buckets of %.2f MiB in flight; %.2f MiB unsharded\n",
                  static_cast<double>(sync.gradient_bytes()) / (1 << 20), sync.gradient_storage_sharded() ? world_.size() : 1,
-                 config_.bucket_cap_mb, static_cast<double>(sync.unsharded_gradient_bytes()) / (1 << 20));
+                 std::min(config_.bucket_cap_mb, static_cast<double>(sync.unsharded_gradient_bytes()) / (1 << 20)),
+                 static_cast<double>(sync.unsharded_gradient_bytes()) / (1 << 20));
   }
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
   // 6. Resume, then the run directory: a resumed run continues in its

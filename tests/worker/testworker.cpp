@@ -29,6 +29,7 @@
 #include "ddp/train/train_step.h"
 #include "ddp/app.h"
 #include "ddp/train/trainer.h"
+#include "support/counting_allocator.h"
 #include "two_inputs/task.h"
 
 namespace {
@@ -279,6 +280,47 @@ void reduce_scatter(World& world, const std::string& out) {
   std::fprintf(f, "%lld %lld %lld %lld\n", static_cast<long long>(z2.gradient_bytes()),
                static_cast<long long>(ar.gradient_bytes()), static_cast<long long>(z2.peak_bucket_bytes()),
                static_cast<long long>(64 * sizeof(float)));
+  std::fclose(f);
+}
+
+// ZeRO-1 ("zero1") or ZeRO-2 ("zero2") on a stack of 32 Linear(128, 128)
+// layers (2.1 MB of fp32 parameters), SGD, buckets of one layer (66 KB):
+// the CPU allocator's bytes live once the step is made, and at most over 3
+// steps on batches of 4 (activations are small), above what was live
+// before the model. Writes "live peak".
+struct Stack : Net {
+  torch::nn::Sequential layers;
+  Stack() {
+    for (int i = 0; i < 32; ++i) layers->push_back(torch::nn::Linear(128, 128));
+    register_module("layers", layers);
+  }
+  torch::Tensor forward(torch::Tensor x) override { return layers->forward(x); }
+};
+
+void zero_memory(World& world, const std::string& out, const std::string& stage) {
+  const auto& alloc = ddp::testing::counting_allocator();
+  const int64_t before = alloc.live();
+  int64_t live = 0, peak = 0;
+  {
+    torch::manual_seed(3);
+    auto net = std::make_shared<Stack>();
+    TrainStep step(*net, world,
+                   TrainStepOptions()
+                       .bucket_cap_mb(0.07)
+                       .shard_optimizer(true)
+                       .shard_gradients(stage == "zero2")
+                       .optimizer(FlatOptimizerOptions().name("sgd").lr(0.01).momentum(0.9))
+                       .loss(LossOptions().kind("mse")));
+    live = alloc.live() - before;
+    alloc.reset_peak();
+    for (int s = 0; s < 3; ++s) {
+      torch::manual_seed(10 * s + world.rank());
+      step.run(torch::randn({4, 128}), torch::randn({4, 128}), /*last_micro=*/true, 0.01);
+    }
+    peak = alloc.peak() - before;
+  }
+  std::FILE* f = std::fopen((out + "/mem_" + stage + "_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%lld %lld\n", static_cast<long long>(live), static_cast<long long>(peak));
   std::fclose(f);
 }
 
@@ -768,6 +810,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     unused(world, out);
   } else if (scenario == "reduce_scatter") {
     reduce_scatter(world, out);
+  } else if (scenario == "zero_memory") {
+    zero_memory(world, out, argc > 0 ? argv[0] : "zero1");
   } else if (scenario == "param_slots") {
     slots(world, out);
   } else if (scenario == "abandon") {
