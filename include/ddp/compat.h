@@ -34,6 +34,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -115,14 +116,18 @@ inline bool has_uneven_reduce_scatter(const c10::intrusive_ptr<Backend>& pg) {
 
 /// Sums parts[r] over the ranks into rank r's parts[r], for every r: a
 /// reduce-scatter of parts of any sizes. Where the backend's reduce_scatter
-/// takes such parts, one call (one work); elsewhere one reduce per
-/// non-empty part, to the rank that owns it (what NCCL's does inside). The
-/// other ranks' parts hold unspecified values afterwards (Gloo's reduce
-/// leaves partial sums there). Every rank passes parts of the same sizes.
+/// takes such parts and none is empty, one call (one work); elsewhere one
+/// reduce per non-empty part, to the rank that owns it (what NCCL's does
+/// inside, without asking NCCL for reduces of no elements; a bucket inside
+/// one rank's part is then one reduce). The other ranks' parts hold
+/// unspecified values afterwards (Gloo's reduce leaves partial sums there).
+/// Every rank passes parts of the same sizes, so all take the same path.
 inline std::vector<c10::intrusive_ptr<Work>> reduce_scatter_parts(const c10::intrusive_ptr<Backend>& pg,
                                                                   std::vector<at::Tensor>& parts, int rank) {
   std::vector<c10::intrusive_ptr<Work>> works;
-  if (has_uneven_reduce_scatter(pg)) {
+  const bool none_empty =
+      std::all_of(parts.begin(), parts.end(), [](const at::Tensor& t) { return t.numel() > 0; });
+  if (none_empty && has_uneven_reduce_scatter(pg)) {
     std::vector<at::Tensor> out{parts.at(static_cast<size_t>(rank))};
     std::vector<std::vector<at::Tensor>> in{parts};
     works.push_back(pg->reduce_scatter(out, in));
