@@ -112,6 +112,7 @@ struct Config {
   // memory
   std::string recompute = "none";      // none | mlp | blocks | blocks:N | stages: recompute activations in backward
   bool shard_optimizer = false;        // ZeRO-1: each rank keeps the optimizer state of its 1/world-size slice
+  bool shard_gradients = false;        // ZeRO-2: also the gradients (implies shard_optimizer)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
   int patience = 0;                 // stop after N validations without improvement of the monitor (0: off)

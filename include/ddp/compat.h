@@ -34,6 +34,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -97,6 +98,49 @@ inline void shutdown_backend(const c10::intrusive_ptr<Backend>& pg) {
 #else
   (void)pg;
 #endif
+}
+
+/// Whether `pg`'s reduce_scatter takes parts of unequal sizes (some empty):
+/// NCCL's in LibTorch 2.3 and later (it runs one reduce per part, grouped in
+/// one NCCL call). NCCL's in 1.13 wants equal parts, and Gloo's in 1.13 has
+/// none at all ("ProcessGroupGloo does not support reduce_scatter"; 2.x
+/// wheels ship no Gloo headers, so ddptrain's Gloo is always 1.13's).
+inline bool has_uneven_reduce_scatter(const c10::intrusive_ptr<Backend>& pg) {
+#if defined(DDP_WITH_CUDA) && DDP_TORCH_AT_LEAST(2, 3)
+  return dynamic_cast<::c10d::ProcessGroupNCCL*>(pg.get()) != nullptr;
+#else
+  (void)pg;
+  return false;
+#endif
+}
+
+/// Sums parts[r] over the ranks into rank r's parts[r], for every r: a
+/// reduce-scatter of parts of any sizes. Where the backend's reduce_scatter
+/// takes such parts and none is empty, one call (one work); elsewhere one
+/// reduce per non-empty part, to the rank that owns it (what NCCL's does
+/// inside, without asking NCCL for reduces of no elements; a bucket inside
+/// one rank's part is then one reduce). The other ranks' parts hold
+/// unspecified values afterwards (Gloo's reduce leaves partial sums there).
+/// Every rank passes parts of the same sizes, so all take the same path.
+inline std::vector<c10::intrusive_ptr<Work>> reduce_scatter_parts(const c10::intrusive_ptr<Backend>& pg,
+                                                                  std::vector<at::Tensor>& parts, int rank) {
+  std::vector<c10::intrusive_ptr<Work>> works;
+  const bool none_empty =
+      std::all_of(parts.begin(), parts.end(), [](const at::Tensor& t) { return t.numel() > 0; });
+  if (none_empty && has_uneven_reduce_scatter(pg)) {
+    std::vector<at::Tensor> out{parts.at(static_cast<size_t>(rank))};
+    std::vector<std::vector<at::Tensor>> in{parts};
+    works.push_back(pg->reduce_scatter(out, in));
+    return works;
+  }
+  for (size_t r = 0; r < parts.size(); ++r) {
+    if (parts[r].numel() == 0) continue;
+    std::vector<at::Tensor> one{parts[r]};
+    ::c10d::ReduceOptions o;
+    o.rootRank = static_cast<int64_t>(r);
+    works.push_back(pg->reduce(one, o));
+  }
+  return works;
 }
 
 /// The dtype autocast casts to on `device` now, or nullopt while autocast is
@@ -249,22 +293,36 @@ inline void fused_sgd(const std::vector<torch::Tensor>& params, const std::vecto
 /// _foreach_norm, then linalg.vector_norm). The same calls give the same
 /// bits, which one norm over the concatenated gradients does not: 1.13's CPU
 /// kernel sums the squares of a long tensor in float, in an order of its own
-/// (5e-7 relative apart for a 34k-parameter CNN).
-inline torch::Tensor clip_grad_total_norm(const std::vector<torch::Tensor>& grads) {
+/// (5e-7 relative apart for a 34k-parameter CNN). per_tensor_norms() and
+/// norm_of_norms() are its two halves, for norms taken bucket by bucket
+/// (GradSyncOptions::gradient_norms).
+inline std::vector<torch::Tensor> per_tensor_norms(const std::vector<torch::Tensor>& grads) {
+  std::vector<torch::Tensor> norms;
 #if DDP_TORCH_AT_LEAST(2, 0)
-  std::vector<torch::Tensor> norms;
   for (auto& n : at::_foreach_norm(grads, 2)) norms.push_back(n.to(torch::kFloat));
-  return at::linalg_vector_norm(torch::stack(norms), 2);
 #else
-  std::vector<torch::Tensor> norms;
   norms.reserve(grads.size());
   for (const auto& g : grads) {
     std::vector<int64_t> all(static_cast<size_t>(g.dim()));
     for (int64_t d = 0; d < g.dim(); ++d) all[static_cast<size_t>(d)] = d;
     norms.push_back(at::norm(g, 2, all, /*keepdim=*/false).to(torch::kFloat));
   }
+#endif
+  return norms;
+}
+
+/// The L2 norm of per-tensor norms (float scalars), as clip_grad_norm_ joins them.
+inline torch::Tensor norm_of_norms(const std::vector<torch::Tensor>& norms) {
+#if DDP_TORCH_AT_LEAST(2, 0)
+  return at::linalg_vector_norm(torch::stack(norms), 2);
+#else
   return at::norm(torch::stack(norms), 2, {0}, /*keepdim=*/false);
 #endif
+}
+
+/// The joint L2 norm (see above).
+inline torch::Tensor clip_grad_total_norm(const std::vector<torch::Tensor>& grads) {
+  return norm_of_norms(per_tensor_norms(grads));
 }
 
 /// Whether profile_chrome_trace() works: CUDA LibTorch 2.2 or later (Debian's

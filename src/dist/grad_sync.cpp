@@ -166,8 +166,30 @@ void check_same_parameters(torch::nn::Module& model, World& world) {
 
 }  // namespace
 
+ShardRange shard_range(int64_t n, int ranks, int rank) {
+  const int64_t chunk = (n + ranks - 1) / ranks;
+  const int64_t lo = std::min(n, rank * chunk);
+  return ShardRange{lo, std::min(n, lo + chunk) - lo};
+}
+
+GradientReduction sharded_reduction(const World& world) {
+  return world.has_reduce_scatter() ? GradientReduction::kReduceScatter : GradientReduction::kAllReduce;
+}
+
+std::string describe(GradientReduction r, const World& world) {
+  if (world.size() == 1) return "not reduced (one rank)";
+  if (r != GradientReduction::kReduceScatter)
+    return "all-reduced whole (the " + world.backend_name() + " backend has no reduce_scatter here)";
+  return world.has_reduce_scatter() ? "reduce-scattered (" + world.backend_name() + " reduce_scatter)"
+                                    : "reduce-scattered (one " + world.backend_name() + " reduce per rank's part)";
+}
+
 GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions options)
-    : world_(world), options_(options) {
+    : world_(world),
+      options_(options),
+      sharded_((options.reduction() == GradientReduction::kReduceScatter || options.shard_gradients()) &&
+               world.size() > 1),
+      zero2_(options.shard_gradients() && world.size() > 1) {
   // A tensor registered under two names (a tied embedding and output head)
   // is one parameter: it gets one slice, and autograd sums both uses into it.
   std::set<const void*> seen;
@@ -216,8 +238,12 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     auto padded = [align](int64_t n) { return (n + align - 1) / align * align; };
     int64_t total = 0;
     for (size_t i : members) total += padded(params_[i].numel());
-    auto storage = torch::zeros({total + (last_group ? num_flags : 0)}, first.options());
-    auto flat = storage.narrow(0, 0, total);
+    // ZeRO-2: this rank's part only; the flags on their own.
+    const auto own = shard_range(total, world_.size(), world_.rank());
+    auto storage = zero2_ ? torch::Tensor() : torch::zeros({total + (last_group ? num_flags : 0)}, first.options());
+    auto flat = zero2_ ? torch::zeros({own.len}, first.options()) : storage.narrow(0, 0, total);
+    own_lo_.push_back(own.lo);
+    unsharded_grad_bytes_ += total * static_cast<int64_t>(first.element_size());
     auto flat_param = torch::zeros({total}, first.options());
     const size_t flat_index = flat_grads_.size();
     flat_grads_.push_back(flat);
@@ -243,7 +269,7 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
         pv.copy_(p.detach());
         p.set_data(pv);
       }
-      p.mutable_grad() = shaped_view(flat, offset, p, options_.channels_last());
+      p.mutable_grad() = zero2_ ? torch::Tensor() : shaped_view(flat, offset, p, options_.channels_last());
       grad_views_[i] = p.grad();
       slices_[i] = ParamSlice{flat_index, offset, p.numel()};
       bucket_of_[i] = buckets_.size();
@@ -253,12 +279,20 @@ GradSync::GradSync(torch::nn::Module& model, World& world, GradSyncOptions optio
     }
     if (cur.expected > 0) buckets_.push_back(cur);
     if (last_group && num_flags > 0) {
-      used_flags_ = storage.narrow(0, total, num_flags);
+      used_flags_ = zero2_ ? torch::zeros({num_flags}, first.options()) : storage.narrow(0, total, num_flags);
       last_storage = storage;
     }
   }
-  for (auto& b : buckets_) b.view = flat_grads_[b.flat].narrow(0, b.offset, b.numel);
-  if (used_flags_.defined()) {
+  for (size_t i = 0; i < params_.size(); ++i) buckets_[bucket_of_[i]].members.push_back(i);
+  staged_.assign(params_.size(), 0);
+  if (zero2_ && options_.gradient_norms() && options_.reduction() != GradientReduction::kReduceScatter)
+    norms_.assign(params_.size(), torch::Tensor());
+  for (auto& b : buckets_) {
+    if (zero2_) continue;  // buffers made in each step (stage())
+    b.view = flat_grads_[b.flat].narrow(0, b.offset, b.numel);
+    if (sharded_) cut_parts(b, flat_grads_[b.flat], 0);
+  }
+  if (used_flags_.defined() && !zero2_) {
     auto& b = buckets_.back();
     b.view = last_storage.narrow(0, b.offset, b.numel + num_flags);
   }
@@ -288,8 +322,94 @@ GradSync::~GradSync() {
   }
   // Wait for anything in flight so no collective outlives its buffer.
   for (auto& b : buckets_)
-    if (b.work) try { b.work->wait(); } catch (...) {}
+    for (auto& w : b.works) try { w->wait(); } catch (...) {}
   for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+}
+
+// The bucket cut at the ranks' parts of its flat buffer, as views of
+// `whole`, which holds the flat buffer's elements from `whole_offset` on.
+void GradSync::cut_parts(Bucket& b, const torch::Tensor& whole, int64_t whole_offset) {
+  b.parts.clear();
+  const int64_t n = flat_params_[b.flat].numel();
+  for (int r = 0; r < world_.size(); ++r) {
+    const auto part = shard_range(n, world_.size(), r);
+    const int64_t lo = std::clamp(part.lo, b.offset, b.offset + b.numel);
+    const int64_t hi = std::clamp(part.lo + part.len, b.offset, b.offset + b.numel);
+    b.parts.push_back(whole.narrow(0, lo - whole_offset, hi - lo));
+    if (r == world_.rank()) b.own_lo = lo - b.offset;
+  }
+}
+
+int64_t GradSync::gradient_bytes() const {
+  int64_t n = 0;
+  for (const auto& g : flat_grads_) n += g.numel() * static_cast<int64_t>(g.element_size());
+  return n;
+}
+
+// ZeRO-2: parameter i's gradient into its bucket's buffer (made, zeroed,
+// by the first), and .grad to none, so that autograd's tensor is freed. A
+// parameter that got no gradient leaves zeros there.
+void GradSync::stage(size_t i) {
+  if (staged_[i]) return;
+  auto& b = buckets_[bucket_of_[i]];
+  torch::NoGradGuard no_grad;
+  if (!b.staging.defined()) {
+    // An all-reduced last bucket carries the used flags as its tail, as
+    // without ZeRO-2: the same length, so that Gloo's ring cuts it, and so
+    // sums it, the same way (with 3 ranks the order of a sum depends on it).
+    const bool tail = flags_in_last_bucket() && &b == &buckets_.back();
+    b.staging = torch::zeros({b.numel + (tail ? used_flags_.numel() : 0)}, flat_params_[b.flat].options());
+    cut_parts(b, b.staging, b.offset);
+    bucket_bytes_ += b.staging.numel() * static_cast<int64_t>(b.staging.element_size());
+    peak_bucket_bytes_ = std::max(peak_bucket_bytes_, bucket_bytes_);
+  }
+  auto& p = params_[i];
+  if (p.grad().defined()) {
+#ifdef DDP_WITH_CUDA_KERNELS
+    cuda::join_side_work();  // a weight gradient may still be in the making on the side stream
+#endif
+    shaped_view(b.staging, slices_[i].offset - b.offset, p, options_.channels_last()).copy_(p.grad());
+    p.mutable_grad() = torch::Tensor();
+  }
+  staged_[i] = 1;
+}
+
+// ZeRO-2: waits for bucket j's reduction, averages, keeps this rank's part
+// (and, asked, each parameter's norm over the whole bucket), frees the rest.
+void GradSync::retire(size_t j) {
+  auto& b = buckets_[j];
+  wait_bucket(j, "gradient reduction (bucket " + std::to_string(j) + " of " + std::to_string(buckets_.size()) + ")");
+  torch::NoGradGuard no_grad;
+  const double inv = 1.0 / world_.size();
+  const auto& mine = b.parts[static_cast<size_t>(world_.rank())];
+  if (options_.reduction() == GradientReduction::kReduceScatter) {
+    mine.mul_(inv);
+  } else {
+    b.staging.mul_(inv);  // the whole bucket, as the unsharded run averages it
+    if (b.staging.numel() > b.numel) used_flags_.copy_(b.staging.narrow(0, b.numel, used_flags_.numel()));
+    if (options_.gradient_norms()) {
+      std::vector<torch::Tensor> grads;
+      for (size_t i : b.members) grads.push_back(b.staging.narrow(0, slices_[i].offset - b.offset, slices_[i].numel));
+      const auto norms = compat::per_tensor_norms(grads);
+      for (size_t k = 0; k < b.members.size(); ++k) norms_[b.members[k]] = norms[k];
+    }
+  }
+  if (mine.numel() > 0) flat_grads_[b.flat].narrow(0, b.offset + b.own_lo - own_lo_[b.flat], mine.numel()).copy_(mine);
+  bucket_bytes_ -= b.staging.numel() * static_cast<int64_t>(b.staging.element_size());
+  b.staging = torch::Tensor();
+  b.parts.clear();
+  b.works.clear();
+}
+
+torch::Tensor GradSync::owned_gradients(size_t flat) const {
+  const auto& g = flat_grads_.at(flat);
+  if (!sharded_ || zero2_) return g;
+  const auto part = shard_range(g.numel(), world_.size(), world_.rank());
+  return g.narrow(0, part.lo, part.len);
+}
+
+void GradSync::wait_bucket(size_t i, const std::string& what) {
+  for (const auto& w : buckets_[i].works) world_.wait(w, what);
 }
 
 torch::Tensor GradSync::param_view(const torch::Tensor& flat, size_t i, bool channels_last) const {
@@ -299,9 +419,11 @@ torch::Tensor GradSync::param_view(const torch::Tensor& flat, size_t i, bool cha
 void GradSync::reset_step() {
   for (auto& b : buckets_) {
     b.pending = b.expected;
-    b.work.reset();
+    b.works.clear();
   }
   next_bucket_ = 0;
+  retired_ = 0;
+  std::fill(staged_.begin(), staged_.end(), 0);
   launched_in_backward_ = 0;
   std::fill(fired_.begin(), fired_.end(), 0);
   unreached_.assign(params_.size(), 0);
@@ -309,7 +431,11 @@ void GradSync::reset_step() {
 
 void GradSync::zero_grad(bool set_to_none) {
   torch::NoGradGuard no_grad;
-  if (set_to_none) {
+  if (zero2_) {  // no views: .grad is none between synced backwards
+    for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+    if (!set_to_none)
+      for (auto& f : flat_grads_) f.zero_();
+  } else if (set_to_none) {
     for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   } else {
     for (auto& f : flat_grads_) f.zero_();
@@ -328,6 +454,7 @@ void GradSync::zero_slices_left_behind() {
 }
 
 void GradSync::zero_slice_left_behind(size_t i) {
+  if (zero2_) return;  // its bucket's buffer starts zeroed
   auto& p = params_[i];
   if (p.grad().defined() && p.grad().is_same(grad_views_[i])) return;
   torch::NoGradGuard no_grad;
@@ -361,8 +488,12 @@ void GradSync::abandon_step(bool wait_launched) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; wait_launched && i < buckets_.size(); ++i)
-      if (buckets_[i].work)
-        world_.wait(buckets_[i].work, "gradient all-reduce of an abandoned step (bucket " + std::to_string(i) + ")");
+      wait_bucket(i, "gradient reduction of an abandoned step (bucket " + std::to_string(i) + ")");
+    for (auto& b : buckets_) {
+      b.staging = torch::Tensor();
+      b.parts.clear();
+    }
+    bucket_bytes_ = 0;
     reset_step();
   }
   zero_grad();
@@ -375,7 +506,7 @@ void GradSync::mark_ready(size_t param_index) {
   // slice and make .grad the view again, so nothing is silently lost.
   auto& p = params_[param_index];
   const auto& view = grad_views_[param_index];
-  if (!p.grad().defined() || !p.grad().is_same(view)) {
+  if (!zero2_ && (!p.grad().defined() || !p.grad().is_same(view))) {
     torch::NoGradGuard no_grad;
     // A gradient written into its slot (take_gradient_slot) is there already.
     if (!p.grad().defined()) view.zero_();
@@ -391,6 +522,7 @@ void GradSync::mark_ready(size_t param_index) {
   TORCH_CHECK(!unreached_[param_index], "GradSync: parameter ", param_index,
               " got a gradient from a backward that expect_gradients_from() found not to reach it");
   fired_[param_index] = 1;
+  if (zero2_) stage(param_index);
   auto& b = buckets_[bucket_of_[param_index]];
   if (b.pending > 0) --b.pending;
   launch_ready_in_order(/*from_backward=*/true);
@@ -400,13 +532,34 @@ void GradSync::launch_ready_in_order(bool from_backward) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     auto& b = buckets_[next_bucket_];
     if (used_flags_.defined() && next_bucket_ + 1 == buckets_.size()) write_used_flags();
+    // ZeRO-2: gradients that no hook of this backward handed over (kept in
+    // .grad from earlier micro-steps), or zeros.
+    if (zero2_)
+      for (size_t i : b.members) stage(i);
 #ifdef DDP_WITH_CUDA_KERNELS
     // Weight gradients may still be in the making on the side stream.
     cuda::join_side_work();
 #endif
-    b.work = world_.all_reduce_async(b.view);
+    if (!sharded_) {
+      b.works.push_back(world_.all_reduce_async(b.view));
+    } else {
+      // The used flags go to every rank; the gradients each to their part's
+      // owner, or (all-reduce on ZeRO-2) whole to every rank.
+      if (used_flags_.defined() && next_bucket_ + 1 == buckets_.size()) {
+        if (flags_in_last_bucket()) b.staging.narrow(0, b.numel, used_flags_.numel()).copy_(used_flags_);
+        else b.works.push_back(world_.all_reduce_async(used_flags_));
+      }
+      if (options_.reduction() == GradientReduction::kReduceScatter) {
+        auto more = world_.reduce_scatter_async(b.parts);
+        b.works.insert(b.works.end(), more.begin(), more.end());
+      } else {
+        b.works.push_back(world_.all_reduce_async(b.staging));
+      }
+    }
     if (from_backward) ++launched_in_backward_;
     ++next_bucket_;
+    // ZeRO-2: at most two buckets' buffers in flight behind the newest.
+    while (zero2_ && retired_ + 2 < next_bucket_) retire(retired_++);
   }
 }
 
@@ -445,11 +598,18 @@ void GradSync::finish() {
     for (auto& b : buckets_) b.pending = 0;
     launch_ready_in_order(/*from_backward=*/false);
   }
+  if (zero2_) {
+    std::lock_guard<std::mutex> lock(mu_);
+    while (retired_ < buckets_.size()) retire(retired_++);
+    reset_step();
+    return;
+  }
   const double inv = 1.0 / world_.size();
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    world_.wait(buckets_[i].work, "gradient all-reduce (bucket " + std::to_string(i) + " of " +
-                                      std::to_string(buckets_.size()) + ")");
-    buckets_[i].view.mul_(inv);
+    wait_bucket(i, std::string(sharded_ ? "gradient reduce-scatter" : "gradient all-reduce") + " (bucket " +
+                       std::to_string(i) + " of " + std::to_string(buckets_.size()) + ")");
+    // Sharded: only this rank's part holds the sum (the flags' need no average).
+    (sharded_ ? buckets_[i].parts[static_cast<size_t>(world_.rank())] : buckets_[i].view).mul_(inv);
   }
   reset_step();
 }
@@ -559,7 +719,7 @@ torch::Tensor GradSync::bf16_copy(size_t index) {
 
 torch::Tensor GradSync::take_gradient_slot(size_t index) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (slot_taken_[index] || params_[index].grad().defined()) return torch::Tensor();
+  if (zero2_ || slot_taken_[index] || params_[index].grad().defined()) return torch::Tensor();
   slot_taken_[index] = 1;
   return same_memory(grad_views_[index]);
 }

@@ -235,6 +235,10 @@ c10::intrusive_ptr<compat::Work> World::all_reduce_async(torch::Tensor& t) {
   return pg_->allreduce(v);
 }
 
+std::vector<c10::intrusive_ptr<compat::Work>> World::reduce_scatter_async(std::vector<torch::Tensor>& parts) {
+  return compat::reduce_scatter_parts(pg_, parts, rank());
+}
+
 void World::wait(const c10::intrusive_ptr<compat::Work>& work, const std::string& what) {
   try {
     settle(work);

@@ -70,15 +70,20 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::Tensor> params, std::vector<torc
 #endif
   torch::NoGradGuard no_grad;
   shard_ = o_.shard_over() && o_.shard_over()->size() > 1 ? o_.shard_over() : nullptr;
+  // Reduce-scattered gradients hold the sum over this rank's part only:
+  // the same parts as the state's, over the same ranks.
+  grads_sharded_ = sync_ && sync_->gradients_sharded();
+  TORCH_CHECK(!grads_sharded_ || (shard_ && shard_->size() == sync_->gradients_world_size()),
+              "FlatOptimizer: sharded gradients need shard_over, over the same ranks");
   for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(params_[i].sizes() == grads_[i].sizes(), "flat parameter and gradient buffers differ in size");
-    // Parts of ceil(n / ranks) elements, the last ones shorter or empty.
-    const int64_t n = params_[i].numel(), ranks = shard_ ? shard_->size() : 1, rank = shard_ ? shard_->rank() : 0;
-    const int64_t chunk = (n + ranks - 1) / ranks;
-    lo_.push_back(std::min(n, rank * chunk));
-    len_.push_back(std::min(n, lo_.back() + chunk) - lo_.back());
+    const auto part = shard_range(params_[i].numel(), shard_ ? shard_->size() : 1, shard_ ? shard_->rank() : 0);
+    lo_.push_back(part.lo);
+    len_.push_back(part.len);
     sp_.push_back(params_[i].narrow(0, lo_.back(), len_.back()));
-    sg_.push_back(grads_[i].narrow(0, lo_.back(), len_.back()));
+    // ZeRO-2's gradient buffers are this part already.
+    sg_.push_back(grads_sharded_ ? sync_->owned_gradients(i) : grads_[i].narrow(0, lo_.back(), len_.back()));
+    TORCH_CHECK(sg_.back().numel() == len_.back() && (grads_sharded_ || params_[i].sizes() == grads_[i].sizes()),
+                "flat parameter and gradient buffers differ in size");
     m_.push_back(torch::zeros_like(sp_.back()));
     if (adam_) v_.push_back(torch::zeros_like(sp_.back()));
     step_.push_back(torch::zeros({}, params_[i].options().dtype(torch::kFloat)));
@@ -140,13 +145,31 @@ torch::Tensor FlatOptimizer::clip(double max_norm) {
   // t.reciprocal() * max, one rounding more than a division.
   std::vector<torch::Tensor> per_param;
   per_param.reserve(slices_.size());
-  for (size_t i = 0; i < slices_.size(); ++i) per_param.push_back(slice(grads_, i));
-  auto total = compat::clip_grad_total_norm(per_param);
+  for (size_t i = 0; i < slices_.size(); ++i) per_param.push_back(grads_sharded_ ? part(sg_, i) : slice(grads_, i));
+  // ZeRO-2 over all-reduced buckets kept each parameter's norm: the unsharded total, bit for bit.
+  const bool kept = grads_sharded_ && !sync_->gradient_norms().empty();
+  auto total = kept ? compat::norm_of_norms(sync_->gradient_norms())
+                    : grads_sharded_ ? sharded_norm(per_param) : compat::clip_grad_total_norm(per_param);
   auto coef = ((total + 1e-6).reciprocal() * max_norm).clamp_max(1.0);
   if (own_adam_) return coef;
   if (fused_ && adam_) return ((total + 1e-6) / max_norm).clamp_min(1.0);
-  for (const auto& g : grads_) g.mul_(coef.to(g.scalar_type()));
+  for (const auto& g : grads_sharded_ ? sg_ : grads_) g.mul_(coef.to(g.scalar_type()));
   return {};
+}
+
+// The L2 norm of the whole gradient when each rank holds the sum over its
+// part only: each rank's squared norm over its parts, summed over the ranks
+// (on the device). Another order of summation than the unsharded norm's:
+// equal to rounding.
+torch::Tensor FlatOptimizer::sharded_norm(const std::vector<torch::Tensor>& parts) const {
+  std::vector<torch::Tensor> held;
+  for (const auto& p : parts)
+    if (p.numel() > 0) held.push_back(p);
+  auto sq = held.empty() ? torch::zeros({}, params_.front().options().dtype(torch::kFloat))
+                         : compat::clip_grad_total_norm(held).square();
+  auto total = sq.reshape({1}).contiguous();
+  shard_->all_reduce(total, "the gradient norm over the shards (--clip-grad-norm with --shard-optimizer)");
+  return total.reshape({}).sqrt();
 }
 
 torch::Tensor FlatOptimizer::slice(const std::vector<torch::Tensor>& flat, size_t i) const {

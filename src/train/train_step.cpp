@@ -127,6 +127,8 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
       fall_back("it needs a CUDA device");
     else if (o_.accum_steps() > 1)
       fall_back("gradient accumulation (--accum-steps > 1) is not captured");
+    else if (o_.shard_gradients() && world_.size() > 1)
+      fall_back("--shard-gradients makes its bucket buffers inside each backward, which a capture would fix");
     else if (!fused)
       fall_back("this LibTorch has no fused (capturable) optimizer kernels");
     else if (has_synced_batchnorm(model_))
@@ -148,7 +150,10 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
                                            .bucket_cap_mb(o_.bucket_cap_mb())
                                            .channels_last(o_.channels_last())
                                            .separate_1d(o_.optimizer().no_decay_1d())
-                                           .separate_names(o_.optimizer().no_decay()));
+                                           .separate_names(o_.optimizer().no_decay())
+                                           .reduction(gradient_reduction())
+                                           .shard_gradients(o_.shard_gradients())
+                                           .gradient_norms(o_.clip_grad_norm() > 0));
 #ifdef DDP_WITH_CUDA
     // GradSync copied the parameters into its flat buffers on the capture
     // stream and released their old storage, which belongs to the default
@@ -158,13 +163,15 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 #endif
   }
   auto optimizer = o_.optimizer();
-  if (o_.shard_optimizer()) optimizer.shard_over(&world_);
+  if (o_.shard_optimizer() || o_.shard_gradients()) optimizer.shard_over(&world_);
   optimizer_ = std::make_unique<FlatOptimizer>(*sync_, optimizer);
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
   // SyncBatchNorm's backward all-reduces on the gradients' process group:
   // a bucket left for finish() would go out after it on this rank only.
-  expect_unused_ = world_.size() > 1 && has_synced_batchnorm(model_);
+  // ZeRO-2 too: a bucket waiting for a parameter this backward does not
+  // reach would hold its buffer, and every later one, until finish().
+  expect_unused_ = world_.size() > 1 && (has_synced_batchnorm(model_) || o_.shard_gradients());
 
   if (fp16_) {
     check_user(dev.is_cuda(), "--amp fp16 needs a CUDA device; this rank runs on " + dev.str() + ".",
@@ -179,6 +186,11 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 }
 
 TrainStep::~TrainStep() = default;
+
+GradientReduction TrainStep::gradient_reduction() const {
+  if (!o_.shard_optimizer() && !o_.shard_gradients()) return GradientReduction::kAllReduce;
+  return o_.gradient_reduction() == GradientReduction::kAuto ? sharded_reduction(world_) : o_.gradient_reduction();
+}
 
 void TrainStep::fall_back(const std::string& why) {
   graph_wanted_ = false;
@@ -237,7 +249,12 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     torch::Tensor found_inf;
     if (fp16_) {
       found_inf_.zero_();
-      at::_amp_foreach_non_finite_check_and_unscale_(sync_->flat_grads(), found_inf_, scale_.reciprocal());
+      // Reduce-scattered gradients: each rank checks its part, and all
+      // agree on any infinity.
+      at::_amp_foreach_non_finite_check_and_unscale_(
+          sync_->gradients_sharded() ? optimizer_->gradient_parts() : sync_->flat_grads(), found_inf_,
+          scale_.reciprocal());
+      if (sync_->gradients_sharded()) world_.all_reduce(found_inf_, "the fp16 overflow check", c10d::ReduceOp::MAX);
       found_inf = found_inf_;
     }
     optimizer_->step(found_inf, o_.clip_grad_norm(), GradientsAfterStep::kDropped);  // set to none below

@@ -174,6 +174,7 @@ TrainStepOptions train_step_options(const Config& c, const torch::Device& device
       .ema(c.ema)
       .bucket_cap_mb(c.bucket_cap_mb)
       .shard_optimizer(c.shard_optimizer)
+      .shard_gradients(c.shard_gradients)
       .optimizer(FlatOptimizerOptions().name(c.optimizer).lr(c.lr).weight_decay(c.weight_decay).momentum(c.momentum))
       .loss(LossOptions().kind(c.loss).label_smoothing(c.label_smoothing));
 }
@@ -263,11 +264,18 @@ Trainer::Trainer(Config config, World& world, Task& task)
   step_ = std::make_unique<TrainStep>(task_, model, world_,
                                       train_step_options(config_, world_.device()).optimizer(setup.optimizer));
   schedule_ = std::make_unique<LrSchedule>(setup.schedule);
-  if (config_.shard_optimizer) {
+  if (config_.shard_optimizer || config_.shard_gradients) {
     const auto& opt = step_->optimizer();
-    DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded\n",
+    const auto& sync = step_->sync();
+    DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s\n",
                static_cast<double>(opt.state_bytes()) / (1 << 20), opt.shards(),
-               static_cast<double>(opt.unsharded_state_bytes()) / (1 << 20));
+               static_cast<double>(opt.unsharded_state_bytes()) / (1 << 20),
+               describe(sync.options().reduction(), world_).c_str());
+    if (config_.shard_gradients)
+      DDP_PRINT0(world_, "gradients: %.2f MiB on this rank, sharded over %d rank(s), and up to 3 buckets of %.2f MiB in flight; %.2f MiB unsharded\n",
+                 static_cast<double>(sync.gradient_bytes()) / (1 << 20), sync.gradient_storage_sharded() ? world_.size() : 1,
+                 std::min(config_.bucket_cap_mb, static_cast<double>(sync.unsharded_gradient_bytes()) / (1 << 20)),
+                 static_cast<double>(sync.unsharded_gradient_bytes()) / (1 << 20));
   }
   is_bar_ = world_.share_string("progress", resolve_progress_mode(config_.progress) == ProgressMode::kBar ? "bar" : "") == "bar";
   // 6. Resume, then the run directory: a resumed run continues in its

@@ -1,7 +1,9 @@
 // Environment detection (torchrun, Slurm, Open MPI) and a real one-rank group.
 #include <cstdlib>
+#include <memory>
 
 #include "ddp/error.h"
+#include "ddp/dist/grad_sync.h"
 #include "ddp/dist/world.h"
 #include "support/testing.h"
 
@@ -121,17 +123,37 @@ TEST(World, NcclWithoutGpuIsUserError) {
   EXPECT_THROW(ddp::World w(p, o), ddp::UserError);
 }
 
-TEST(World, OneRankOverNccl_CUDA) {
-  DDP_SKIP_UNLESS_CUDA();
-  ddp::Placement p;
+// A world of one rank over NCCL.
+std::unique_ptr<ddp::World> one_rank_nccl() {
   ddp::WorldOptions o;
   o.backend = "nccl";
-  ddp::World w(p, o);
+  return std::make_unique<ddp::World>(ddp::Placement(), o);
+}
+
+TEST(World, OneRankOverNccl_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto world = one_rank_nccl();
+  auto& w = *world;
   EXPECT_EQ(w.backend_name(), "nccl");
   EXPECT_TRUE(w.device().is_cuda());
   auto t = torch::ones({4}, torch::TensorOptions().device(w.device()));
   w.all_reduce(t, "one-rank NCCL sum");
   EXPECT_TRUE(torch::equal(t.cpu(), torch::ones({4})));
+}
+
+// reduce_scatter_async on one GPU: with LibTorch 2.3+ NCCL's own
+// reduce_scatter (the sum over one rank is the part itself), in place on a
+// part of a larger buffer; the rest of the buffer is left alone.
+TEST(World, OneRankReduceScatterOverNccl_CUDA) {
+  DDP_SKIP_UNLESS_CUDA();
+  auto world = one_rank_nccl();
+  auto& w = *world;
+  auto buffer = torch::arange(10, torch::TensorOptions().dtype(torch::kFloat).device(w.device()));
+  const auto before = buffer.cpu();
+  std::vector<torch::Tensor> parts{buffer.narrow(0, 3, 5)};
+  for (auto& work : w.reduce_scatter_async(parts)) w.wait(work, "one-rank reduce-scatter");
+  EXPECT_TRUE(torch::equal(buffer.cpu(), before));
+  EXPECT_EQ(w.has_reduce_scatter(), ddp::sharded_reduction(w) == ddp::GradientReduction::kReduceScatter);
 }
 
 }  // namespace

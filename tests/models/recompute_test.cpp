@@ -23,6 +23,7 @@
 #include "ddp/train/lm_task.h"
 #include "ddp/train/train_step.h"
 #include "support/small_gpt.h"
+#include "support/counting_allocator.h"
 #include "support/testing.h"
 
 namespace ddp {
@@ -254,78 +255,10 @@ TEST(Recompute, ResNetTrajectoryThroughTheProgramEqualsPlain_BitExact) {
 
 // ---- memory ----------------------------------------------------------------
 
-// The CPU allocator, wrapped to count the bytes live now and at most. The
-// memory is the base allocator's (its DataPtr's context is the data, which
-// LibTorch's raw_allocate checks): the sizes are kept by address.
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) : base_(base) { self() = this; }
-  c10::DataPtr allocate(size_t n) DDP_ALLOCATOR_CONST override {
-    c10::DataPtr inner = base_->allocate(n);
-    void* data = inner.get();
-    TORCH_CHECK(data == inner.get_context() || data == nullptr, "CountingAllocator: the base allocator has contexts");
-    const auto device = inner.device();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      held_[data] = {n, inner.get_deleter()};
-    }
-    inner.release_context();
-    const int64_t now = live_ += static_cast<int64_t>(n);
-    int64_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
-    }
-    return {data, data, &release, device};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-  // LibTorch 2.x asks for it; 1.13 has no such virtual.
-  void copy_data(void* dest, const void* src, std::size_t count) const { std::memcpy(dest, src, count); }
-  void reset_peak() const { peak_ = live_.load(); }
-  int64_t live() const { return live_; }
-  int64_t peak() const { return peak_; }
-
- private:
-  struct Held {
-    size_t n;
-    c10::DeleterFnPtr deleter;
-  };
-  static CountingAllocator*& self() {
-    static CountingAllocator* s = nullptr;
-    return s;
-  }
-  static void release(void* p) {
-    auto* me = self();
-    Held h{0, nullptr};
-    {
-      std::lock_guard<std::mutex> lock(me->mu_);
-      auto it = me->held_.find(p);
-      if (it == me->held_.end()) return;
-      h = it->second;
-      me->held_.erase(it);
-    }
-    me->live_ -= static_cast<int64_t>(h.n);
-    if (h.deleter) h.deleter(p);
-  }
-  c10::Allocator* base_;
-  mutable std::mutex mu_;
-  mutable std::unordered_map<void*, Held> held_;
-  mutable std::atomic<int64_t> live_{0}, peak_{0};
-};
-
-// Installed once for the process, in front of the CPU's allocator (it only
-// counts; the memory is the base allocator's).
-const CountingAllocator& counting_allocator() {
-  static auto* a = [] {
-    auto* c = new CountingAllocator(c10::GetCPUAllocator());
-    c10::SetCPUAllocator(c, /*priority=*/200);
-    return c;
-  }();
-  return *a;
-}
-
 // Peak bytes above what was live before, over one forward and backward of
 // a GPT of `o` (the gradients included).
 int64_t gpt_step_peak_bytes(const models::GptOptions& o) {
-  const auto& alloc = counting_allocator();
+  const auto& alloc = ddp::testing::counting_allocator();
   torch::manual_seed(9);
   models::Gpt model(o);
   for (auto& p : model->parameters()) p.mutable_grad() = torch::zeros_like(p);

@@ -179,42 +179,62 @@ TEST(LmTask, RecomputeTrajectoryEqualsPlain_BitExact) {
   EXPECT_LT(m[1]["train_loss"].get<double>(), m[0]["train_loss"].get<double>());
 }
 
-// --shard-optimizer (ZeRO-1) through the real program on 2 and 3 Gloo
-// ranks (3 does not divide the flat buffers: the last parts are shorter):
-// the unsharded run's weights bit for bit, and each rank holds about 1/N
-// of the optimizer state, as the start line says.
+// --shard-optimizer (ZeRO-1) and --shard-gradients (ZeRO-2) through the
+// real program on 2 and 3 Gloo ranks (3 does not divide the flat buffers:
+// the last parts are shorter), with clipping, and ZeRO-2 on 2 ranks with
+// gradient accumulation too: the unsharded run's weights bit for bit, and
+// each rank holds about 1/N of the optimizer state (and with ZeRO-2 of the
+// gradients), as the start lines say.
 TEST(LmTask, ShardedOptimizerEqualsUnsharded_BitExact) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
   const std::string arch = "gpt/L3/H4/C64/T64/V256/bias1/drop0.1/bytes";
-  for (const std::string ranks : {"2", "3"}) {
+  for (const std::string ranks_accum : {"2", "3", "2/2"}) {
+    const std::string ranks = ranks_accum.substr(0, 1), accum = ranks_accum.size() > 1 ? ranks_accum.substr(2) : "1";
     const std::vector<std::string> common{"--size", ranks, "--epochs", "2", "--batch", "8", "--train-samples", "480",
                                           "--test-samples", "64", "--dropout", "0.1", "--layers", "3",
-                                          "--clip-grad-norm", "1"};
-    const auto plain_dir = ddp::testing::temp_dir("lm_zero_none" + ranks), dir = ddp::testing::temp_dir("lm_zero" + ranks);
+                                          "--clip-grad-norm", "1", "--accum-steps", accum};
+    const auto plain_dir = ddp::testing::temp_dir("lm_zero_none" + ranks + accum);
     auto plain = run_process(lm_args(plain_dir, common));
     ASSERT_EQ(plain.exit_code, 0) << plain.output;
-    auto a = common;
-    a.push_back("--shard-optimizer");
-    auto r = run_process(lm_args(dir, a));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    const auto want = weights(find_file(plain_dir, "epoch_2.pt"), arch), got = weights(find_file(dir, "epoch_2.pt"), arch);
-    ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << ranks << " ranks, tensor " << i;
-    // "optimizer state: X MiB on this rank, sharded over N rank(s); Y MiB unsharded"
-    double mine = 0, whole = 0;
-    int over = 0;
-    const auto at = r.output.find("optimizer state: ");
-    ASSERT_NE(at, std::string::npos) << r.output;
-    ASSERT_EQ(std::sscanf(r.output.c_str() + at, "optimizer state: %lf MiB on this rank, sharded over %d rank(s); %lf MiB",
-                          &mine, &over, &whole), 3) << r.output.substr(at, 120);
-    EXPECT_EQ(over, std::stoi(ranks));
-    EXPECT_NEAR(mine, whole / over, whole * 0.01) << r.output.substr(at, 120);
+    const auto want = weights(find_file(plain_dir, "epoch_2.pt"), arch);
+    for (const std::string flag : {"--shard-optimizer", "--shard-gradients"}) {
+      if (accum != "1" && flag == "--shard-optimizer") continue;
+      const auto dir = ddp::testing::temp_dir("lm_zero" + ranks + accum + flag.substr(8, 4));
+      auto a = common;
+      a.push_back(flag);
+      auto r = run_process(lm_args(dir, a));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      const auto got = weights(find_file(dir, "epoch_2.pt"), arch);
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_TRUE(torch::equal(got[i], want[i])) << ranks_accum << " ranks/accum, " << flag << ", tensor " << i;
+      // "gradients: X MiB on this rank, sharded over N rank(s), ...; Y MiB unsharded"
+      const auto g = r.output.find("gradients: ");
+      EXPECT_EQ(g != std::string::npos, flag == "--shard-gradients") << r.output;
+      if (g != std::string::npos) {
+        double mine = 0, whole = 0;
+        int over = 0;
+        ASSERT_EQ(std::sscanf(r.output.c_str() + g, "gradients: %lf MiB on this rank, sharded over %d rank(s), and up to 3 "
+                              "buckets of %*f MiB in flight; %lf MiB", &mine, &over, &whole), 3) << r.output.substr(g, 160);
+        EXPECT_EQ(over, std::stoi(ranks));
+        EXPECT_NEAR(mine, whole / over, whole * 0.01) << r.output.substr(g, 160);
+      }
+      // "optimizer state: X MiB on this rank, sharded over N rank(s); Y MiB unsharded"
+      double mine = 0, whole = 0;
+      int over = 0;
+      const auto at = r.output.find("optimizer state: ");
+      ASSERT_NE(at, std::string::npos) << r.output;
+      ASSERT_EQ(std::sscanf(r.output.c_str() + at, "optimizer state: %lf MiB on this rank, sharded over %d rank(s); %lf MiB",
+                            &mine, &over, &whole), 3) << r.output.substr(at, 120);
+      EXPECT_EQ(over, std::stoi(ranks));
+      EXPECT_NEAR(mine, whole / over, whole * 0.01) << r.output.substr(at, 120);
+    }
   }
 }
 
-// A checkpoint is the same sharded or not: a sharded run resumed unsharded,
-// and an unsharded one resumed sharded, end where the straight run does.
+// A checkpoint is the same sharded or not: each of ZeRO-1, ZeRO-2 and an
+// unsharded run resumed as another, end where the straight run does.
 TEST(LmTask, ShardedAndUnshardedResumeEachOther_BitExact) {
   DDP_SKIP_UNLESS_GLOO();
   if (!have_fortunes()) GTEST_SKIP() << "apt-get install fortunes (./setup.sh does)";
@@ -230,23 +250,28 @@ TEST(LmTask, ShardedAndUnshardedResumeEachOther_BitExact) {
   auto s = run_process(lm_args(straight, with({"--epochs", "2"})));
   ASSERT_EQ(s.exit_code, 0) << s.output;
   const auto want = weights(find_file(straight, "epoch_2.pt"), arch);
-  for (const bool first_sharded : {true, false}) {
-    const auto dir = ddp::testing::temp_dir(first_sharded ? "lm_zero_then_plain" : "lm_plain_then_zero");
+  // ZeRO stage of each half: 0 unsharded, 1 --shard-optimizer, 2 --shard-gradients.
+  const std::vector<std::string> stage_flags{"--shard-optimizer=false", "--shard-optimizer", "--shard-gradients"};
+  for (const auto& [first_stage, second_stage] : std::vector<std::pair<int, int>>{{1, 0}, {0, 1}, {2, 1}, {1, 2}, {0, 2}, {2, 0}}) {
+    const std::string name = std::to_string(first_stage) + "_then_" + std::to_string(second_stage);
+    const auto dir = ddp::testing::temp_dir("lm_zero" + name);
     auto first = with({"--epochs", "1"});
-    if (first_sharded) first.push_back("--shard-optimizer");
+    if (first_stage > 0) first.push_back(stage_flags[first_stage]);
     auto r1 = run_process(lm_args(dir, first));
     ASSERT_EQ(r1.exit_code, 0) << r1.output;
-    // A resumed run keeps the saved value unless given one.
-    auto second = with({"--epochs", "2", "--resume", "auto", first_sharded ? "--shard-optimizer=false" : "--shard-optimizer"});
+    // A resumed run keeps the saved values unless given others.
+    auto second = with({"--epochs", "2", "--resume", "auto", stage_flags[second_stage],
+                        second_stage == 2 ? "--shard-optimizer=false" : "--shard-gradients=false"});
     auto r2 = run_process(lm_args(dir, second));
     ASSERT_EQ(r2.exit_code, 0) << r2.output;
-    // The start line of a sharded run says so: the second half ran as asked.
-    EXPECT_EQ(r1.output.find("optimizer state: ") != std::string::npos, first_sharded) << r1.output;
-    EXPECT_EQ(r2.output.find("optimizer state: ") != std::string::npos, !first_sharded) << r2.output;
+    // The start lines of a sharded run say so: each half ran as asked.
+    for (const auto& [r, stage] : {std::make_pair(&r1, first_stage), std::make_pair(&r2, second_stage)}) {
+      EXPECT_EQ(r->output.find("optimizer state: ") != std::string::npos, stage > 0) << name << "\n" << r->output;
+      EXPECT_EQ(r->output.find("gradients: ") != std::string::npos, stage == 2) << name << "\n" << r->output;
+    }
     const auto got = weights(find_file(dir, "epoch_2.pt"), arch);
     ASSERT_EQ(got.size(), want.size());
-    for (size_t i = 0; i < got.size(); ++i)
-      EXPECT_TRUE(torch::equal(got[i], want[i])) << (first_sharded ? "sharded then not" : "not then sharded") << ", tensor " << i;
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << name << ", tensor " << i;
   }
 }
 

@@ -95,14 +95,34 @@ TEST(UnusedParameters, ShardedOptimizerEqualsUnshardedBitForBit) {
   }
 }
 
-// The same on 2 GPUs over NCCL (the fused kernels on each rank's part).
+// The gradients reduce-scattered (on Gloo: one reduce per rank's part),
+// and ZeRO-2 (each rank keeping only its part of the gradients), each rank
+// stepping from its part only: still PyTorch's values and the unsharded
+// run's bits (a sum of 2 is the same in any order).
+TEST(UnusedParameters, ShardedGradientsEqualUnshardedBitForBit) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (const std::string name : {"sgd", "adam", "adamw"}) {
+    const auto plain = expect_pytorch(name, 2, /*cuda=*/false, 1e-5);
+    for (const std::string variant : {"shard-rs", "shard-grads"}) {
+      const auto sharded = expect_pytorch(name, 2, /*cuda=*/false, 1e-5, variant);
+      ASSERT_TRUE(plain.defined() && sharded.defined());
+      EXPECT_TRUE(torch::equal(plain, sharded))
+          << name << ", " << variant << ": max diff " << (plain - sharded).abs().max().item<double>();
+    }
+  }
+}
+
+// The same on 2 GPUs over NCCL (the fused kernels on each rank's part;
+// "shard" takes NCCL's reduce_scatter there, LibTorch 2.3+).
 TEST(UnusedParameters, ShardedOptimizerOnTwoGpus_MultiCUDA) {
   if (!torch::cuda::is_available() || torch::cuda::device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
   for (const std::string name : {"sgd", "adam", "adamw"}) {
     const auto plain = expect_pytorch(name, 2, /*cuda=*/true, 5e-5);
-    const auto sharded = expect_pytorch(name, 2, /*cuda=*/true, 5e-5, "shard");
-    ASSERT_TRUE(plain.defined() && sharded.defined());
-    EXPECT_TRUE(torch::equal(plain, sharded)) << name;
+    for (const std::string variant : {"shard", "shard-grads"}) {
+      const auto sharded = expect_pytorch(name, 2, /*cuda=*/true, 5e-5, variant);
+      ASSERT_TRUE(plain.defined() && sharded.defined());
+      EXPECT_TRUE(torch::equal(plain, sharded)) << name << ", " << variant;
+    }
   }
 }
 

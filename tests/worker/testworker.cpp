@@ -29,6 +29,7 @@
 #include "ddp/train/train_step.h"
 #include "ddp/app.h"
 #include "ddp/train/trainer.h"
+#include "support/counting_allocator.h"
 #include "two_inputs/task.h"
 
 namespace {
@@ -204,6 +205,125 @@ void unused(World& world, const std::string& out) {
   save(torch::cat(g), out + "/grads_rank" + std::to_string(world.rank()) + ".pt");
 }
 
+// Parameters of uneven sizes (35, 5, 15, 13, 3 elements; the last unused
+// on rank 1) in buckets of one parameter each, so that the ranks' parts of
+// the flat buffer start inside buckets. Each gradient is an integer
+// pattern of the rank, so every sum is exact: over its part, each rank's
+// reduce-scattered gradients must equal the all-reduced ones bit for bit,
+// and the used flags must agree, in each of 3 steps (gradients set to none
+// in between, so that the values a reduce leaves outside a rank's part
+// must not leak into the next step). Writes "max_diff flags_equal".
+struct Uneven : torch::nn::Module {
+  std::vector<torch::Tensor> p;
+  Uneven() {
+    const std::vector<std::vector<int64_t>> shapes{{7, 5}, {5}, {3, 5}, {13}, {3}};
+    for (size_t i = 0; i < shapes.size(); ++i)
+      p.push_back(register_parameter("p" + std::to_string(i), torch::zeros(shapes[i])));
+  }
+};
+
+void reduce_scatter(World& world, const std::string& out) {
+  // Whole gradients (the reference); reduce-scattered; ZeRO-2 over an
+  // all-reduce (keeping the norms); ZeRO-2 reduce-scattered.
+  Uneven whole, parts, zero2, zero2_rs;
+  for (auto* m : {&whole, &parts, &zero2, &zero2_rs}) m->to(world.device());
+  const auto o = GradSyncOptions().bucket_cap_mb(0.0001);
+  GradSync ar(whole, world, o);
+  GradSync rs(parts, world, GradSyncOptions(o).reduction(GradientReduction::kReduceScatter));
+  GradSync z2(zero2, world, GradSyncOptions(o).shard_gradients(true).gradient_norms(true));
+  GradSync z2rs(zero2_rs, world, GradSyncOptions(o).shard_gradients(true).reduction(GradientReduction::kReduceScatter));
+  TORCH_CHECK(rs.gradients_sharded() && !ar.gradients_sharded() && rs.num_buckets() == 5,
+              "expected 5 buckets, reduce-scattered in one GradSync only");
+  TORCH_CHECK(z2.gradient_storage_sharded() && z2rs.gradient_storage_sharded() && !rs.gradient_storage_sharded(),
+              "expected ZeRO-2 storage in two GradSyncs");
+  double max_diff = 0;
+  bool flags_equal = true, grads_none = true;
+  for (int step = 0; step < 3; ++step) {
+    for (auto* m : {&whole, &parts, &zero2, &zero2_rs}) {
+      auto& sync = m == &whole ? ar : m == &parts ? rs : m == &zero2 ? z2 : z2rs;
+      sync.zero_grad(/*set_to_none=*/true);
+      torch::Tensor loss = torch::zeros({}, world.device());
+      for (size_t i = 0; i < m->p.size(); ++i) {
+        if (i == 4 && world.rank() == 1) continue;
+        const auto n = m->p[i].numel();
+        auto w = (torch::arange(n, m->p[i].options()) + 1 + 100 * world.rank() + 10 * step).view_as(m->p[i]);
+        loss = loss + (m->p[i] * w).sum();
+      }
+      loss.backward();
+      sync.finish();
+    }
+    for (size_t k = 0; k < ar.flat_grads().size(); ++k) {
+      const auto part = shard_range(ar.flat_grads()[k].numel(), world.size(), world.rank());
+      const auto want = ar.flat_grads()[k].narrow(0, part.lo, part.len);
+      for (auto* sync : {&rs, &z2, &z2rs}) {
+        TORCH_CHECK(sync->owned_gradients(k).numel() == part.len, "owned_gradients is not this rank's part");
+        if (part.len > 0) max_diff = std::max(max_diff, (sync->owned_gradients(k) - want).abs().max().item<double>());
+      }
+    }
+    // ZeRO-2 over an all-reduce keeps each parameter's norm as the whole gradient's.
+    std::vector<torch::Tensor> slices;
+    for (const auto& s : ar.param_slices()) slices.push_back(ar.flat_grads()[s.flat].narrow(0, s.offset, s.numel));
+    const auto norms = compat::per_tensor_norms(slices);
+    TORCH_CHECK(z2.gradient_norms().size() == norms.size() && z2rs.gradient_norms().empty(), "norms kept where asked");
+    for (size_t i = 0; i < norms.size(); ++i)
+      max_diff = std::max(max_diff, (z2.gradient_norms()[i] - norms[i]).abs().item<double>());
+    for (auto* sync : {&rs, &z2, &z2rs})
+      // Every parameter is used on some rank (the last on rank 0 only). The
+      // all-reduced flags are averaged with their bucket, the others not.
+      flags_equal = flags_equal && torch::equal(ar.usage().used_anywhere > 0, sync->usage().used_anywhere > 0) &&
+                    (sync->usage().used_anywhere > 0).all().item<bool>();
+    for (auto& p : zero2.p) grads_none = grads_none && !p.grad().defined();
+  }
+  std::FILE* f = std::fopen((out + "/rs_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%g %d\n", max_diff, flags_equal && grads_none ? 1 : 0);
+  // Gradient bytes: ZeRO-2's own, the unsharded run's, the most in buckets at once, the largest bucket.
+  std::fprintf(f, "%lld %lld %lld %lld\n", static_cast<long long>(z2.gradient_bytes()),
+               static_cast<long long>(ar.gradient_bytes()), static_cast<long long>(z2.peak_bucket_bytes()),
+               static_cast<long long>(64 * sizeof(float)));
+  std::fclose(f);
+}
+
+// ZeRO-1 ("zero1") or ZeRO-2 ("zero2") on a stack of 32 Linear(128, 128)
+// layers (2.1 MB of fp32 parameters), SGD, buckets of one layer (66 KB):
+// the CPU allocator's bytes live once the step is made, and at most over 3
+// steps on batches of 4 (activations are small), above what was live
+// before the model. Writes "live peak".
+struct Stack : Net {
+  torch::nn::Sequential layers;
+  Stack() {
+    for (int i = 0; i < 32; ++i) layers->push_back(torch::nn::Linear(128, 128));
+    register_module("layers", layers);
+  }
+  torch::Tensor forward(torch::Tensor x) override { return layers->forward(x); }
+};
+
+void zero_memory(World& world, const std::string& out, const std::string& stage) {
+  const auto& alloc = ddp::testing::counting_allocator();
+  const int64_t before = alloc.live();
+  int64_t live = 0, peak = 0;
+  {
+    torch::manual_seed(3);
+    auto net = std::make_shared<Stack>();
+    TrainStep step(*net, world,
+                   TrainStepOptions()
+                       .bucket_cap_mb(0.07)
+                       .shard_optimizer(true)
+                       .shard_gradients(stage == "zero2")
+                       .optimizer(FlatOptimizerOptions().name("sgd").lr(0.01).momentum(0.9))
+                       .loss(LossOptions().kind("mse")));
+    live = alloc.live() - before;
+    alloc.reset_peak();
+    for (int s = 0; s < 3; ++s) {
+      torch::manual_seed(10 * s + world.rank());
+      step.run(torch::randn({4, 128}), torch::randn({4, 128}), /*last_micro=*/true, 0.01);
+    }
+    peak = alloc.peak() - before;
+  }
+  std::FILE* f = std::fopen((out + "/mem_" + stage + "_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%lld %lld\n", static_cast<long long>(live), static_cast<long long>(peak));
+  std::fclose(f);
+}
+
 // fc0 is frozen, fc1 trains, fc2 gets no gradient on any rank; AdamW with
 // weight decay. PyTorch leaves fc0 and fc2 untouched (their .grad is None).
 void frozen(World& world, const std::string& out) {
@@ -303,7 +423,16 @@ void unused_reference(World& world, const std::string& out, const std::string& j
   const auto& o = data["optimizers"][name];
   auto opt = FlatOptimizerOptions().name(name).lr(o["lr"].get<double>()).weight_decay(o["weight_decay"].get<double>());
   if (o.contains("momentum")) opt.momentum(o["momentum"].get<double>());
-  TrainStep step(task, *net, world, TrainStepOptions().optimizer(opt).shard_optimizer(variant == "shard"));
+  // "shard-rs": the gradients reduce-scattered even where the backend has
+  // no reduce_scatter (Gloo: one reduce per rank's part); "shard-grads":
+  // ZeRO-2.
+  TrainStep step(task, *net, world,
+                 TrainStepOptions()
+                     .optimizer(opt)
+                     .shard_optimizer(variant == "shard" || variant == "shard-rs")
+                     .shard_gradients(variant == "shard-grads")
+                     .gradient_reduction(variant == "shard-rs" ? GradientReduction::kReduceScatter
+                                                               : GradientReduction::kAuto));
   for (const auto& xy : data["batches"][rank]) {
     auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
     step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
@@ -679,6 +808,10 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     syncbn_branch(world, out);
   } else if (scenario == "unused") {
     unused(world, out);
+  } else if (scenario == "reduce_scatter") {
+    reduce_scatter(world, out);
+  } else if (scenario == "zero_memory") {
+    zero_memory(world, out, argc > 0 ? argv[0] : "zero1");
   } else if (scenario == "param_slots") {
     slots(world, out);
   } else if (scenario == "abandon") {

@@ -38,6 +38,31 @@
 
 namespace ddp {
 
+/// How a bucket's gradients are summed over the ranks.
+enum class GradientReduction {
+  kAuto,           // TrainStep: kReduceScatter where the backend has one (sharded_reduction()), else kAllReduce
+  kAllReduce,      // every rank gets the whole sum
+  kReduceScatter,  // each rank gets the sum of its own part only (shard_range() of every flat buffer)
+};
+
+/// Rank `rank`'s part of a flat buffer of `n` elements sharded over
+/// `ranks`: parts of ceil(n / ranks) elements in rank order, the last ones
+/// shorter or empty. The sharded optimizer (flat_optimizer.h) steps this
+/// part, and a reduce-scatter gives each rank the sum over it.
+struct ShardRange {
+  int64_t lo = 0, len = 0;
+};
+ShardRange shard_range(int64_t n, int ranks, int rank);
+
+/// What a sharded optimizer's gradients take on `world`: kReduceScatter
+/// where its backend has a reduce_scatter (NCCL in LibTorch 2.3+), else
+/// kAllReduce, the closest correct one: Gloo in LibTorch 1.13 has no
+/// reduce_scatter, and one reduce per part would sum in another order
+/// than the unsharded run's all-reduce.
+GradientReduction sharded_reduction(const World& world);
+/// For the start line: "reduce-scattered (NCCL reduce_scatter)", ...
+std::string describe(GradientReduction r, const World& world);
+
 struct GradSyncOptions {
   /// Largest bucket, in MiB. PyTorch's default is 25.
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
@@ -54,6 +79,26 @@ struct GradSyncOptions {
   /// 1-D parameters' buffers too, e.g. an embedding table (for
   /// FlatOptimizerOptions::no_decay). A name the model lacks is a UserError.
   TORCH_ARG(std::vector<std::string>, separate_names) = {};
+  /// kReduceScatter (for a sharded optimizer, with several ranks): each
+  /// bucket is reduce-scattered, so that after finish() each rank holds the
+  /// average over its shard_range() of every flat gradient buffer only;
+  /// the rest of the buffers holds unspecified values. kAuto is kAllReduce.
+  TORCH_ARG(GradientReduction, reduction) = GradientReduction::kAllReduce;
+  /// ZeRO-2 (with several ranks): no gradient buffer of the whole model.
+  /// Each rank keeps a buffer of its shard_range() of every flat buffer;
+  /// as backward hands a parameter its gradient, it is copied into its
+  /// bucket's buffer (made then) and .grad is set to none; a complete
+  /// bucket is reduced (reduction()), this rank's part copied out, and the
+  /// bucket's buffer freed, at most two buckets behind the newest. Gradient
+  /// memory per rank: 1/world-size, plus the buckets in flight. Kernels get
+  /// no gradient slot (param_slots.h); with gradient accumulation the
+  /// micro-steps but the last accumulate in .grad, whole, as usual.
+  TORCH_ARG(bool, shard_gradients) = false;
+  /// With shard_gradients and all-reduced buckets: each parameter's
+  /// gradient norm is taken from the whole bucket before it is freed
+  /// (gradient_norms()), so that clipping's norm is the unsharded one bit
+  /// for bit.
+  TORCH_ARG(bool, gradient_norms) = false;
 };
 
 /// Where one parameter lives in the flat buffers: `numel` elements of
@@ -205,7 +250,8 @@ class GradSync {
   /// (reset by finish()); lets tests prove that communication overlaps.
   size_t launched_during_backward() const { return launched_in_backward_; }
   /// The flat gradient buffers, one per (dtype, device), and with
-  /// separate_1d also per kind (fewer than 2 dimensions or not).
+  /// separate_1d also per kind (fewer than 2 dimensions or not); with
+  /// shard_gradients, this rank's part of each (owned_gradients()).
   const std::vector<torch::Tensor>& flat_grads() const { return flat_grads_; }
   /// The flat parameter buffers, laid out like flat_grads().
   const std::vector<torch::Tensor>& flat_params() const { return flat_params_; }
@@ -214,6 +260,29 @@ class GradSync {
   /// (false for every buffer when neither is set).
   bool holds_1d(size_t flat) const { return flat_1d_.at(flat) != 0; }
   const GradSyncOptions& options() const { return options_; }
+  /// Whether finish() leaves each rank only its part of the gradients
+  /// averaged (reduction() kReduceScatter with several ranks).
+  bool gradients_sharded() const { return sharded_; }
+  /// Whether this rank holds only its part of the gradients at all
+  /// (shard_gradients with several ranks); then flat_grads() are those
+  /// parts, and parameters' .grad are none after each synced backward.
+  bool gradient_storage_sharded() const { return zero2_; }
+  /// The ranks the gradients are sharded over (world size).
+  int gradients_world_size() const { return world_.size(); }
+  /// Per parameter (param_slices() order), its averaged gradient's L2 norm
+  /// (a float scalar), taken as its bucket completed, with
+  /// options().gradient_norms() on an all-reduced, sharded storage; empty
+  /// otherwise. Valid after finish().
+  const std::vector<torch::Tensor>& gradient_norms() const { return norms_; }
+  /// Bytes of gradient buffers this rank keeps (flat_grads()), what it
+  /// would keep unsharded, and the most bytes of bucket buffers alive at
+  /// once so far (shard_gradients: the buckets in flight; else 0).
+  int64_t gradient_bytes() const;
+  int64_t unsharded_gradient_bytes() const { return unsharded_grad_bytes_; }
+  int64_t peak_bucket_bytes() const { return peak_bucket_bytes_; }
+  /// This rank's part of flat gradient buffer `flat` (shard_range()); the
+  /// whole buffer when the gradients are not sharded.
+  torch::Tensor owned_gradients(size_t flat) const;
 
  private:
   struct Bucket {
@@ -221,8 +290,12 @@ class GradSync {
     int64_t offset = 0, numel = 0;
     size_t expected = 0;        // parameters in this bucket
     size_t pending = 0;         // gradients still missing this step
-    c10::intrusive_ptr<compat::Work> work;
+    std::vector<c10::intrusive_ptr<compat::Work>> works;  // launched this step (empty: not yet)
     torch::Tensor view;
+    std::vector<torch::Tensor> parts;  // sharded: each rank's part of the bucket (some empty)
+    std::vector<size_t> members;       // its parameters
+    torch::Tensor staging;             // shard_gradients: the bucket's gradients, while in flight
+    int64_t own_lo = 0;                // shard_gradients: where this rank's part starts in the bucket
   };
   void mark_ready(size_t param_index);
   void zero_slices_left_behind();
@@ -231,9 +304,23 @@ class GradSync {
   void write_used_flags();
   void reset_step();
   void make_bf16_copies();
+  void wait_bucket(size_t i, const std::string& what);
+  void cut_parts(Bucket& b, const torch::Tensor& whole, int64_t whole_offset);
+  void stage(size_t i);
+  void retire(size_t j);
+  bool flags_in_last_bucket() const {  // ZeRO-2 over an all-reduce
+    return zero2_ && used_flags_.defined() && options_.reduction() != GradientReduction::kReduceScatter;
+  }
 
   World& world_;
   GradSyncOptions options_;
+  bool sharded_ = false;
+  bool zero2_ = false;             // shard_gradients with several ranks
+  std::vector<int64_t> own_lo_;    // zero2_: per flat buffer, where this rank's part starts
+  std::vector<char> staged_;       // zero2_: param index -> its gradient is in its bucket's buffer this step
+  size_t retired_ = 0;             // zero2_: buckets reduced and copied out this step
+  std::vector<torch::Tensor> norms_;
+  int64_t unsharded_grad_bytes_ = 0, bucket_bytes_ = 0, peak_bucket_bytes_ = 0;
   std::vector<torch::Tensor> params_;
   std::vector<torch::Tensor> grad_views_;  // param index -> its slice of the flat gradients
   std::vector<size_t> bucket_of_;  // param index -> bucket

@@ -66,6 +66,13 @@ class World {
                   c10d::ReduceOp op = c10d::ReduceOp::SUM);
   /// Starts an in-place sum; call wait() on the result.
   c10::intrusive_ptr<compat::Work> all_reduce_async(torch::Tensor& t);
+  /// Starts a sum of parts[r] over the ranks into rank r's parts[r]
+  /// (compat::reduce_scatter_parts: sizes may differ, parts may be empty;
+  /// other ranks' parts are left unspecified); wait() on each result.
+  std::vector<c10::intrusive_ptr<compat::Work>> reduce_scatter_async(std::vector<torch::Tensor>& parts);
+  /// Whether this backend has a reduce_scatter for such parts (NCCL in
+  /// LibTorch 2.3+); without it reduce_scatter_async() runs one reduce per part.
+  bool has_reduce_scatter() const { return compat::has_uneven_reduce_scatter(pg_); }
   /// Waits for `work`, naming `what` and this rank if it fails or times out.
   void wait(const c10::intrusive_ptr<compat::Work>& work, const std::string& what);
   /// Copies `t` from `root` to every rank, in place.

@@ -80,9 +80,13 @@ struct FlatOptimizerOptions {
   /// from its rank, so every rank ends the step with all parameters. The
   /// gradients are all-reduced whole as before (Gloo in LibTorch 1.13 has
   /// no reduce-scatter), so clipping's norm is the unsharded one and the
-  /// update is elementwise: the same bits as unsharded. Where a fused Adam
-  /// kernel clips in its pass (CUDA), only this rank's part of the
-  /// gradients is left clipped. nullptr: unsharded.
+  /// update is elementwise: the same bits as unsharded. Built on a GradSync
+  /// whose gradients are reduce-scattered (GradSync::gradients_sharded()),
+  /// each rank reads only its part of them, and clipping's norm is summed
+  /// over the ranks' parts (equal to the unsharded one to rounding). Where
+  /// a fused Adam kernel clips in its pass (CUDA), or the gradients are
+  /// reduce-scattered, only this rank's part of the gradients is left
+  /// clipped. nullptr: unsharded.
   TORCH_ARG(WorldPtr, shard_over) = nullptr;
 };
 
@@ -169,6 +173,9 @@ class FlatOptimizer {
   int64_t unsharded_state_bytes() const;
   /// Ranks the state is sharded over (1: not sharded).
   int shards() const { return shard_ ? shard_->size() : 1; }
+  /// This rank's part of each flat gradient buffer (the whole buffers
+  /// unsharded): what step() reads, e.g. for a check for infinities.
+  const std::vector<torch::Tensor>& gradient_parts() const { return sg_; }
 
   const FlatOptimizerOptions& options() const { return o_; }
 
@@ -182,6 +189,7 @@ class FlatOptimizer {
                 const GradSync* sync);
   void init_state();
   torch::Tensor clip(double max_norm);
+  torch::Tensor sharded_norm(const std::vector<torch::Tensor>& parts) const;
   torch::Tensor slice(const std::vector<torch::Tensor>& flat, size_t i) const;
   // Parameter slice i within this rank's part of its flat buffer, in
   // `part`'s coordinates (a tensor laid out like sp_, sg_, m_ or v_);
@@ -211,6 +219,7 @@ class FlatOptimizer {
   // This rank's part of each flat buffer: [lo_, lo_ + len_) of params_[k],
   // grads_[k] (the whole buffers when not sharded); the moments cover it.
   World* shard_ = nullptr;
+  bool grads_sharded_ = false;  // only this rank's part of the gradients is reduced (GradSync::gradients_sharded)
   std::vector<int64_t> lo_, len_;
   std::vector<torch::Tensor> sp_, sg_;
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_), over the parts

@@ -40,6 +40,14 @@ struct TrainStepOptions {
   TORCH_ARG(FlatOptimizerOptions, optimizer);
   /// ZeRO-1 over this step's ranks (FlatOptimizerOptions::shard_over).
   TORCH_ARG(bool, shard_optimizer) = false;
+  /// With shard_optimizer: how the gradients are summed. kAuto: reduce-
+  /// scattered where the backend has a reduce_scatter (NCCL), else
+  /// all-reduced whole (sharded_reduction()); kReduceScatter on a backend
+  /// without one runs one reduce per rank's part.
+  TORCH_ARG(GradientReduction, gradient_reduction) = GradientReduction::kAuto;
+  /// ZeRO-2 (GradSyncOptions::shard_gradients), with the optimizer state
+  /// sharded too (shard_optimizer implied).
+  TORCH_ARG(bool, shard_gradients) = false;
   /// Decay of the weights' moving average (ema.h), updated after every
   /// optimizer step; 0: none.
   TORCH_ARG(double, ema) = 0;
@@ -106,6 +114,7 @@ class TrainStep : public Stateful {
 
  private:
   StepOutput step_body(const data::Batch& batch, bool last_micro, double loss_scale);
+  GradientReduction gradient_reduction() const;  // the GradSync's: options resolved for this world
   bool try_capture(const data::Batch& batch);
   void fall_back(const std::string& why);
 
