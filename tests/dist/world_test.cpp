@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/grad_sync.h"
 #include "ddp/dist/world.h"
@@ -154,6 +155,9 @@ TEST(World, OneRankReduceScatterOverNccl_CUDA) {
   for (auto& work : w.reduce_scatter_async(parts)) w.wait(work, "one-rank reduce-scatter");
   EXPECT_TRUE(torch::equal(buffer.cpu(), before));
   EXPECT_EQ(w.has_reduce_scatter(), ddp::sharded_reduction(w) == ddp::GradientReduction::kReduceScatter);
+  // NCCL from LibTorch 2.3 takes the parts in one reduce_scatter: this test
+  // fails if that path silently becomes the per-owner reduces.
+  EXPECT_EQ(w.has_reduce_scatter(), DDP_TORCH_AT_LEAST(2, 3));
 }
 
 }  // namespace
