@@ -9,7 +9,9 @@
 #   CPU=1 F_FILES=2000 bash bench/shards.sh       # a CPU machine: --model cnn at 64 px, loader-bound
 #
 # F_DIR (default /tmp/ddp_f_jpegs, F_FILES files) is made once and reused, as
-# bench/run.sh makes it; WORKERS (default nproc - 1) loader threads per rank.
+# bench/run.sh makes it; WORKERS (default nproc - 1) loader threads per rank;
+# EPOCHS (default 3 on a GPU, 2 on CPU); SHARD_FLAGS, more flags for the shard
+# runs only (e.g. "--shard-streams 4": more sequential readers).
 # Record the two lines in bench/RESULTS.md with the date, the machine and
 # the command.
 set -uo pipefail
@@ -36,9 +38,9 @@ PATTERN=$(sed -n 's/^wrote [0-9]* shard(s): \(.*\) (classes.*/\1/p' "$OUT/shards
 echo "{\"step\": \"ddptrain shards\", \"files\": $F_FILES, \"seconds\": $($PY -c "print(round($t1 - $t0, 1))"), \"bytes\": $(du -sb "$SH" | cut -f1)}" | tee -a "$R"
 
 if [[ ${CPU:-0} == 1 ]]; then
-  MODEL=(--model cnn --image-size 64 --batch 64 --epochs 2 --backend gloo --size 1)
+  MODEL=(--model cnn --image-size 64 --batch 64 --epochs ${EPOCHS:-2} --backend gloo --size 1)
 else
-  MODEL=(--model resnet50 --image-size 224 --batch 256 --amp bf16 --channels-last on --cuda-graph --epochs 3)
+  MODEL=(--model resnet50 --image-size 224 --batch 256 --amp bf16 --channels-last on --cuda-graph --epochs ${EPOCHS:-3})
 fi
 run() {  # NAME, then the data flags
   local name=$1; shift
@@ -61,5 +63,5 @@ PY
 # DECODES: --image-decode values to run both paths with (a CPU machine: cpu only).
 for dec in ${DECODES:-$([[ ${CPU:-0} == 1 ]] && echo cpu || echo "auto cpu")}; do
   run "imagefolder.$dec" --dataset imagefolder --data_root "$F_DIR" --val-root "$VAL" --image-decode "$dec"
-  run "shards.$dec" --dataset shards --data_root "$PATTERN" --val-root "$SH/val-000000.tar" --image-decode "$dec"
+  run "shards.$dec" --dataset shards --data_root "$PATTERN" --val-root "$SH/val-000000.tar" --image-decode "$dec" ${SHARD_FLAGS:-}
 done
