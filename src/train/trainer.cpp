@@ -498,13 +498,15 @@ EpochMetrics Trainer::fit() {
       train_loss = train_epoch(epoch, samples, logs);
     }
     const double train_seconds = seconds_since(t0);
-    // ---- --skip-bad-samples: the samples every rank replaced, summed ----
-    int64_t skipped = -1;
+    // ---- --skip-bad-samples: the samples every rank replaced, summed, and
+    // those the scan left out (the same on every rank) ----
+    int64_t skipped = -1, incomplete = 0;
     const auto* streamed = dynamic_cast<const data::StreamDataset*>(data_.train.get());
     if (streamed && config_.skip_bad_samples) {
       auto n = torch::tensor({static_cast<double>(streamed->skipped(epoch - 1))}, torch::kDouble).to(world_.device());
       world_.all_reduce(n, "skipped samples (--skip-bad-samples)");
-      skipped = static_cast<int64_t>(n.item<double>());
+      incomplete = streamed->left_out();
+      skipped = static_cast<int64_t>(n.item<double>()) + incomplete;
     }
     // ---- a stop agreed at the epoch's last step saves it without waiting
     // for its validation; the resumed run validates it ----
@@ -555,7 +557,9 @@ EpochMetrics Trainer::fit() {
       char tail[128];
       std::snprintf(tail, sizeof(tail), "  %.1f s  %.0f samples/s  data wait %.0f%%", last.epoch_seconds,
                     last.samples_per_second, 100 * data_wait_seconds_ / std::max(train_seconds, 1e-9));
-      if (skipped >= 0) line += "  skipped " + std::to_string(skipped) + " bad sample(s)";
+      if (skipped >= 0)
+        line += "  skipped " + std::to_string(skipped) + " bad sample(s)" +
+                (incomplete > 0 ? " (" + std::to_string(incomplete) + " incomplete)" : "");
       std::printf("%s%s\n", line.c_str(), tail);
       std::fflush(stdout);
     }

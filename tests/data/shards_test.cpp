@@ -590,8 +590,8 @@ TEST(ShardsCommand, WritesAFolderAsShardsThatTrainingReads) {
 
 // --skip-bad-samples in a 2-rank run: a shard with a sample without a class
 // (left out at the start) and one whose image does not decode (replaced in
-// each epoch, counted once per epoch over both ranks); the ranks keep equal
-// epochs. Without the flag the run stops at the scan, naming shard and key.
+// each epoch); the epoch line counts both, once per epoch over both ranks;
+// the ranks keep equal epochs. Without the flag the run stops at the scan, naming shard and key.
 TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
   DDP_SKIP_UNLESS_LIBARCHIVE();
   DDP_SKIP_UNLESS_GLOO();
@@ -612,7 +612,7 @@ TEST(ShardsCommand, SkipBadSamplesTrainsOnAndCountsThemInTheEpochLine) {
             std::string::npos) << t.output;
   // 24 samples in 2 streams of 12, one per rank: 3 batches of 4 each epoch.
   EXPECT_NE(t.output.find("epoch 2/2 step 3/3"), std::string::npos) << t.output;
-  std::regex line(R"(epoch [12]/2 .* skipped 1 bad sample\(s\))");
+  std::regex line(R"(epoch [12]/2 .* skipped 2 bad sample\(s\) \(1 incomplete\))");  // b2 and b4
   EXPECT_EQ(std::distance(std::sregex_iterator(t.output.begin(), t.output.end(), line), std::sregex_iterator()), 2)
       << t.output;
   EXPECT_NE(t.output.find("sample b4's image does not decode"), std::string::npos) << t.output;
@@ -690,7 +690,8 @@ TEST(ShardsResume, WithSkippedBadSamplesResumedEqualsStraight_BitExact) {
   // 167 samples in 2 streams of 84: 21 steps an epoch.
   std::string output;
   expect_preempted_resume_is_straight(dir + "/s-{0..5}.tar", val, 21, {"--skip-bad-samples"}, &output);
-  std::regex line(R"(epoch [12]/2 .* skipped 2 bad sample\(s\))");  // c1 and c6, once each per epoch
+  // c3 left out, c1 and c6 replaced: each counted once per epoch
+  std::regex line(R"(epoch [12]/2 .* skipped 3 bad sample\(s\) \(1 incomplete\))");
   EXPECT_EQ(std::distance(std::sregex_iterator(output.begin(), output.end(), line), std::sregex_iterator()), 2)
       << output;
 }

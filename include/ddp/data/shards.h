@@ -188,6 +188,9 @@ class StreamDataset : public Dataset {
   /// Samples this process replaced in epoch `epoch` (from 0) because they
   /// did not decode (ShardDatasetOptions::skip_bad).
   virtual int64_t skipped(int64_t epoch) const { return 0 * epoch; }
+  /// Samples left out at the scan because they lack a field
+  /// (ShardScanOptions::skip_incomplete): the same on every rank, each epoch.
+  virtual int64_t left_out() const { return 0; }
 };
 
 struct ShardDatasetOptions {
@@ -235,6 +238,7 @@ class ShardDataset : public StreamDataset {
                         int64_t first_position) const override;
   std::vector<int64_t> input_shape() const override;
   int64_t skipped(int64_t epoch) const override;
+  int64_t left_out() const override { return static_cast<int64_t>(index_.left_out.size()); }
   int64_t num_classes() const override { return num_classes_; }
   std::string name() const override { return name_; }
   /// A hash of each shard's sample keys and labels, in order (no paths).
