@@ -95,6 +95,7 @@ TrainStep::TrainStep(Net& model, World& world, TrainStepOptions options)
 
 TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainStepOptions options)
     : task_(task), model_(model), world_(world), o_(std::move(options)) {
+  if (o_.shard_gradients()) o_.shard_optimizer(true);  // ZeRO-2 is ZeRO-1 with the gradients sharded too
   const auto dev = world_.device();
   check_user(o_.amp() == "off" || o_.amp() == "bf16" || o_.amp() == "fp16", "unknown --amp '" + o_.amp() + "'.",
              "use --amp off, bf16 or fp16.");
@@ -163,7 +164,7 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 #endif
   }
   auto optimizer = o_.optimizer();
-  if (o_.shard_optimizer() || o_.shard_gradients()) optimizer.shard_over(&world_);
+  if (o_.shard_optimizer()) optimizer.shard_over(&world_);
   optimizer_ = std::make_unique<FlatOptimizer>(*sync_, optimizer);
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
@@ -188,7 +189,7 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 TrainStep::~TrainStep() = default;
 
 GradientReduction TrainStep::gradient_reduction() const {
-  if (!o_.shard_optimizer() && !o_.shard_gradients()) return GradientReduction::kAllReduce;
+  if (!o_.shard_optimizer()) return GradientReduction::kAllReduce;
   return o_.gradient_reduction() == GradientReduction::kAuto ? sharded_reduction(world_) : o_.gradient_reduction();
 }
 

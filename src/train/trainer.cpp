@@ -264,7 +264,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   step_ = std::make_unique<TrainStep>(task_, model, world_,
                                       train_step_options(config_, world_.device()).optimizer(setup.optimizer));
   schedule_ = std::make_unique<LrSchedule>(setup.schedule);
-  if (config_.shard_optimizer || config_.shard_gradients) {
+  if (step_->optimizer().options().shard_over()) {  // --shard-optimizer or --shard-gradients
     const auto& opt = step_->optimizer();
     const auto& sync = step_->sync();
     DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s\n",
