@@ -4,7 +4,10 @@
 // and the shards subcommand feeding a real 2-rank run that resumes bit-exactly.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -14,6 +17,7 @@
 #include <numeric>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <regex>
 #include <set>
@@ -389,6 +393,44 @@ TEST(ShardDataset, EightWorkerThreadsTakingTheStreamsAtOnceGetThePlannedSamples)
       EXPECT_TRUE(torch::equal(got[b].input(), want.input())) << "epoch " << epoch << " batch " << b;
     }
   }
+}
+
+// The point of the readers: a worker whose samples are read gets them while
+// another worker waits on a shard the stream is still reading (here a pipe
+// that has no data yet), rather than waiting behind it.
+TEST(ShardDataset, AWorkerGetsReadSamplesWhileAnotherWaitsOnAShardStillBeingRead) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_pipe");
+  const auto data = open_shards(write_shards(dir, {4, 3}));  // scanned while s-1 is a file
+  const std::string pipe = dir + "/s-1.tar";
+  const auto bytes = file_bytes(pipe);
+  fs::remove(pipe);
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const auto ids = data->epoch_order(StreamOrderOptions().streams(1).shuffle(false), 0);
+  auto label = [&](int64_t p) {
+    return data->get_keyed_batch({ids[static_cast<size_t>(p)]}, ddp::data::DrawKey{}, p).target()[0].item<int64_t>();
+  };
+  auto in_pipe = std::async(std::launch::async, label, 4);  // k4: the pipe's first sample
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto read_first = std::async(std::launch::async, label, 0);
+  EXPECT_EQ(read_first.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "a worker waited behind the one whose shard is still being read";
+  // Feed the pipe (a writer can open it once the stream has opened it to read).
+  int fd = -1;
+  for (int tries = 0; fd < 0 && tries < 1000; ++tries) {
+    fd = open(pipe.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(fd, 0) << "nothing opened the pipe to read it";
+  fcntl(fd, F_SETFL, 0);
+  for (size_t off = 0; off < bytes.size();) {
+    const ssize_t n = write(fd, bytes.data() + off, bytes.size() - off);
+    ASSERT_GT(n, 0);
+    off += static_cast<size_t>(n);
+  }
+  close(fd);
+  EXPECT_EQ(read_first.get(), 0);
+  EXPECT_EQ(in_pipe.get(), 4);
 }
 
 // A shard gone before the reader reaches it (or cut short in its first
