@@ -3,11 +3,15 @@
 #include "ddp/data/shards.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
+#include <condition_variable>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <numeric>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 
 #include "ddp/data/counter_rng.h"
@@ -336,17 +340,65 @@ StreamPlan plan_stream_order(const std::vector<int64_t>& shard_sizes, const Stre
 
 // ---- the dataset ----
 
+// One stream of the armed epoch. Its samples are read by a thread of their
+// own rather than by the loader workers: a worker that read them itself
+// would hold the stream while reading a batch's worth of tar members (tens
+// of MB), so every other worker of the rank waited on it, and all of them
+// stalled whenever it was descheduled; an image folder's workers each read
+// their own files. The reader reads the stream's raw samples in order
+// (sequential I/O, one shard open at a time), keeping what this rank needs
+// in `ready`; a worker only waits for its samples there and moves them out,
+// under `mutex`, briefly.
+//
+// `ready` is bounded: the reader reads a needed sample only while `ready`
+// holds fewer than `capacity` (the shuffle buffer, whose samples wait in it
+// anyway, plus kReadAheadBatches of the largest share of a batch asked of
+// this stream), or when a worker has asked for that sample or a later one,
+// so a worker asking far ahead never waits on room that only it could
+// free.
+constexpr int64_t kReadAheadBatches = 4;
+
+struct ShardDataset::Stream {
+  int64_t number = 0;                    // in the plan
+  std::vector<int64_t> position_of_raw;  // this rank's position of each raw sample, -1: another rank's
+  int64_t end = 0;                       // raw samples from here on are not needed: the reader stops
+  std::thread reader;
+  std::atomic<bool> stop{false};
+
+  std::mutex mutex;                    // guards what follows
+  std::condition_variable readable;    // a sample was read, the reader failed, or stop
+  std::condition_variable room;        // a sample was taken, asked for, or stop
+  std::unordered_map<int64_t, Needed> ready;  // raw index -> what is needed, read but not yet taken
+  int64_t read_through = 0;            // raw samples before it are read (or passed over)
+  int64_t furthest_asked = -1;         // the furthest raw sample a worker has asked for
+  int64_t capacity = 1;                // samples `ready` may hold beyond those asked for
+  std::exception_ptr error;            // why the reader stopped at read_through, if it failed
+  std::vector<int64_t> entered;        // raw samples at which the reader opened a shard
+  size_t entries_checked = 0;          // `entered` items a worker has checked the shard of
+  int64_t waiting = 0;                 // workers waiting on `readable`
+};
+
 struct ShardDataset::Streams {
   StreamOrderOptions options;
   StreamPlan plan;
   int64_t first_position = 0;
-  struct Cursor {
-    std::unique_ptr<ShardReader> reader;
-    int64_t shard = -1, next_ordinal = 0, next_raw = 0;
-    std::vector<int64_t> position_of_raw;  // this rank's position of each raw sample, -1: another rank's
-    std::unordered_map<int64_t, Needed> read;  // raw index -> what is needed, read but not yet taken
-  };
-  std::map<int64_t, Cursor> cursors;  // by stream
+  std::map<int64_t, std::unique_ptr<Stream>> by_stream;
+
+  // Stops and joins the readers (each stops before its next sample);
+  // workers waiting on them read by index instead.
+  void disarm() {
+    for (auto& [s, c] : by_stream) {
+      {
+        std::lock_guard<std::mutex> lock(c->mutex);
+        c->stop = true;
+      }
+      c->room.notify_all();
+      c->readable.notify_all();
+    }
+    for (auto& [s, c] : by_stream)
+      if (c->reader.joinable()) c->reader.join();
+  }
+  ~Streams() { disarm(); }
 };
 
 ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::string name)
@@ -361,7 +413,9 @@ ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::s
       for (int64_t k = 0; k < index_.first[i + 1] - index_.first[i]; ++k) index_.ordinals.push_back(k);
 }
 
-ShardDataset::~ShardDataset() = default;
+ShardDataset::~ShardDataset() {
+  if (streams_) streams_->disarm();
+}
 
 std::vector<int64_t> ShardDataset::input_shape() const {
   if (!options_.image()) return {};
@@ -387,19 +441,34 @@ std::string ShardDataset::fingerprint() const {
 }
 
 std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options, int64_t first_position) const {
-  auto armed = std::make_unique<Streams>();
+  auto armed = std::make_shared<Streams>();
   armed->options = options;
   armed->plan = plan_stream_order(index_.shard_sizes(), options);
   armed->first_position = first_position;
   const StreamPlan& plan = armed->plan;
   for (size_t p = 0; p < plan.ids.size(); ++p) {
-    auto& c = armed->cursors[plan.stream[p]];
-    if (c.position_of_raw.empty()) c.position_of_raw.assign(static_cast<size_t>(plan.per_stream), -1);
-    c.position_of_raw[static_cast<size_t>(plan.raw[p])] = static_cast<int64_t>(p);
+    auto& c = armed->by_stream[plan.stream[p]];
+    if (!c) {
+      c = std::make_unique<Stream>();
+      c->number = plan.stream[p];
+      c->position_of_raw.assign(static_cast<size_t>(plan.per_stream), -1);
+      c->capacity = options.shuffle() ? std::max<int64_t>(1, options.shuffle_buffer()) : 1;
+    }
+    c->position_of_raw[static_cast<size_t>(plan.raw[p])] = static_cast<int64_t>(p);
+    if (static_cast<int64_t>(p) >= first_position) c->end = std::max(c->end, plan.raw[p] + 1);
+  }
+  for (auto& [s, c] : armed->by_stream) {
+    Stream* stream = c.get();
+    c->reader = std::thread([this, st = armed.get(), stream] { read_stream(*st, *stream); });
   }
   std::vector<int64_t> ids = plan.ids;
-  std::lock_guard<std::mutex> lock(mutex_);
-  streams_ = std::move(armed);
+  std::shared_ptr<Streams> old;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    old = std::move(streams_);
+    streams_ = std::move(armed);
+  }
+  if (old) old->disarm();
   return ids;
 }
 
@@ -441,46 +510,113 @@ void read_to(ShardReader& reader, int64_t& next_ordinal, int64_t ordinal, bool n
 
 const char* const kChangedHint = "restore the shard as it was when the run started, or start a new run.";
 
+void check_shard_present(const std::string& path, const std::string& key) {
+  check_user(std::filesystem::exists(path), "shard " + path + " vanished during the epoch, before its sample " + key + ".",
+             "put the shard back and resume the run (--resume auto).");
+}
+
 }  // namespace
 
-std::vector<ShardDataset::Needed> ShardDataset::stream_samples(const std::vector<int64_t>& indices,
-                                                                int64_t first_position) const {
-  Streams& st = *streams_;
+void ShardDataset::read_stream(const Streams& st, Stream& c) const {
   const StreamPlan& plan = st.plan;
   const int64_t N = index_.size(), Q = plan.per_stream;
-  std::vector<Needed> out;
+  std::unique_ptr<ShardReader> reader;
+  int64_t shard = -1, next_ordinal = 0;
+  try {
+    for (int64_t j = 0; j < c.end && !c.stop; ++j) {
+      const bool needed = c.position_of_raw[static_cast<size_t>(j)] >= st.first_position;
+      if (needed) {
+        std::unique_lock<std::mutex> lock(c.mutex);
+        c.room.wait(lock, [&] {
+          return c.stop || j <= c.furthest_asked || static_cast<int64_t>(c.ready.size()) < c.capacity;
+        });
+        if (c.stop) break;
+      }
+      const int64_t id = plan.sequence[static_cast<size_t>((c.number * Q + j) % N)];
+      const int64_t sh = index_.shard_of(id), ordinal = index_.ordinals[static_cast<size_t>(id)];
+      const std::string& path = index_.paths[static_cast<size_t>(sh)];
+      const std::string& key = index_.keys[static_cast<size_t>(id)];
+      if (shard != sh || next_ordinal > ordinal) {
+        reader.reset();
+        check_shard_present(path, key);
+        reader = std::make_unique<ShardReader>(path);
+        shard = sh;
+        next_ordinal = 0;
+        std::lock_guard<std::mutex> lock(c.mutex);
+        c.entered.push_back(j);
+      }
+      ShardSample sample;
+      Needed got;
+      read_to(*reader, next_ordinal, ordinal, needed, key, &sample);
+      if (needed)
+        check_user(take(sample, &got),
+                   "shard " + path + " changed during the run: sample " + key + " lacks a field now.", kChangedHint);
+      bool wake = false;
+      {
+        std::lock_guard<std::mutex> lock(c.mutex);
+        if (needed) c.ready.emplace(j, std::move(got));
+        c.read_through = j + 1;
+        wake = c.waiting > 0;
+      }
+      if (wake) c.readable.notify_all();
+    }
+  } catch (...) {
+    // Kept for the workers asking for this sample or a later one: each
+    // gets the error, as it would have reading the stream itself.
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.error = std::current_exception();
+  }
+  c.readable.notify_all();
+}
+
+bool ShardDataset::stream_samples(Streams& st, const std::vector<int64_t>& indices, int64_t first_position,
+                                  std::vector<Needed>* out) const {
+  const StreamPlan& plan = st.plan;
+  const int64_t N = index_.size(), Q = plan.per_stream;
+  std::map<int64_t, int64_t> share;  // stream -> samples of this batch it holds
+  for (size_t j = 0; j < indices.size(); ++j) ++share[plan.stream[static_cast<size_t>(first_position) + j]];
+  const int64_t window = st.options.shuffle() ? std::max<int64_t>(1, st.options.shuffle_buffer()) : 1;
+  for (const auto& [s, n] : share) {
+    Stream& c = *st.by_stream.at(s);
+    {
+      std::lock_guard<std::mutex> lock(c.mutex);
+      c.capacity = std::max(c.capacity, window + kReadAheadBatches * n);
+    }
+    c.room.notify_all();
+  }
+  out->clear();
   for (size_t j = 0; j < indices.size(); ++j) {
     const auto p = static_cast<size_t>(first_position) + j;
     const int64_t s = plan.stream[p], want = plan.raw[p];
-    auto& c = st.cursors[s];
-    while (c.next_raw <= want) {
-      const int64_t id = plan.sequence[static_cast<size_t>((s * Q + c.next_raw) % N)];
-      const int64_t shard = index_.shard_of(id), ordinal = index_.ordinals[static_cast<size_t>(id)];
-      const std::string& path = index_.paths[static_cast<size_t>(shard)];
-      const std::string& key = index_.keys[static_cast<size_t>(id)];
-      if (c.shard != shard || c.next_ordinal > ordinal) {
-        c.reader.reset();
-        check_user(std::filesystem::exists(path),
-                   "shard " + path + " vanished during the epoch, before its sample " + key + ".",
-                   "put the shard back and resume the run (--resume auto).");
-        c.reader = std::make_unique<ShardReader>(path);
-        c.shard = shard;
-        c.next_ordinal = 0;
-      }
-      ShardSample sample;
-      const bool needed = c.position_of_raw[static_cast<size_t>(c.next_raw)] >= st.first_position;
-      read_to(*c.reader, c.next_ordinal, ordinal, needed, key, &sample);
-      if (needed)
-        check_user(take(sample, &c.read[c.next_raw]),
-                   "shard " + path + " changed during the run: sample " + key + " lacks a field now.", kChangedHint);
-      ++c.next_raw;
+    Stream& c = *st.by_stream.at(s);
+    std::unique_lock<std::mutex> lock(c.mutex);
+    if (want > c.furthest_asked) {
+      c.furthest_asked = want;
+      c.room.notify_all();
     }
-    auto it = c.read.find(want);
-    TORCH_CHECK(it != c.read.end(), name_, ": stream ", s, " sample ", want, " was not read or already taken");
-    out.push_back(std::move(it->second));
-    c.read.erase(it);
+    ++c.waiting;
+    c.readable.wait(lock, [&] { return c.read_through > want || c.error || c.stop; });
+    --c.waiting;
+    if (c.read_through <= want) {
+      if (c.error) std::rethrow_exception(c.error);
+      return false;  // disarmed
+    }
+    // A shard that vanished after the reader opened it stops the epoch
+    // where it would without the read-ahead: at the first sample asked for
+    // from that shard on, whatever the reader's timing.
+    for (; c.entries_checked < c.entered.size() && c.entered[c.entries_checked] <= want; ++c.entries_checked) {
+      const int64_t id = plan.sequence[static_cast<size_t>((s * Q + c.entered[c.entries_checked]) % N)];
+      check_shard_present(index_.paths[static_cast<size_t>(index_.shard_of(id))],
+                          index_.keys[static_cast<size_t>(id)]);
+    }
+    auto it = c.ready.find(want);
+    TORCH_CHECK(it != c.ready.end(), name_, ": stream ", s, " sample ", want, " was not read or already taken");
+    out->push_back(std::move(it->second));
+    c.ready.erase(it);
+    lock.unlock();
+    c.room.notify_all();
   }
-  return out;
+  return true;
 }
 
 std::vector<ShardDataset::Needed> ShardDataset::indexed_samples(const std::vector<int64_t>& indices) const {
@@ -693,18 +829,18 @@ std::shared_ptr<DeviceStage> ShardDataset::device_stage() const {
 
 Batch ShardDataset::get_keyed_batch(const std::vector<int64_t>& indices, const DrawKey& key,
                                     int64_t first_position) const {
-  std::vector<Needed> samples;
-  bool streamed = false;
+  std::shared_ptr<Streams> st;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const Streams* st = streams_.get();
-    streamed = st && st->options.seed() == key.seed && st->options.epoch() == key.epoch &&
-               st->options.rank() == key.rank && first_position >= st->first_position &&
-               first_position + static_cast<int64_t>(indices.size()) <= static_cast<int64_t>(st->plan.ids.size()) &&
-               std::equal(indices.begin(), indices.end(), st->plan.ids.begin() + first_position);
-    if (streamed) samples = stream_samples(indices, first_position);
+    st = streams_;
   }
-  if (!streamed) samples = indexed_samples(indices);
+  const bool armed_for_it =
+      st && st->options.seed() == key.seed && st->options.epoch() == key.epoch && st->options.rank() == key.rank &&
+      first_position >= st->first_position &&
+      first_position + static_cast<int64_t>(indices.size()) <= static_cast<int64_t>(st->plan.ids.size()) &&
+      std::equal(indices.begin(), indices.end(), st->plan.ids.begin() + first_position);
+  std::vector<Needed> samples;
+  if (!armed_for_it || !stream_samples(*st, indices, first_position, &samples)) samples = indexed_samples(indices);
   if (options_.gpu_decode() && options_.image()) return encoded(samples, indices, key, first_position);
   return decode_batch(samples, indices, key, first_position);
 }

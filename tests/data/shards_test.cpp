@@ -4,18 +4,24 @@
 // and the shards subcommand feeding a real 2-rank run that resumes bit-exactly.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <map>
 #include <regex>
 #include <set>
+#include <thread>
 
 #include "ddp/data/image_codec.h"
 #include "ddp/data/image_folder.h"
@@ -332,6 +338,171 @@ TEST(BadShard, ShardVanishingMidEpochNamesTheShardAndTheNextSample) {
   const auto msg = user_error([&] { data->get_keyed_batch({ids[2], ids[3]}, ddp::data::DrawKey{}, 2); });
   EXPECT_NE(msg.find("shard " + dir + "/s-1.tar vanished during the epoch, before its sample k3."), std::string::npos)
       << msg;
+}
+
+// ---- the streams' reader threads ----
+
+namespace {
+
+// The batches of `positions` of `ids`, 3 samples each, asked of `data` by
+// `threads` threads at once: thread t takes batch b for b % threads == t,
+// odd threads from their last batch down, so some ask far ahead of the
+// readers' bound.
+std::vector<ddp::data::Batch> batches_from_threads(const ShardDataset& data, const std::vector<int64_t>& ids,
+                                                   const ddp::data::DrawKey& key, int64_t threads) {
+  const int64_t n = (static_cast<int64_t>(ids.size()) + 2) / 3;
+  std::vector<ddp::data::Batch> out(static_cast<size_t>(n));
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      std::vector<int64_t> mine;
+      for (int64_t b = t; b < n; b += threads) mine.push_back(b);
+      if (t % 2) std::reverse(mine.begin(), mine.end());
+      for (int64_t b : mine) {
+        const auto first = static_cast<size_t>(3 * b);
+        std::vector<int64_t> chunk(ids.begin() + first, ids.begin() + std::min(first + 3, ids.size()));
+        out[static_cast<size_t>(b)] = data.get_keyed_batch(chunk, key, static_cast<int64_t>(first));
+      }
+    });
+  for (auto& th : pool) th.join();
+  return out;
+}
+
+}  // namespace
+
+// 8 worker threads taking batches of one rank's two streams at once, in
+// scrambled order, get exactly the planned samples, bit for bit as read by
+// index (augmentation on), epoch after epoch (the readers re-armed).
+TEST(ShardDataset, EightWorkerThreadsTakingTheStreamsAtOnceGetThePlannedSamples) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_threads");
+  const auto pattern = write_shards(dir, {7, 5, 9, 4, 6, 8});
+  const auto data = open_shards(pattern, /*train=*/true), by_index = open_shards(pattern, /*train=*/true);
+  for (int64_t epoch = 0; epoch < 3; ++epoch) {
+    const auto o = StreamOrderOptions().seed(5).epoch(epoch).streams(2).shuffle_buffer(2).rank(0).world(1);
+    const ddp::data::DrawKey key{5, epoch, 0};
+    const auto ids = data->epoch_order(o, 0);
+    ASSERT_EQ(ids.size(), 40u);  // 2 streams x 20 (one sample seen twice)
+    const auto got = batches_from_threads(*data, ids, key, 8);
+    for (size_t b = 0; b < got.size(); ++b) {
+      const auto first = 3 * b;
+      std::vector<int64_t> chunk(ids.begin() + first, ids.begin() + std::min(first + 3, ids.size()));
+      const auto want = by_index->get_keyed_batch(chunk, key, static_cast<int64_t>(first));  // never armed: by index
+      ASSERT_TRUE(got[b].target().defined()) << "epoch " << epoch << " batch " << b;
+      EXPECT_TRUE(torch::equal(got[b].target(), torch::tensor(chunk))) << "epoch " << epoch << " batch " << b;
+      EXPECT_TRUE(torch::equal(got[b].input(), want.input())) << "epoch " << epoch << " batch " << b;
+    }
+  }
+}
+
+// The point of the readers: a worker whose samples are read gets them while
+// another worker waits on a shard the stream is still reading (here a pipe
+// that has no data yet), rather than waiting behind it.
+TEST(ShardDataset, AWorkerGetsReadSamplesWhileAnotherWaitsOnAShardStillBeingRead) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_pipe");
+  const auto data = open_shards(write_shards(dir, {4, 3}));  // scanned while s-1 is a file
+  const std::string pipe = dir + "/s-1.tar";
+  const auto bytes = file_bytes(pipe);
+  fs::remove(pipe);
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const auto ids = data->epoch_order(StreamOrderOptions().streams(1).shuffle(false), 0);
+  auto label = [&](int64_t p) {
+    return data->get_keyed_batch({ids[static_cast<size_t>(p)]}, ddp::data::DrawKey{}, p).target()[0].item<int64_t>();
+  };
+  auto in_pipe = std::async(std::launch::async, label, 4);  // k4: the pipe's first sample
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto read_first = std::async(std::launch::async, label, 0);
+  EXPECT_EQ(read_first.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "a worker waited behind the one whose shard is still being read";
+  // Feed the pipe (a writer can open it once the stream has opened it to read).
+  int fd = -1;
+  for (int tries = 0; fd < 0 && tries < 1000; ++tries) {
+    fd = open(pipe.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_GE(fd, 0) << "nothing opened the pipe to read it";
+  fcntl(fd, F_SETFL, 0);
+  for (size_t off = 0; off < bytes.size();) {
+    const ssize_t n = write(fd, bytes.data() + off, bytes.size() - off);
+    ASSERT_GT(n, 0);
+    off += static_cast<size_t>(n);
+  }
+  close(fd);
+  EXPECT_EQ(read_first.get(), 0);
+  EXPECT_EQ(in_pipe.get(), 4);
+}
+
+// A shard gone before the reader reaches it (or cut short in its first
+// sample) fails, with the one-line error of the sample, every worker asking
+// for a sample from it on, while those asking earlier samples get them;
+// nothing hangs.
+TEST(BadShard, ShardGoneBeforeTheReaderReachesItFailsTheWorkersAskingFromItOn) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  for (const bool truncate : {false, true}) {
+    const auto dir = ddp::testing::temp_dir("bad_reader");
+    const auto data = open_shards(write_shards(dir, {30, 3, 3}));
+    const std::string gone = dir + "/s-1.tar";
+    if (truncate) fs::resize_file(gone, 600);  // inside k30's first member
+    else fs::remove(gone);
+    const auto ids = data->epoch_order(StreamOrderOptions().streams(1).shuffle(false), 0);
+    ASSERT_EQ(ids.size(), 36u);
+    std::vector<std::string> errors(ids.size());
+    std::vector<int64_t> labels(ids.size(), -1);
+    std::vector<std::thread> pool;
+    for (int64_t t = 0; t < 8; ++t)
+      pool.emplace_back([&, t] {
+        for (int64_t p = 35 - t; p >= 0; p -= 8)  // the furthest first: they wait on the reader
+          try {
+            labels[static_cast<size_t>(p)] =
+                data->get_keyed_batch({ids[static_cast<size_t>(p)]}, ddp::data::DrawKey{}, p).target()[0].item<int64_t>();
+          } catch (const ddp::UserError& e) {
+            errors[static_cast<size_t>(p)] = e.what();
+          }
+      });
+    for (auto& th : pool) th.join();
+    for (size_t p = 0; p < ids.size(); ++p) {
+      if (p < 30) {
+        EXPECT_EQ(errors[p], "") << p;
+        EXPECT_EQ(labels[p], static_cast<int64_t>(p));
+      } else if (!truncate) {
+        EXPECT_NE(errors[p].find("shard " + gone + " vanished during the epoch, before its sample k30."),
+                  std::string::npos) << p << ": " << errors[p];
+      } else {
+        EXPECT_NE(errors[p].find("shard " + gone + " is damaged"), std::string::npos) << p << ": " << errors[p];
+      }
+      EXPECT_EQ(errors[p].find('\n'), std::string::npos) << errors[p];
+    }
+  }
+}
+
+// Destroying the dataset, or arming another epoch, with readers running
+// (one waiting for room, after a batch; one stopped with its loader after
+// a batch) returns at once, and a worker of the old epoch still gets its
+// samples (by index).
+TEST(ShardDataset, ReadersStopPromptlyWhenReArmedOrDestroyedMidEpoch) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_stop");
+  const auto pattern = write_shards(dir, {40, 40});
+  const auto by_index = open_shards(pattern, /*train=*/true);
+  auto data = open_shards(pattern, /*train=*/true);
+  const auto o = StreamOrderOptions().seed(3).epoch(0).streams(2).shuffle_buffer(3);
+  const ddp::data::DrawKey key{3, 0, 0};
+  const auto ids = data->epoch_order(o, 0);
+  {
+    ddp::data::Loader loader(data, ids, ddp::data::LoaderOptions(4).workers(2).seed(3).epoch(0).rank(0));
+    ASSERT_TRUE(loader.next().has_value());
+  }  // stopped mid-epoch
+  const std::vector<int64_t> later(ids.begin() + 40, ids.begin() + 44);
+  const auto want = by_index->get_keyed_batch(later, key, 40);
+  data->epoch_order(StreamOrderOptions(o).epoch(1), 0);  // re-armed while the old readers wait for room
+  const auto old = data->get_keyed_batch(later, key, 40);
+  EXPECT_TRUE(torch::equal(old.input(), want.input()));
+  EXPECT_TRUE(torch::equal(old.target(), want.target()));
+  data->get_keyed_batch({data->epoch_order(StreamOrderOptions(o).epoch(1), 0)[0]}, ddp::data::DrawKey{3, 1, 0}, 0);
+  const auto start = std::chrono::steady_clock::now();
+  data.reset();  // its readers wait for room
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
 }
 
 // ---- fields beyond the image, and bad samples skipped ----

@@ -32,9 +32,11 @@
 // at exactly the next sample: the streams are replayed from their first
 // shard, skipping (not reading) the samples already trained on.
 //
-// Loader workers share the rank's streams: a batch's samples are read in
-// stream order under a lock (sequential I/O) and decoded by the worker
-// that builds the batch, so the batches do not depend on --workers.
+// Loader workers share the rank's streams: each stream of the rank has a
+// reader thread that reads its samples in stream order (sequential I/O) a
+// bounded distance ahead of the workers; a worker takes its batch's
+// samples from the readers and decodes them, so the batches do not depend
+// on --workers, and no worker waits while another reads a tar.
 #pragma once
 
 #include <cstdint>
@@ -251,7 +253,8 @@ class ShardDataset : public StreamDataset {
   const ShardIndex& index() const { return index_; }
 
  private:
-  struct Streams;  // the armed epoch's readers
+  struct Stream;   // one stream of the armed epoch and its reader thread
+  struct Streams;  // the armed epoch's streams
   // What a batch needs of a sample: its image's bytes (if the dataset has
   // images) and each field's, in options_.fields() order.
   struct Needed {
@@ -265,9 +268,13 @@ class ShardDataset : public StreamDataset {
     TransformWindow window;
     TensorDict fields;
   };
-  // What each of `indices` needs (positions first_position + j of the armed
-  // plan), read as streams.
-  std::vector<Needed> stream_samples(const std::vector<int64_t>& indices, int64_t first_position) const;
+  // What each of `indices` needs (positions first_position + j of `st`'s
+  // plan), taken from the streams' readers into `out`; false if `st` was
+  // disarmed meanwhile (the caller then reads by index).
+  bool stream_samples(Streams& st, const std::vector<int64_t>& indices, int64_t first_position,
+                      std::vector<Needed>* out) const;
+  // The body of `stream`'s reader thread.
+  void read_stream(const Streams& st, Stream& stream) const;
   std::vector<Needed> indexed_samples(const std::vector<int64_t>& indices) const;
   // Moves what is needed out of `sample`; false if it lacks some of it.
   bool take(ShardSample& sample, Needed* out) const;
@@ -290,8 +297,8 @@ class ShardDataset : public StreamDataset {
   DecodeOptions decode_;
   std::string name_;
   int64_t num_classes_ = 0;
-  mutable std::mutex mutex_;                  // guards streams_
-  mutable std::unique_ptr<Streams> streams_;  // null: no epoch armed
+  mutable std::mutex mutex_;                  // guards streams_ (not the reading)
+  mutable std::shared_ptr<Streams> streams_;  // null: no epoch armed; workers hold it while taking
   mutable std::once_flag stage_once_;
   mutable std::shared_ptr<DeviceStage> stage_;
   mutable std::mutex skipped_mutex_;             // guards skipped_, warned_
