@@ -37,6 +37,14 @@ std::string shard_name(const std::string& out, size_t i, const char* ext) {
   return out + "-" + number + ext;
 }
 
+// The name of shard i, refused if that file exists: shards are never
+// overwritten.
+std::string new_shard_name(const std::string& out, size_t i, const char* ext) {
+  const std::string name = shard_name(out, i, ext);
+  check_user(!fs::exists(name), name + " already exists; shards are never overwritten.", kOverwriteHint);
+  return name;
+}
+
 std::string lower(std::string s) {
   for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   return s;
@@ -63,8 +71,7 @@ std::string image_extension(const std::string& path) {
 void check_out(const ShardWriteOptions& o, const char* ext) {
   check_user(o.shard_mb > 0, "--shard-mb must be positive.", "e.g. --shard-mb 256.");
   check_user(o.shard_samples >= 0, "--shard-samples must be 0 (no limit) or positive.");
-  check_user(!fs::exists(shard_name(o.out, 0, ext)),
-             shard_name(o.out, 0, ext) + " already exists; shards are never overwritten.", kOverwriteHint);
+  (void)new_shard_name(o.out, 0, ext);
   const fs::path parent = fs::path(o.out).parent_path();
   check_user(parent.empty() || fs::is_directory(parent), "the folder of " + o.out + " does not exist.",
              "create it first (mkdir -p " + parent.string() + ").");
@@ -96,9 +103,7 @@ class TarShards {
       shard_.reset();
     }
     if (!shard_) {
-      written_.push_back(shard_name(o_.out, written_.size(), ".tar"));
-      check_user(!fs::exists(written_.back()), written_.back() + " already exists; shards are never overwritten.",
-                 kOverwriteHint);
+      written_.push_back(new_shard_name(o_.out, written_.size(), ".tar"));
       shard_ = std::make_unique<data::TarWriter>(written_.back());
       in_shard_ = 0;
     }
@@ -191,9 +196,7 @@ std::vector<std::string> write_token_shards(const ShardWriteOptions& o) {
   auto flush = [&] {
     const auto count = static_cast<int32_t>((shard.size() - data::kLlmcHeaderBytes) / 2);
     std::memcpy(&shard[8], &count, 4);
-    written.push_back(shard_name(o.out, written.size(), ".bin"));
-    check_user(!fs::exists(written.back()), written.back() + " already exists; shards are never overwritten.",
-               kOverwriteHint);
+    written.push_back(new_shard_name(o.out, written.size(), ".bin"));
     write_file_atomic(written.back(), shard);
     shard.clear();
   };
