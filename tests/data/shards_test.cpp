@@ -57,7 +57,9 @@ std::vector<uint8_t> png_bytes(int64_t seed, int64_t side = 12) {
   auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed) + 1);
   auto image = torch::randint(0, 256, {side, side, 3}, gen, torch::kLong).to(torch::kUInt8);
   ddp::data::write_png(dir + "/x.png", image);
-  return file_bytes(dir + "/x.png");
+  auto bytes = file_bytes(dir + "/x.png");
+  std::filesystem::remove_all(dir);  // one per sample: thousands in the suite
+  return bytes;
 }
 
 // `sizes[i]` samples in shard i, written as DIR/s-i.tar; sample n (counting

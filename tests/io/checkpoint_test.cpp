@@ -8,6 +8,7 @@
 #include <chrono>
 #include <thread>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -754,6 +755,9 @@ struct BadCase {
 
 class BadInput : public ::testing::TestWithParam<BadCase> {};
 
+// A case's argument "bad idx: KIND" stands for write_bad_dataset(KIND).
+constexpr const char* kBadIdx = "bad idx: ";
+
 std::string write_bad_dataset(const std::string& kind) {
   auto dir = ddp::testing::temp_dir("bad_" + kind);
   auto put = [&](const std::string& name, std::vector<uint8_t> bytes) {
@@ -788,7 +792,8 @@ TEST_P(BadInput, OneLineErrorAndExitCode) {
   auto dir = ddp::testing::temp_dir("bad");
   std::vector<std::string> argv{DDPTRAIN_EXE, "--size", "1", "--backend", "gloo", "--epochs", "1",
                                 "--train-samples", "64", "--test-samples", "64", "--save_path", dir, "--progress", "none"};
-  argv.insert(argv.end(), c.args.begin(), c.args.end());
+  for (const auto& a : c.args)  // the broken data sets are written here, not when the cases are listed
+    argv.push_back(a.rfind(kBadIdx, 0) == 0 ? write_bad_dataset(a.substr(std::strlen(kBadIdx))) : a);
   auto r = run_process(argv, {}, 30);
   EXPECT_EQ(r.exit_code, c.code) << r.output;
   EXPECT_LT(r.seconds, 10);
@@ -819,10 +824,10 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, BadInput,
     ::testing::Values(
         BadCase{"MissingDataset", {"--dataset", "fashion-mnist", "--data_root", "/nonexistent/fm"}, "apt-get install dataset-fashion-mnist"},
-        BadCase{"WrongMagic", {"--dataset", "mnist", "--data_root", write_bad_dataset("magic")}, "magic number 1234"},
-        BadCase{"TruncatedImages", {"--dataset", "mnist", "--data_root", write_bad_dataset("truncated")}, "truncated"},
-        BadCase{"CountsDisagree", {"--dataset", "mnist", "--data_root", write_bad_dataset("count")}, "t10k-labels-idx1-ubyte"},
-        BadCase{"LabelOutOfRange", {"--dataset", "mnist", "--data_root", write_bad_dataset("label")}, "label 12"},
+        BadCase{"WrongMagic", {"--dataset", "mnist", "--data_root", kBadIdx + std::string("magic")}, "magic number 1234"},
+        BadCase{"TruncatedImages", {"--dataset", "mnist", "--data_root", kBadIdx + std::string("truncated")}, "truncated"},
+        BadCase{"CountsDisagree", {"--dataset", "mnist", "--data_root", kBadIdx + std::string("count")}, "t10k-labels-idx1-ubyte"},
+        BadCase{"LabelOutOfRange", {"--dataset", "mnist", "--data_root", kBadIdx + std::string("label")}, "label 12"},
         BadCase{"InputTooSmallForModel", {"--dataset", "synthetic", "--model", "resnet18", "--stem", "imagenet"}, "--stem small"},
         BadCase{"ShapesDoNotMatch", {"--dataset", "synthetic", "--loss", "l1"}, "would broadcast output [64, 10] and target [64]"},
         BadCase{"NonFiniteLoss", {"--dataset", "synthetic", "--optimizer", "sgd", "--lr", "1e30", "--schedule", "constant", "--warmup-epochs", "0", "--train-samples", "640"}, "the training loss became", ddp::exit_code::kNonFinite},

@@ -18,6 +18,7 @@
 #include <random>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -121,11 +122,45 @@ bool wait_for_output(const Child& c, const std::string& text, double timeout_sec
   return false;
 }
 
+namespace {
+// Every temp_dir() of this test process. After the last test, gtest tears
+// this environment down: the directories go when every test passed, and
+// stay, each named on stderr, when one failed (its files are the evidence).
+class TempDirs : public ::testing::Environment {
+ public:
+  void add(const std::string& dir) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    dirs_.push_back(dir);
+  }
+  void TearDown() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool passed = ::testing::UnitTest::GetInstance()->Passed();
+    for (const auto& d : dirs_) {
+      if (passed) {
+        std::error_code ec;
+        std::filesystem::remove_all(d, ec);
+      } else {
+        std::fprintf(stderr, "[test harness: kept %s]\n", d.c_str());
+      }
+    }
+    dirs_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> dirs_;
+};
+// gtest owns it; registered before main() so that it is torn down after
+// the tests, whichever of them made directories.
+TempDirs* const g_temp_dirs = static_cast<TempDirs*>(::testing::AddGlobalTestEnvironment(new TempDirs));
+}  // namespace
+
 std::string temp_dir(const std::string& tag) {
   auto base = std::filesystem::temp_directory_path() /
               ("ddp_" + tag + "_" + std::to_string(getpid()) + "_" +
                std::to_string(std::chrono::steady_clock::now().time_since_epoch().count()));
   std::filesystem::create_directories(base);
+  g_temp_dirs->add(base.string());
   return base.string();
 }
 

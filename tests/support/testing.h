@@ -47,7 +47,9 @@ ProcessResult finish_process(Child& child, double timeout_seconds = 300);
 /// Waits until `child`'s output contains `text`; false on timeout or exit.
 bool wait_for_output(const Child& child, const std::string& text, double timeout_seconds = 120);
 
-/// A fresh empty directory under the system temp dir, removed at exit.
+/// A fresh empty directory under the system temp dir. It is removed after
+/// the process's last test when all passed, and kept (named on stderr) when
+/// one failed.
 std::string temp_dir(const std::string& tag);
 
 /// The first file named `name` under `dir`, searched recursively, or "".
