@@ -43,6 +43,16 @@ stage() {
   fi
 }
 
+# --- 0. Disk. The build and the tests need it: precompiled headers alone are 1.2 GB
+# with the tests, and the tests write up to ~1 GB under /tmp. A disk that
+# fills mid-build or mid-test fails with errors that hide the cause.
+need_mb=1200; [[ ${#TARGETS[@]} -gt 1 ]] && need_mb=3000
+free_mb=$(df -Pm "$BUILD_DIR" | awk 'NR==2 {print $4}')
+if [[ -n "$free_mb" && "$free_mb" -lt "$need_mb" ]]; then
+  say "error: $free_mb MB free on the disk of $BUILD_DIR; building ${TARGETS[*]} needs about $need_mb MB. Hint: free some space, or BUILD_DIR=<a folder on a larger disk> ./setup.sh ${1:-}" >&2
+  exit 1
+fi
+
 # --- 1. Which LibTorch ----------------------------------------------------
 TORCH_PREFIX=""
 if [[ -n "${Torch_DIR:-}" ]]; then
@@ -101,15 +111,6 @@ elif [[ ${#PKGS[@]} -gt 0 && -z "$TORCH_PREFIX" ]]; then
 fi
 
 # --- 3. Build ---------------------------------------------------------------
-# The build and the tests need disk: precompiled headers alone are 1.2 GB
-# with the tests, and the tests write up to ~1 GB under /tmp. A disk that
-# fills mid-build or mid-test fails with errors that hide the cause.
-need_mb=1200; [[ ${#TARGETS[@]} -gt 1 ]] && need_mb=3000
-free_mb=$(df -Pm "$BUILD_DIR" | awk 'NR==2 {print $4}')
-if [[ -n "$free_mb" && "$free_mb" -lt "$need_mb" ]]; then
-  say "error: $free_mb MB free on the disk of $BUILD_DIR; building ${TARGETS[*]} needs about $need_mb MB. Hint: free some space, or BUILD_DIR=<a folder on a larger disk> ./setup.sh ${1:-}" >&2
-  exit 1
-fi
 GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
 [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && GEN=()   # keep the generator of an existing build
 ARGS=(-DCMAKE_BUILD_TYPE=Release)

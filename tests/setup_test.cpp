@@ -25,5 +25,6 @@ TEST(Setup, RefusesADiskTooSmallForTheBuildBeforeBuilding) {
             std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("BUILD_DIR=<a folder on a larger disk> ./setup.sh --tests"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("LibTorch"), std::string::npos) << "it went on to the packages:\n" << r.output;
   EXPECT_EQ(r.output.find("configure"), std::string::npos) << "it configured the build anyway:\n" << r.output;
 }

@@ -9,6 +9,7 @@
 
 #include "ddp/io/torch_pickle.h"
 #include "ddp/models/registry.h"
+#include "ddp/train/lm_task.h"
 #include "ddp/nn.h"
 #include "support/testing.h"
 
@@ -126,10 +127,16 @@ TEST(ConvertLayers, RefusesWhatItCannotSwapSafely) {
 // torch::nn::Linear's weights): nothing converted, nothing reported as
 // kept for the user to fix, so a built-in model's run prints no layers line.
 TEST(ConvertLayers, LeavesDdptrainsOwnModelsAsTheyAre) {
-  for (const char* name : {"resnet18", "resnet50", "cnn"}) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> models;
+  for (const auto& name : ddp::models::model_names()) {
     ddp::models::ModelSpec spec;
     spec.name = name;
-    auto model = ddp::models::make_model(spec);
+    models.emplace_back(name, ddp::models::make_model(spec));
+  }
+  ddp::LmTask lm;
+  models.emplace_back("gpt", lm.make_gpt(ddp::models::GptOptions(), "bytes"));
+  ASSERT_GE(models.size(), 5u);
+  for (const auto& [name, model] : models) {
     const auto before = model->named_parameters(true);
     const auto conversion = ddp::nn::convert_layers(*model);
     EXPECT_EQ(conversion.converted(), 0) << name;

@@ -13,13 +13,16 @@ using namespace ddp::testing;
 
 namespace {
 
-// The probe the tests below run in a child gtest process: it makes a
-// directory with a file in it, prints where, and fails only when asked to.
+// The probe the tests below run in a child gtest process (skipped in the
+// suite itself): it makes a directory with a file in it, prints where, and
+// passes or fails as DDP_TEST_PROBE says.
 TEST(Support, TempDirProbe) {
+  const char* probe = std::getenv("DDP_TEST_PROBE");
+  if (!probe) GTEST_SKIP() << "run by Support.TempDirsOf*";
   const std::string dir = temp_dir("probe");
   std::ofstream(dir + "/evidence.txt") << "kept when a test fails\n";
   std::printf("probe dir: %s\n", dir.c_str());
-  EXPECT_EQ(std::getenv("DDP_TEST_PROBE_FAIL"), nullptr) << "failing on purpose";
+  EXPECT_STREQ(probe, "pass") << "failing on purpose";
 }
 
 std::string probe_dir(const std::string& output) {
@@ -33,7 +36,7 @@ std::string self_exe() { return fs::read_symlink("/proc/self/exe").string(); }
 }  // namespace
 
 TEST(Support, TempDirsOfAPassingRunAreRemovedAtExit) {
-  auto r = run_process({self_exe(), "--gtest_filter=Support.TempDirProbe"}, {}, 60);
+  auto r = run_process({self_exe(), "--gtest_filter=Support.TempDirProbe"}, {{"DDP_TEST_PROBE", "pass"}}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string dir = probe_dir(r.output);
   ASSERT_FALSE(dir.empty()) << r.output;
@@ -41,7 +44,7 @@ TEST(Support, TempDirsOfAPassingRunAreRemovedAtExit) {
 }
 
 TEST(Support, TempDirsOfAFailedRunAreKeptAndNamed) {
-  auto r = run_process({self_exe(), "--gtest_filter=Support.TempDirProbe"}, {{"DDP_TEST_PROBE_FAIL", "1"}}, 60);
+  auto r = run_process({self_exe(), "--gtest_filter=Support.TempDirProbe"}, {{"DDP_TEST_PROBE", "fail"}}, 60);
   ASSERT_NE(r.exit_code, 0) << r.output;
   const std::string dir = probe_dir(r.output);
   ASSERT_FALSE(dir.empty()) << r.output;
