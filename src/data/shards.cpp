@@ -383,6 +383,14 @@ struct ShardDataset::Streams {
   StreamPlan plan;
   int64_t first_position = 0;
   std::map<int64_t, std::unique_ptr<Stream>> by_stream;
+  // Whether epoch + 1 follows (set when the trainer asks for this epoch:
+  // an epoch armed ahead does not yet know), the readers still reading,
+  // and whether the next epoch was armed. Atomics: the last reader to
+  // finish and the thread that adopts an epoch armed ahead may each be
+  // the one that sees both conditions.
+  std::atomic<bool> follows{false};
+  std::atomic<int64_t> reading{0};
+  std::atomic<bool> next_armed{false};
 
   // Stops and joins the readers (each stops before its next sample);
   // workers waiting on them read by index instead.
@@ -414,7 +422,9 @@ ShardDataset::ShardDataset(ShardIndex index, ShardDatasetOptions options, std::s
 }
 
 ShardDataset::~ShardDataset() {
+  // streams_' readers may arm next_: stopped first.
   if (streams_) streams_->disarm();
+  if (next_) next_->disarm();
 }
 
 std::vector<int64_t> ShardDataset::input_shape() const {
@@ -440,7 +450,8 @@ std::string ShardDataset::fingerprint() const {
   return f.hex();
 }
 
-std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options, int64_t first_position) const {
+std::shared_ptr<ShardDataset::Streams> ShardDataset::arm(const StreamOrderOptions& options,
+                                                         int64_t first_position) const {
   auto armed = std::make_shared<Streams>();
   armed->options = options;
   armed->plan = plan_stream_order(index_.shard_sizes(), options);
@@ -457,19 +468,64 @@ std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options
     c->position_of_raw[static_cast<size_t>(plan.raw[p])] = static_cast<int64_t>(p);
     if (static_cast<int64_t>(p) >= first_position) c->end = std::max(c->end, plan.raw[p] + 1);
   }
+  armed->reading = static_cast<int64_t>(armed->by_stream.size());
   for (auto& [s, c] : armed->by_stream) {
     Stream* stream = c.get();
     c->reader = std::thread([this, st = armed.get(), stream] { read_stream(*st, *stream); });
   }
-  std::vector<int64_t> ids = plan.ids;
-  std::shared_ptr<Streams> old;
+  return armed;
+}
+
+namespace {
+// The same epoch's order: every option but next_epoch_follows.
+bool same_order(const StreamOrderOptions& a, const StreamOrderOptions& b) {
+  return a.seed() == b.seed() && a.epoch() == b.epoch() && a.streams() == b.streams() &&
+         a.shuffle_buffer() == b.shuffle_buffer() && a.shuffle() == b.shuffle() && a.rank() == b.rank() &&
+         a.world() == b.world();
+}
+}  // namespace
+
+std::vector<int64_t> ShardDataset::epoch_order(const StreamOrderOptions& options, int64_t first_position) const {
+  std::shared_ptr<Streams> armed, old, unused;
+  {
+    // The epoch armed ahead, if it is this one: its readers have a head start.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (next_ && first_position == next_->first_position && same_order(next_->options, options))
+      armed = std::move(next_);
+    else
+      unused = std::move(next_);
+  }
+  if (unused) unused->disarm();
+  if (!armed) armed = arm(options, first_position);
+  std::vector<int64_t> ids = armed->plan.ids;
+  Streams& now = *armed;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     old = std::move(streams_);
     streams_ = std::move(armed);
   }
   if (old) old->disarm();
+  now.follows = options.next_epoch_follows();
+  arm_next_when_read(now);  // its readers may all be done already
   return ids;
+}
+
+void ShardDataset::arm_next_when_read(Streams& st) const {
+  if (!st.follows || st.reading > 0) return;
+  {
+    // Not (or no longer) the armed epoch: not yet adopted (epoch_order
+    // asks again once it is), or re-armed meanwhile.
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (streams_.get() != &st) return;
+  }
+  if (st.next_armed.exchange(true)) return;
+  auto options = st.options;
+  auto next = arm(options.epoch(options.epoch() + 1).next_epoch_follows(false), 0);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (streams_.get() == &st && !next_) next_ = std::move(next);
+  }
+  if (next) next->disarm();  // not installed: stopped here, outside the lock
 }
 
 bool ShardDataset::take(ShardSample& sample, Needed* out) const {
@@ -517,7 +573,7 @@ void check_shard_present(const std::string& path, const std::string& key) {
 
 }  // namespace
 
-void ShardDataset::read_stream(const Streams& st, Stream& c) const {
+void ShardDataset::read_stream(Streams& st, Stream& c) const {
   const StreamPlan& plan = st.plan;
   const int64_t N = index_.size(), Q = plan.per_stream;
   std::unique_ptr<ShardReader> reader;
@@ -567,6 +623,12 @@ void ShardDataset::read_stream(const Streams& st, Stream& c) const {
     c.error = std::current_exception();
   }
   c.readable.notify_all();
+  bool read_all = false;
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    read_all = !c.stop && !c.error && c.read_through >= c.end;
+  }
+  if (read_all && --st.reading == 0) arm_next_when_read(st);
 }
 
 bool ShardDataset::stream_samples(Streams& st, const std::vector<int64_t>& indices, int64_t first_position,
@@ -620,6 +682,7 @@ bool ShardDataset::stream_samples(Streams& st, const std::vector<int64_t>& indic
 }
 
 std::vector<ShardDataset::Needed> ShardDataset::indexed_samples(const std::vector<int64_t>& indices) const {
+  indexed_reads_ += static_cast<int64_t>(indices.size());
   std::vector<Needed> out(indices.size());
   std::vector<size_t> by_id(indices.size());
   std::iota(by_id.begin(), by_id.end(), 0);

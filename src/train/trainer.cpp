@@ -691,7 +691,8 @@ std::unique_ptr<Trainer::EpochFeed> Trainer::make_feed(int64_t epoch, int64_t st
                                         .streams(config_.shard_streams)
                                         .shuffle_buffer(config_.shuffle_buffer)
                                         .rank(world_.rank())
-                                        .world(world_.size()),
+                                        .world(world_.size())
+                                        .next_epoch_follows(epoch < config_.epochs),
                                     start_batch * config_.batch);
   } else {
     DistributedSampler sampler({data_.train->size(), world_.size(), world_.rank(), true,

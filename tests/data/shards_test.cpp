@@ -395,6 +395,8 @@ TEST(ShardDataset, EightWorkerThreadsTakingTheStreamsAtOnceGetThePlannedSamples)
       EXPECT_TRUE(torch::equal(got[b].input(), want.input())) << "epoch " << epoch << " batch " << b;
     }
   }
+  EXPECT_EQ(data->samples_read_by_index(), 0) << "batches read by index, not from the streams";
+  EXPECT_GT(by_index->samples_read_by_index(), 0);
 }
 
 // The point of the readers: a worker whose samples are read gets them while
@@ -413,17 +415,25 @@ TEST(ShardDataset, AWorkerGetsReadSamplesWhileAnotherWaitsOnAShardStillBeingRead
     return data->get_keyed_batch({ids[static_cast<size_t>(p)]}, ddp::data::DrawKey{}, p).target()[0].item<int64_t>();
   };
   auto in_pipe = std::async(std::launch::async, label, 4);  // k4: the pipe's first sample
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  auto read_first = std::async(std::launch::async, label, 0);
-  EXPECT_EQ(read_first.wait_for(std::chrono::seconds(5)), std::future_status::ready)
-      << "a worker waited behind the one whose shard is still being read";
-  // Feed the pipe (a writer can open it once the stream has opened it to read).
+  // A writer can open the pipe once the stream has it open to read: from
+  // then on the stream is inside the shard still being read.
   int fd = -1;
   for (int tries = 0; fd < 0 && tries < 1000; ++tries) {
     fd = open(pipe.c_str(), O_WRONLY | O_NONBLOCK);
     if (fd < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  // Whatever fails below, the pipe ends (the reader sees a short shard), so
+  // the futures' destructors do not wait forever.
+  struct EndPipe {
+    int& fd;
+    ~EndPipe() {
+      if (fd >= 0) close(fd);
+    }
+  } end_pipe{fd};
   ASSERT_GE(fd, 0) << "nothing opened the pipe to read it";
+  auto read_first = std::async(std::launch::async, label, 0);
+  EXPECT_EQ(read_first.wait_for(std::chrono::seconds(5)), std::future_status::ready)
+      << "a worker waited behind the one whose shard is still being read";
   fcntl(fd, F_SETFL, 0);
   for (size_t off = 0; off < bytes.size();) {
     const ssize_t n = write(fd, bytes.data() + off, bytes.size() - off);
@@ -431,8 +441,10 @@ TEST(ShardDataset, AWorkerGetsReadSamplesWhileAnotherWaitsOnAShardStillBeingRead
     off += static_cast<size_t>(n);
   }
   close(fd);
+  fd = -1;
   EXPECT_EQ(read_first.get(), 0);
   EXPECT_EQ(in_pipe.get(), 4);
+  EXPECT_EQ(data->samples_read_by_index(), 0);
 }
 
 // A shard gone before the reader reaches it (or cut short in its first
@@ -505,6 +517,79 @@ TEST(ShardDataset, ReadersStopPromptlyWhenReArmedOrDestroyedMidEpoch) {
   const auto start = std::chrono::steady_clock::now();
   data.reset();  // its readers wait for room
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 2.0);
+}
+
+namespace {
+
+// Whether this process has `path` open (a stream's reader reading it).
+bool have_open(const std::string& path) {
+  const auto want = fs::canonical(path);
+  for (const auto& e : fs::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    if (fs::read_symlink(e.path(), ec) == want) return true;
+  }
+  return false;
+}
+
+// The shard that epoch `o`'s first stream reads first.
+std::string first_shard(const ShardDataset& data, const StreamOrderOptions& o) {
+  const auto plan = ddp::data::plan_stream_order(data.index().shard_sizes(), o);
+  return data.index().paths[static_cast<size_t>(data.index().shard_of(plan.sequence[0]))];
+}
+
+// Epoch `o`'s batches of 5, taken in order from its streams.
+std::vector<ddp::data::Batch> take_epoch(const ShardDataset& data, const StreamOrderOptions& o) {
+  const auto ids = data.epoch_order(o, 0);
+  const ddp::data::DrawKey key{o.seed(), o.epoch(), o.rank()};
+  std::vector<ddp::data::Batch> out;
+  for (size_t p = 0; p < ids.size(); p += 5) {
+    std::vector<int64_t> chunk(ids.begin() + static_cast<std::ptrdiff_t>(p),
+                               ids.begin() + static_cast<std::ptrdiff_t>(std::min(p + 5, ids.size())));
+    out.push_back(data.get_keyed_batch(chunk, key, static_cast<int64_t>(p)));
+  }
+  return out;
+}
+
+}  // namespace
+
+// Once an epoch's samples are all read and another epoch follows, that
+// epoch's streams start filling their shuffle buffers (the trainer's next
+// epoch used to wait for them); it changes no sample: its batches are the
+// ones a dataset that read nothing ahead gives, bit for bit.
+TEST(ShardDataset, TheNextEpochStartsReadingOnceThisOnesSamplesAreRead) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_next");
+  const auto pattern = write_shards(dir, {30, 30, 30});
+  const auto data = open_shards(pattern, /*train=*/true), fresh = open_shards(pattern, /*train=*/true);
+  const auto o = StreamOrderOptions().seed(9).streams(1).shuffle_buffer(6);
+  const auto next = StreamOrderOptions(o).epoch(1);
+  take_epoch(*data, StreamOrderOptions(o).next_epoch_follows(true));
+  // Epoch 1's reader fills its buffer of 6 from its first shard and waits
+  // there, with the shard open.
+  bool opened = false;
+  for (int tries = 0; !opened && tries < 500; ++tries) {
+    opened = have_open(first_shard(*data, next));
+    if (!opened) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(opened) << "epoch 1 read nothing ahead: " << first_shard(*data, next) << " is not open";
+  const auto got = take_epoch(*data, next), want = take_epoch(*fresh, next);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t b = 0; b < got.size(); ++b) {
+    EXPECT_TRUE(torch::equal(got[b].input(), want[b].input())) << "batch " << b;
+    EXPECT_TRUE(torch::equal(got[b].target(), want[b].target())) << "batch " << b;
+  }
+  EXPECT_EQ(data->samples_read_by_index(), 0);
+}
+
+// The last epoch (no next_epoch_follows) reads nothing beyond itself.
+TEST(ShardDataset, TheLastEpochReadsNothingAhead) {
+  DDP_SKIP_UNLESS_LIBARCHIVE();
+  const auto dir = ddp::testing::temp_dir("shard_last");
+  const auto data = open_shards(write_shards(dir, {30, 30, 30}), /*train=*/true);
+  const auto o = StreamOrderOptions().seed(9).streams(1).shuffle_buffer(6);
+  take_epoch(*data, o);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  for (const auto& path : data->index().paths) EXPECT_FALSE(have_open(path)) << path;
 }
 
 // ---- fields beyond the image, and bad samples skipped ----

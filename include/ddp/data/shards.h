@@ -39,6 +39,7 @@
 // on --workers, and no worker waits while another reads a tar.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -158,6 +159,11 @@ struct StreamOrderOptions {
   TORCH_ARG(bool, shuffle) = true;
   TORCH_ARG(int64_t, rank) = 0;
   TORCH_ARG(int64_t, world) = 1;
+  /// Epoch + 1 follows with these options (the trainer's every epoch but
+  /// the last): once this epoch's samples are all read, the streams of the
+  /// next start reading its shuffle buffers, so that its first batches do
+  /// not wait for them to fill. It changes no order, only when bytes are read.
+  TORCH_ARG(bool, next_epoch_follows) = false;
 };
 
 /// One rank's order for one epoch (see the top of this file).
@@ -251,6 +257,9 @@ class ShardDataset : public StreamDataset {
   std::shared_ptr<DeviceStage> device_stage() const override;
 
   const ShardIndex& index() const { return index_; }
+  /// Samples read by index (evaluation, predict, or a batch of no armed
+  /// epoch) rather than from the streams; for tests and diagnostics.
+  int64_t samples_read_by_index() const { return indexed_reads_; }
 
  private:
   struct Stream;   // one stream of the armed epoch and its reader thread
@@ -273,8 +282,13 @@ class ShardDataset : public StreamDataset {
   // disarmed meanwhile (the caller then reads by index).
   bool stream_samples(Streams& st, const std::vector<int64_t>& indices, int64_t first_position,
                       std::vector<Needed>* out) const;
+  // The streams of an epoch from `first_position` on, their readers started.
+  std::shared_ptr<Streams> arm(const StreamOrderOptions& options, int64_t first_position) const;
+  // Once `st`'s samples are all read and another epoch follows it: arms
+  // that epoch as next_ (once), if `st` is still the armed epoch.
+  void arm_next_when_read(Streams& st) const;
   // The body of `stream`'s reader thread.
-  void read_stream(const Streams& st, Stream& stream) const;
+  void read_stream(Streams& st, Stream& stream) const;
   std::vector<Needed> indexed_samples(const std::vector<int64_t>& indices) const;
   // Moves what is needed out of `sample`; false if it lacks some of it.
   bool take(ShardSample& sample, Needed* out) const;
@@ -297,8 +311,10 @@ class ShardDataset : public StreamDataset {
   DecodeOptions decode_;
   std::string name_;
   int64_t num_classes_ = 0;
-  mutable std::mutex mutex_;                  // guards streams_ (not the reading)
+  mutable std::mutex mutex_;                  // guards streams_ and next_ (not the reading)
   mutable std::shared_ptr<Streams> streams_;  // null: no epoch armed; workers hold it while taking
+  mutable std::shared_ptr<Streams> next_;     // the epoch after streams_', reading ahead (or null)
+  mutable std::atomic<int64_t> indexed_reads_{0};
   mutable std::once_flag stage_once_;
   mutable std::shared_ptr<DeviceStage> stage_;
   mutable std::mutex skipped_mutex_;             // guards skipped_, warned_
