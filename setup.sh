@@ -46,10 +46,13 @@ stage() {
 # --- 0. Disk. The build and the tests need it: precompiled headers alone are 1.2 GB
 # with the tests, and the tests write up to ~1 GB under /tmp. A disk that
 # fills mid-build or mid-test fails with errors that hide the cause.
+# A build already there counts: a rebuild reuses its space.
 need_mb=1200; [[ ${#TARGETS[@]} -gt 1 ]] && need_mb=3000
 free_mb=$(df -Pm "$BUILD_DIR" | awk 'NR==2 {print $4}')
-if [[ -n "$free_mb" && "$free_mb" -lt "$need_mb" ]]; then
-  say "error: $free_mb MB free on the disk of $BUILD_DIR; building ${TARGETS[*]} needs about $need_mb MB. Hint: free some space, or BUILD_DIR=<a folder on a larger disk> ./setup.sh ${1:-}" >&2
+have_mb=$(du -sm "$BUILD_DIR" 2>/dev/null | cut -f1)
+more_mb=$((need_mb - ${have_mb:-0}))
+if [[ -n "$free_mb" && "$free_mb" -lt "$more_mb" ]]; then
+  say "error: $free_mb MB free on the disk of $BUILD_DIR; building ${TARGETS[*]} needs about $more_mb MB more. Hint: free some space, or BUILD_DIR=<a folder on a larger disk> ./setup.sh ${1:-}" >&2
   exit 1
 fi
 
