@@ -51,15 +51,14 @@ std::vector<uint8_t> file_bytes(const std::string& path) {
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
-// A small PNG of pixels drawn from `seed`, as bytes.
+// A small PNG of pixels drawn from `seed`, as bytes (written through one
+// file of the process: the suite makes thousands; called from one thread).
 std::vector<uint8_t> png_bytes(int64_t seed, int64_t side = 12) {
-  const auto dir = ddp::testing::temp_dir("png");
+  static const std::string file = ddp::testing::temp_dir("png") + "/x.png";
   auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(seed) + 1);
   auto image = torch::randint(0, 256, {side, side, 3}, gen, torch::kLong).to(torch::kUInt8);
-  ddp::data::write_png(dir + "/x.png", image);
-  auto bytes = file_bytes(dir + "/x.png");
-  std::filesystem::remove_all(dir);  // one per sample: thousands in the suite
-  return bytes;
+  ddp::data::write_png(file, image);
+  return file_bytes(file);
 }
 
 // `sizes[i]` samples in shard i, written as DIR/s-i.tar; sample n (counting
