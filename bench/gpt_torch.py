@@ -32,6 +32,7 @@ there: attention is written out), which is how the reference values of
 ddptrain's CPU tests are made (tests/testdata/make_gpt_reference.py).
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -245,6 +246,8 @@ def main():
                     help="torch.compile the model, as nanoGPT does (--compile alone: the default mode; "
                          "reduce-overhead adds CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--largest-batch", action="store_true",
+                    help="step, one GPU: first find the largest --batch that fits (doubling from --batch, then bisecting, in this process; a line per try), then time it")
     ap.add_argument("--checkpoint", action="store_true",
                     help="activation checkpointing: each block under torch.utils.checkpoint (ddptrain's --recompute blocks)")
     ap.add_argument("--gelu", default="exact", choices=["exact", "tanh"],
@@ -281,52 +284,97 @@ def main():
     t = cfg.block_size
 
     if args.mode == "step":
-        g = torch.Generator(device=dev).manual_seed(args.seed + rank)
-        x = torch.randint(0, cfg.vocab_size, (args.batch, t), device=dev, generator=g)
-        y = torch.randint(0, cfg.vocab_size, (args.batch, t), device=dev, generator=g)
+        def measure(batch, warmup, steps, profile):
+            g = torch.Generator(device=dev).manual_seed(args.seed + rank)
+            x = torch.randint(0, cfg.vocab_size, (batch, t), device=dev, generator=g)
+            y = torch.randint(0, cfg.vocab_size, (batch, t), device=dev, generator=g)
 
-        def step():
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            with amp:
-                _, loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
+            def step():
+                if graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
+                with amp:
+                    _, loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                return loss
 
-        for _ in range(args.warmup):
-            step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.time()
-        for _ in range(args.steps):
-            loss = step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        ms = 1000 * (time.time() - t0) / args.steps
-        if args.profile_trace:  # bench/kernel_breakdown.py reads it
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(args.steps):
-                    step()
+            for _ in range(warmup):
+                step()
+            if dev.type == "cuda":
                 torch.cuda.synchronize()
-            if rank == 0:
-                prof.export_chrome_trace(args.profile_trace)
-        tokens_rank_s = args.batch * t * 1000 / ms
-        if rank == 0:
-            print(json.dumps({
+            t0 = time.time()
+            for _ in range(steps):
+                loss = step()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ms = 1000 * (time.time() - t0) / steps
+            if profile:  # bench/kernel_breakdown.py reads it
+                from torch.profiler import ProfilerActivity, profile as kineto
+                with kineto(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step()
+                    torch.cuda.synchronize()
+                if rank == 0:
+                    prof.export_chrome_trace(args.profile_trace)
+            tokens_rank_s = batch * t * 1000 / ms
+            return {
                 "contender": contender_name(args) + (", checkpoint" if args.checkpoint else ""),
                 "recompute": "blocks" if args.checkpoint else "none",
                 "gelu": args.gelu, "model": args.model, "params": raw.num_params(non_embedding=False), "context": t,
-                "batch": args.batch, "ranks": world, "optimizer": "adamw" + (" fused" if fused else ""),
+                "batch": batch, "ranks": world, "optimizer": "adamw" + (" fused" if fused else ""),
                 "amp": args.amp, "device": str(dev), "torch": torch.__version__,
                 "ms_per_step": ms, "tokens_per_s": tokens_rank_s * world,
                 "flops_per_token": raw.flops_per_token(), "peak_tflops": args.peak_tflops,
                 "mfu": tokens_rank_s * raw.flops_per_token() / (args.peak_tflops * 1e12),
                 "peak_mem_mib": torch.cuda.max_memory_allocated() / 2**20 if dev.type == "cuda" else 0.0,
-                "final_loss": loss.item()}), flush=True)
+                "final_loss": loss.item()}
+
+        def emit(line):
+            if rank == 0:
+                print(json.dumps(line), flush=True)
+
+        if not args.largest_batch:
+            emit(measure(args.batch, args.warmup, args.steps, bool(args.profile_trace)))
+            return
+        # As `ddptrain bench --largest-batch`: from --batch, doubling until a
+        # step runs out of memory, then bisecting, in this process; a line
+        # per try, then the largest batch timed over --steps. Under
+        # torch.compile the second batch size makes the batch dimension
+        # dynamic (dynamo's automatic dynamic shapes), so later tries do not
+        # compile again.
+        if dev.type != "cuda" or world != 1:
+            sys.exit("gpt_torch.py: --largest-batch searches one GPU's memory. Hint: run it on a GPU with --nproc-per-node 1")
+
+        def fits(batch):
+            torch.cuda.reset_peak_memory_stats()
+            oom = None
+            try:
+                line = dict(measure(batch, 2, 2, False), fits=True)
+            except torch.cuda.OutOfMemoryError as e:
+                oom = str(e).splitlines()[0]
+            opt.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            if oom is not None:
+                line = {"batch": batch, "fits": False, "reason": oom}
+            emit(line)
+            return line["fits"]
+
+        lo, hi = 0, args.batch
+        while fits(hi):
+            lo, hi = hi, hi * 2
+        while hi - lo > 1:
+            mid = lo + (hi - lo) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        if lo == 0:
+            sys.exit("gpt_torch.py: not even a batch of 1 fits. Hint: --checkpoint, or a smaller --model")
+        torch.cuda.reset_peak_memory_stats()
+        emit(dict(measure(lo, args.warmup, args.steps, bool(args.profile_trace)), largest=True))
         return
 
     # train: ddptrain's windows of train.bin (same seed, same samples, same

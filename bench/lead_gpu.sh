@@ -9,8 +9,9 @@
 #   c   (c) ResNet-50: torch.compile (C_MODE, default reduce-overhead) and
 #       ddptrain twice, then ddptrain's profile
 #   ab  (a) and (b) ResNet-18: torch.compile reduce-overhead and ddptrain twice
-#   xl  issue 46's GPT-2 1.5B: the largest batch that fits and its tokens/s
-#       (bench/recompute.sh from XL_START, for XL_CONTENDERS)
+#   xl  issue 46's table: the largest batch that fits and its tokens/s
+#       (bench/recompute.sh for XL_MODELS, default gpt2-xl, from XL_START,
+#       for XL_CONTENDERS)
 # Every phase checks the time left (BUDGET seconds from the start) first.
 #   OUT=dir FILTER='*_CUDA:-*_MultiCUDA' PHASES="f e c ab" bash bench/lead_gpu.sh
 #   SKIP_BUILD=1 PHASES="c" bash bench/lead_gpu.sh     # a warm machine: the build kept
@@ -68,9 +69,9 @@ for ph in ${PHASES:-f e c}; do
        for r in 1 2; do log "($cfg) ddptrain run $r"; $B bench "${A[@]}" --bench-steps 60 "${CLD[@]}" --cuda-graph 2>$OUT/$cfg.dd.err | grep '^{' | tee -a $OUT/item5.jsonl; done
      done ;;
   xl) [[ $(left) -lt 200 ]] && { log "no time for gpt2-xl"; continue; }
-     log "gpt2-xl: ${XL_CONTENDERS:-torch torch-rc ddptrain-rc} from batch ${XL_START:-16}"
-     STEPS=5 START=${XL_START:-16} CONTENDERS="${XL_CONTENDERS:-torch torch-rc ddptrain-rc}" timeout $(( $(left) - 10 )) \
-       bash bench/recompute.sh $OUT/xl.jsonl gpt2-xl > $OUT/xl.log 2>&1; echo "xl rc $?"
+     log "${XL_MODELS:-gpt2-xl}: ${XL_CONTENDERS:-ddptrain ddptrain-rc torch torch-rc} from batch ${XL_START:-16}"
+     STEPS=5 START=${XL_START:-16} CONTENDERS="${XL_CONTENDERS:-ddptrain ddptrain-rc torch torch-rc}" timeout $(( $(left) - 10 )) \
+       bash bench/recompute.sh $OUT/xl.jsonl ${XL_MODELS:-gpt2-xl} > $OUT/xl.log 2>&1; echo "xl rc $?"
      tail -12 $OUT/xl.log; cut -c1-300 $OUT/xl.jsonl ;;
   esac
 done

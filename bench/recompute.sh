@@ -11,13 +11,15 @@
 #              block under torch.utils.checkpoint, non-reentrant)
 # then both at the largest batch PyTorch fits, for tokens/s at equal batch.
 #
-# The largest batch: 1, 2, 4, ... until a run fails with "out of memory",
-# then a bisection between the last that fit and the first that did not.
-# Every try is a fresh process, so each peak is its own. A failure that is
-# not out of memory stops the script (it is a bug, not a limit).
+# The largest batch: each contender's own search in one process
+# (`ddptrain bench --largest-batch`, `gpt_torch.py step --largest-batch`):
+# from START, doubling until a step runs out of memory, then bisecting, the
+# model built once (a 1.5B model takes a minute to build). The runs at equal
+# batch are fresh processes. A failure that is not out of memory stops the
+# script (it is a bug, not a limit).
 #
 #   bench/recompute.sh OUT.jsonl [MODEL ...]     (default: all four sizes)
-#   STEPS=5 MAX_BATCH=256 START=1 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
+#   STEPS=5 START=1 CONTENDERS="ddptrain ddptrain-rc torch torch-rc" bench/recompute.sh ...
 # DDP_FLAGS: more ddptrain flags for both ddptrain contenders (e.g. --cuda-graph).
 # START: the first batch tried (doubling from there, bisecting below it if it
 # does not fit), to spend fewer tries where the range is known.
@@ -33,17 +35,15 @@ shift
 MODELS=("$@")
 [ ${#MODELS[@]} -gt 0 ] || MODELS=(gpt2 gpt2-medium gpt2-large gpt2-xl resnet50)
 STEPS=${STEPS:-5}
-MAX_BATCH=${MAX_BATCH:-256}
 START=${START:-1}
 CONTENDERS=${CONTENDERS:-"ddptrain ddptrain-rc torch torch-rc"}
 DDPTRAIN=${DDPTRAIN:-build/ddptrain}
 LOG=$(mktemp -d)
 : >"$OUT"
 
-# One run of CONTENDER on MODEL at BATCH: 0 and its JSON line appended to
-# $OUT when it fits, 1 when it ran out of memory; exits on other failures.
-try() {
-  local who=$1 model=$2 batch=$3 log="$LOG/$1_$2_$3.log" cmd
+# CONTENDER's command for MODEL at BATCH, in the array cmd.
+command_of() {
+  local who=$1 model=$2 batch=$3
   case $who in
     ddptrain | ddptrain-rc)
       cmd=("$DDPTRAIN" bench --task lm --model "$model" --batch "$batch" --amp bf16 --optimizer adamw --lr 6e-4
@@ -60,26 +60,47 @@ try() {
       [ "$who" = torch-rc ] && cmd+=(--checkpoint) ;;
     *) echo "recompute.sh: unknown contender $who" >&2; exit 2 ;;
   esac
-  if "${cmd[@]}" >"$log" 2>&1; then
-    grep '^{' "$log" | tail -1 | python3 -c 'import json,sys; j=json.loads(sys.stdin.read()); j["who"]=sys.argv[1]; j["fits"]=True; print(json.dumps(j))' "$who" >>"$OUT"
-    return 0
-  fi
+}
+
+# Appends LOG's JSON lines to $OUT, each with "who", "run" (fresh: a
+# process of its own; search: a try of the search, 2 timed steps) and
+# "fits" (true where the line does not say).
+keep_lines() {
+  grep '^{' "$1" | python3 -c '
+import json, sys
+for l in sys.stdin:
+    j = json.loads(l); j["who"] = sys.argv[1]; j["run"] = sys.argv[2]; j.setdefault("fits", True); print(json.dumps(j))' "$2" "$3" >>"$OUT"
+}
+
+# One run of CONTENDER on MODEL at BATCH in a fresh process: 0 and its line
+# appended to $OUT when it fits, 1 when it ran out of memory; exits on other
+# failures.
+try() {
+  local who=$1 model=$2 batch=$3 log="$LOG/$1_$2_$3.log"
+  command_of "$who" "$model" "$batch"
+  if "${cmd[@]}" >"$log" 2>&1; then keep_lines "$log" "$who" fresh; return 0; fi
   if grep -qi "out of memory" "$log"; then return 1; fi
   echo "recompute.sh: $who $model batch $batch failed, not for memory:" >&2
   tail -20 "$log" >&2
   exit 1
 }
 
-# The largest batch (0 if even 1 does not fit).
+# The largest batch (0 if even 1 does not fit): the contender's own search
+# in one process (--largest-batch: from START, doubling, then bisecting),
+# which builds the model once; every try's line goes to $OUT.
 largest() {
-  local who=$1 model=$2 lo=0 hi=$START
-  while [ $hi -le "$MAX_BATCH" ] && try "$who" "$model" $hi; do lo=$hi; hi=$((hi * 2)); done
-  [ $hi -gt "$MAX_BATCH" ] && { echo $lo; return; }
-  while [ $((hi - lo)) -gt 1 ]; do
-    local mid=$(((lo + hi) / 2))
-    if try "$who" "$model" $mid; then lo=$mid; else hi=$mid; fi
-  done
-  echo $lo
+  local who=$1 model=$2 log="$LOG/$1_$2_search.log"
+  command_of "$who" "$model" "$START"
+  if ! "${cmd[@]}" --largest-batch >"$log" 2>&1; then
+    grep -q "not even a batch of 1 fits\|even a batch of 1 does not fit" "$log" && { echo 0; return; }
+    echo "recompute.sh: $who $model: the search failed:" >&2
+    tail -20 "$log" >&2
+    exit 1
+  fi
+  keep_lines "$log" "$who" search
+  grep '^{' "$log" | python3 -c '
+import json, sys
+print(max([json.loads(l) for l in sys.stdin if "\"largest\": true" in l] or [{"batch": 0}], key=lambda j: j["batch"])["batch"])'
 }
 
 for model in "${MODELS[@]}"; do
@@ -102,15 +123,15 @@ done
 
 python3 - "$OUT" <<'EOF'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+rows = [r for r in (json.loads(l) for l in open(sys.argv[1]) if l.strip()) if r["fits"]]
 print(f"{'model':12} {'contender':12} {'largest batch':>13} {'tokens/s there':>15} {'peak MiB':>9}   tokens/s at PyTorch's largest batch")
 for model in dict.fromkeys(r["model"] for r in rows):
     for who in dict.fromkeys(r["who"] for r in rows if r["model"] == model):
         runs = [r for r in rows if r["model"] == model and r["who"] == who]
-        top = max(runs, key=lambda r: r["batch"])
+        top = max(runs, key=lambda r: (r["batch"], r.get("largest", False)))  # the search's timed line
         torch_who = "torch-rc" if who.endswith("-rc") else "torch"
         tb = max((r["batch"] for r in rows if r["model"] == model and r["who"] == torch_who), default=0)
-        eq = [r["tokens_per_s"] for r in runs if r["batch"] == tb]
+        eq = [r["tokens_per_s"] for r in runs if r["batch"] == tb and (r["run"] == "fresh" or r.get("largest"))]
         rate = top.get("tokens_per_s", top.get("images_per_s", 0))  # images/s for the ResNet
         print(f"{model:12} {who:12} {top['batch']:>13} {rate:>15.0f} {top['peak_mem_mib']:>9.0f}   "
               + (f"{max(eq):.0f} at batch {tb}" if eq else "-"))

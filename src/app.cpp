@@ -202,6 +202,8 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   if (command == "doctor") return run_doctor(world);
   if (command == "bench") return run_bench(c, world, c.program.description.empty() ? nullptr : &task);
   if (command == "predict") return run_predict(c, world, task);
+  check_user(!c.largest_batch, "--largest-batch searches the batch size for `" + c.program.name + " bench`; training takes --batch as given.",
+             "run `" + c.program.name + " bench --largest-batch ...` first, then train with --batch N.");
   DDP_PRINT0(world, "%s: rank %d of %d (%s launcher), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
              where.source.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);

@@ -112,6 +112,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--min-delta", "with --patience: the least change of the monitor, in its direction, that counts as an improvement", &c.min_delta, {}, "train", kMayChange},
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
       {"--bench-steps", "ddptrain bench: timed steps (after warm-up)", &c.bench_steps, {}, "bench", kMayChange},
+      {"--largest-batch", "ddptrain bench on one GPU: first find the largest batch whose training step fits in the GPU's memory, as Lightning's batch-size finder, in this process: from --batch, doubling until a step runs out of memory, then bisecting (a line per try); then time that batch", &c.largest_batch, {}, "bench", kMayChange},
       {"--profile-trace", "write a Chrome trace of GPU kernels and ops to this file (Kineto; CUDA builds with LibTorch 2.2+): of the last epoch's training steps, or with ddptrain bench of --bench-steps more steps after timing", &c.profile_trace, {}, "output", kNotRestored, kPerNode},
 
       {"--checkpoint", "predict: the checkpoint whose weights predict, e.g. RUN/best.pt (with --ema, the average's)", &c.checkpoint, {}, "predict", kMayChange, kPerNode},

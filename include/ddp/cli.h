@@ -119,6 +119,7 @@ struct Config {
   double min_delta = 0;             // what counts as an improvement for --patience
   int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's
   int bench_steps = 100;            // `ddptrain bench`
+  bool largest_batch = false;       // `ddptrain bench`: search the largest batch that fits in the GPU's memory
   std::string profile_trace;        // `ddptrain bench`: a Kineto Chrome trace of --bench-steps more steps
   std::string checkpoint;           // `predict`: the checkpoint whose weights predict (e.g. RUN/best.pt)
   std::string split = "test";       // `predict`: train, test, or data of the kind --data_root takes

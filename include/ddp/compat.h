@@ -350,11 +350,31 @@ inline int64_t peak_cuda_bytes(int device) {
 #endif
 }
 
+/// Bytes allocated on a CUDA device now (torch.cuda.memory_allocated); 0
+/// without CUDA.
+inline int64_t allocated_cuda_bytes(int device) {
+#ifdef DDP_WITH_CUDA
+  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  return stats.allocated_bytes[0].current;
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
 inline void reset_peak_cuda_bytes(int device) {
 #ifdef DDP_WITH_CUDA
   c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
 #else
   (void)device;
+#endif
+}
+
+/// Returns the caching allocator's unused cached blocks to the driver (what
+/// Python's torch.cuda.empty_cache does).
+inline void empty_cuda_cache() {
+#ifdef DDP_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::emptyCache();
 #endif
 }
 

@@ -846,6 +846,8 @@ INSTANTIATE_TEST_SUITE_P(
                 "--val-split 0.99 of the 10 samples of synthetic (train) leaves no training sample."},
         BadCase{"ShardStreamsWithoutShards", {"--dataset", "synthetic", "--shard-streams", "4"},
                 "--shard-streams, --shuffle-buffer and --skip-bad-samples apply to --dataset shards only"},
+        BadCase{"LargestBatchInTraining", {"--dataset", "synthetic", "--largest-batch"},
+                "--largest-batch searches the batch size for `ddptrain bench`"},
         BadCase{"SkipBadSamplesWithoutShards", {"--dataset", "synthetic", "--skip-bad-samples"},
                 "--shard-streams, --shuffle-buffer and --skip-bad-samples apply to --dataset shards only"},
         BadCase{"CpuDecodeShareWithoutImageFolder", {"--dataset", "synthetic", "--cpu-decode-share", "0.3"},
