@@ -283,6 +283,17 @@ def main():
     amp = torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=args.amp == "bf16")
     t = cfg.block_size
 
+    def train_on(x, y):  # one training step; the loss
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with amp:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
     if args.mode == "step":
         def measure(batch, warmup, steps, profile):
             g = torch.Generator(device=dev).manual_seed(args.seed + rank)
@@ -290,15 +301,7 @@ def main():
             y = torch.randint(0, cfg.vocab_size, (batch, t), device=dev, generator=g)
 
             def step():
-                if graphs:
-                    torch.compiler.cudagraph_mark_step_begin()
-                with amp:
-                    _, loss = model(x, y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                return loss
+                return train_on(x, y)
 
             for _ in range(warmup):
                 step()
@@ -402,14 +405,7 @@ def main():
         g.manual_seed(args.seed + epoch)  # DistributedSampler's order, as ddptrain's
         mine = torch.randperm(windows, generator=g)[rank::world][k * args.batch:(k + 1) * args.batch]
         x, y = batch_of(train, [ddptrain_window_start(args.seed, epoch, int(i), len(train) - t) for i in mine])
-        if graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        with amp:
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        train_on(x, y)
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
