@@ -186,9 +186,13 @@ torch::Tensor FlatOptimizer::part(const std::vector<torch::Tensor>& part, size_t
 
 // Each rank's part of `whole[k]` from that rank (`mine[k]`, laid out like
 // this rank's part), into `whole[k]` on every rank: an all-gather made of
-// broadcasts, which every backend has, over the parts in place.
-void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine) {
+// broadcasts, which every backend has, over the parts in place. Started
+// only: per buffer, its broadcasts' handles, to be waited for (World::wait)
+// before `whole[k]` is read, or this rank's part written.
+std::vector<FlatOptimizer::Pending> FlatOptimizer::start_broadcast_parts(const std::vector<torch::Tensor>& whole,
+                                                                         const std::vector<torch::Tensor>& mine) {
   const int ranks = shard_->size();
+  std::vector<Pending> out(whole.size());
   for (size_t k = 0; k < whole.size(); ++k) {
     const int64_t n = whole[k].numel(), chunk = (n + ranks - 1) / ranks;
     if (len_[k] > 0 && !whole[k].narrow(0, lo_[k], len_[k]).is_same(mine[k]))
@@ -197,9 +201,15 @@ void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, con
       const int64_t lo = std::min(n, r * chunk), len = std::min(n, lo + chunk) - lo;
       if (len == 0) continue;
       auto piece = whole[k].narrow(0, lo, len);
-      shard_->broadcast(piece, r, "the sharded optimizer's parts (--shard-optimizer)");
+      out[k].push_back(shard_->broadcast_async(piece, r));
     }
   }
+  return out;
+}
+
+void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine) {
+  for (auto& works : start_broadcast_parts(whole, mine))
+    for (const auto& w : works) shard_->wait(w, "the sharded optimizer's state (--shard-optimizer)");
 }
 
 // One update of the tensors p[k] (gradients g[k], moments m[k] and v[k],
@@ -291,6 +301,7 @@ void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tens
 
 void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, GradientsAfterStep after) {
   torch::NoGradGuard no_grad;
+  wait_for_parameters();  // the last step's gather still reads (root) or writes the parts this one updates
   check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
   // The whole step's gradients are scaled in the Adam kernels' own pass;
@@ -342,12 +353,33 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
   if (shard_) gather_parameters();
 }
 
-// Every rank's updated part to every rank. The broadcasts write the flat
-// parameters where no version counter sees it: bumped, so that GradSync's
-// bf16 copies count as stale.
+// Every rank's updated part to every rank, started: the host goes on
+// (the next batch, logging) while the parts travel, until a reader of the
+// parameters calls wait_for_parameters(). Under a CUDA graph capture the
+// wait is recorded in the graph at once (a replay must end gathered).
 void FlatOptimizer::gather_parameters() {
-  broadcast_parts(params_, sp_);
-  for (const auto& p : params_) torch::autograd::impl::bump_version(p);
+  gathers_ = start_broadcast_parts(params_, sp_);
+  if (compat::stream_capturing()) wait_for_parameters();
+}
+
+void FlatOptimizer::wait_for_parameters() {
+  for (size_t k = 0; k < gathers_.size(); ++k) wait_for_buffer(k);
+  gathers_.clear();
+}
+
+// The broadcasts wrote the flat parameters where no version counter sees
+// it: bumped here, where the data is known to be written, so that
+// GradSync's bf16 copies count as stale.
+void FlatOptimizer::wait_for_buffer(size_t k) {
+  if (k >= gathers_.size() || gathers_[k].empty()) return;
+  for (const auto& w : gathers_[k]) shard_->wait(w, "the sharded optimizer's parameter gather (--shard-optimizer)");
+  gathers_[k].clear();
+  torch::autograd::impl::bump_version(params_[k]);
+  ++buffers_waited_;
+}
+
+bool FlatOptimizer::parameters_pending() const {
+  return std::any_of(gathers_.begin(), gathers_.end(), [](const Pending& p) { return !p.empty(); });
 }
 
 // After the whole-buffer step on the fused path: each saved parameter goes
@@ -461,6 +493,7 @@ bool FlatOptimizer::channels_last() const { return sync_ && sync_->options().cha
 void FlatOptimizer::gather_state() {
   if (!shard_) return;
   torch::NoGradGuard no_grad;
+  wait_for_parameters();  // a checkpoint follows, which writes the parameters too
   whole_m_.clear();
   whole_v_.clear();
   for (const auto& p : params_) {
@@ -486,6 +519,9 @@ int64_t FlatOptimizer::unsharded_state_bytes() const {
 }
 
 void FlatOptimizer::save(TensorMap& state) const {
+  TORCH_CHECK(!parameters_pending(),
+              "FlatOptimizer: saved while the parameters are still being gathered; call wait_for_parameters() "
+              "(or gather_state()) on every rank first");
   TORCH_CHECK(!shard_ || whole_m_.size() == m_.size(),
               "FlatOptimizer: a sharded state is saved after gather_state() on every rank");
   const auto& m_all = shard_ ? whole_m_ : m_;
@@ -512,6 +548,7 @@ void FlatOptimizer::save(TensorMap& state) const {
 }
 
 void FlatOptimizer::load(const TensorMap& state) {
+  wait_for_parameters();  // a resume writes the parameters next
   auto name = state.find("name");
   check_user(name != state.end() && tensor_string(name->second) == o_.name(),
              "the checkpoint's optimizer state is not for --optimizer " + o_.name() + ".",

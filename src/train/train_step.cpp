@@ -260,7 +260,10 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     }
     optimizer_->step(found_inf, o_.clip_grad_norm(), GradientsAfterStep::kDropped);  // set to none below
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
-    if (ema_) ema_->update();  // in the captured graph too
+    if (ema_) {
+      optimizer_->wait_for_parameters();  // the average reads every parameter (no overlap with --ema)
+      ema_->update();                     // in the captured graph too
+    }
     // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
     // backward's gradients are copied into the flat buffer, not added to
     // zeros (GradSync::zero_grad).
@@ -277,6 +280,10 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
 
 StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, double loss_scale) {
   if (last_micro) optimizer_->set_lr(lr);
+  // --shard-optimizer: the last step's parameter gather ran while the host
+  // got this batch; the forward reads every parameter (a CUDA graph's
+  // replay and capture included, and the bf16 copies cast below).
+  optimizer_->wait_for_parameters();
   // Local batch norm on several ranks: rank 0's running statistics before
   // every forward, as PyTorch DDP's broadcast_buffers=True does. Outside the
   // captured graph, so a replay starts from them too.
@@ -381,6 +388,7 @@ bool TrainStep::try_capture(const data::Batch& batch) {
 
 std::unique_ptr<WeightEma::Swap> TrainStep::averaged_weights() {
   if (!ema_) return nullptr;
+  optimizer_->wait_for_parameters();  // the swap writes the parameters
   return std::make_unique<WeightEma::Swap>(*ema_, [this] { sync_->bf16_copies_stale(); });
 }
 
@@ -394,7 +402,7 @@ void TrainStep::save(TensorMap& state) const {
 }
 
 void TrainStep::load(const TensorMap& state) {
-  optimizer_->load(state);
+  optimizer_->load(state);  // waits for a gather in flight first
   if (ema_) ema_->load(state);
   // The checkpoint's weights were just written, maybe where no version
   // counter sees it: the bf16 copies are cast again before they are read.

@@ -94,6 +94,13 @@ class TrainStep : public Stateful {
   void save(TensorMap& state) const override;
   void load(const TensorMap& state) override;
 
+  /// --shard-optimizer: run() returns with the updated parameters still
+  /// being gathered (FlatOptimizer::wait_for_parameters); whoever reads the
+  /// model's parameters outside run() calls this first, on every rank
+  /// (evaluation, a checkpoint, an export, a hook). The next run() waits
+  /// itself, as do averaged_weights(), gather_optimizer_state() and load().
+  void wait_for_parameters() { optimizer_->wait_for_parameters(); }
+
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }
   /// Before a checkpoint, on every rank: a sharded optimizer's state is

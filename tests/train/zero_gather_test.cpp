@@ -1,0 +1,81 @@
+// ZeRO-1's parameter gather (--shard-optimizer), started by the optimizer
+// step and waited for by the parameters' readers: real Gloo ranks over TCP
+// through the test worker (tests/worker/testworker.cpp: zero_async,
+// zero_gather_dead).
+#include <filesystem>
+#include <sstream>
+
+#include "support/testing.h"
+
+namespace {
+
+using ddp::testing::run_process;
+
+ddp::testing::ProcessResult run_workers(int n, const std::vector<std::string>& args,
+                                        std::map<std::string, std::string> env = {}) {
+  std::vector<std::string> argv{DDP_TESTWORKER, "--launch", std::to_string(n)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, env, 120);
+}
+
+// On 2 and 3 ranks (3 cuts both flat buffers unevenly), 5 AdamW steps:
+// every run() returns with the gather pending and a checkpoint of the state
+// refused until it is waited for; once waited for (by wait_for_parameters(),
+// by gather_optimizer_state() or by the next run()), the parameters are the
+// unsharded run's bit for bit, each step's gather was waited for once per
+// flat buffer, and no forward began with it pending.
+TEST(ZeroGather, PendingAfterStepAndUnshardedBitsOnceWaitedFor) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (int ranks : {2, 3}) {
+    const auto dir = ddp::testing::temp_dir("zero_async" + std::to_string(ranks));
+    auto r = run_workers(ranks, {"zero_async", dir});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::istringstream in(ddp::testing::read_file(dir + "/zero_async_rank" + std::to_string(rank) + ".txt"));
+      int pending = -1, refused = -1, equal = -1;
+      long long waited = -1, buffers = -1;
+      int forwards_saw_pending = -1;
+      in >> pending >> refused >> equal >> waited >> buffers >> forwards_saw_pending;
+      const std::string where = std::to_string(ranks) + " ranks, rank " + std::to_string(rank);
+      EXPECT_EQ(pending, 5) << where << ": run() waited for its own gather";
+      EXPECT_EQ(refused, 5) << where << ": a checkpoint was written with the gather in flight";
+      EXPECT_EQ(equal, 5) << where << ": the waited-for parameters differ from the unsharded run's";
+      EXPECT_EQ(buffers, 2) << where;  // weights, and the 1-D parameters apart (no_decay_1d)
+      EXPECT_EQ(waited, 5 * buffers) << where;
+      EXPECT_EQ(forwards_saw_pending, 0) << where << ": a forward began before the last step's gather was waited for";
+    }
+  }
+}
+
+// A rank that never joins the gather: rank 0's step returns at once (the
+// gather is asynchronous), and its wait ends the job with the one-line
+// collective error naming the gather within --timeout, not a hang.
+TEST(ZeroGather, StalledRankDuringTheGatherIsReportedWithinTimeout) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("zero_gather_stall");
+  auto r = run_workers(2, {"zero_gather_dead", dir, "stall"}, {{"DDP_TEST_TIMEOUT_MS", "3000"}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.seconds, 20) << r.output;
+  EXPECT_EQ(ddp::testing::read_file(dir + "/returned"), "1\n") << "rank 0's step did not return with its gather pending";
+  const std::string line =
+      "rank 0 of 2: collective 'the sharded optimizer's parameter gather (--shard-optimizer)' failed";
+  const auto at = r.output.find(line);
+  ASSERT_NE(at, std::string::npos) << r.output;
+  // One line: the error and its hint, no backtrace.
+  const auto eol = r.output.find('\n', at);
+  EXPECT_NE(r.output.substr(at, eol - at).find("Hint: another rank probably died or stalled"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank 0 exited with code 4"), std::string::npos) << r.output;  // kPeerFailed
+}
+
+// A rank that dies instead: the job ends at once, naming that rank's error.
+TEST(ZeroGather, DeadRankDuringTheGatherEndsTheJob) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("zero_gather_throw");
+  auto r = run_workers(2, {"zero_gather_dead", dir, "throw"}, {{"DDP_TEST_TIMEOUT_MS", "60000"}});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.seconds, 15) << r.output;
+  EXPECT_NE(r.output.find("injected failure on rank 1 before the gather"), std::string::npos) << r.output;
+}
+
+}  // namespace
