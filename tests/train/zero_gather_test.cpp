@@ -47,6 +47,34 @@ TEST(ZeroGather, PendingAfterStepAndUnshardedBitsOnceWaitedFor) {
   }
 }
 
+// ddptrain's GPT (3 blocks) under LmTask, on 2 and 3 ranks: a forward
+// that begins with the gather pending waits for it part by part (the
+// embeddings, then block 0, 1, 2, then the rest before the head), each
+// wait leaving fewer pieces pending and block 0 starting with later
+// blocks' pieces still pending; the weights equal the unsharded run's bit
+// for bit.
+TEST(ZeroGather, GptForwardWaitsBlockByBlock) {
+  DDP_SKIP_UNLESS_GLOO();
+  for (int ranks : {2, 3}) {
+    const auto dir = ddp::testing::temp_dir("zero_gpt_parts" + std::to_string(ranks));
+    auto r = run_workers(ranks, {"zero_gpt_parts", dir});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::istringstream in(ddp::testing::read_file(dir + "/gpt_parts_rank" + std::to_string(rank) + ".txt"));
+      int equal = -1, forwards = -1, in_order = -1;
+      long long first_block_left = -1, last_left = -1;
+      in >> equal >> forwards >> in_order >> first_block_left >> last_left;
+      const std::string where = std::to_string(ranks) + " ranks, rank " + std::to_string(rank);
+      EXPECT_EQ(equal, 3) << where << ": the weights differ from the unsharded run's";
+      EXPECT_EQ(forwards, 3) << where << ": steps 2, 4 and 6 begin with the last step's gather pending";
+      EXPECT_EQ(in_order, 3) << where << ": the parts were not waited for one by one, in order";
+      // Blocks 1 and 2 (and the final norm) at least: one piece each.
+      EXPECT_GE(first_block_left, 3) << where << ": block 0 waited for later blocks' pieces";
+      EXPECT_EQ(last_left, 0) << where << ": the head ran before the whole gather was waited for";
+    }
+  }
+}
+
 // A rank that never joins the gather: rank 0's step returns at once (the
 // gather is asynchronous), and its wait ends the job with the one-line
 // collective error naming the gather within --timeout, not a hang.

@@ -26,6 +26,7 @@
 #include "ddp/dist/world.h"
 #include "ddp/models/recompute.h"
 #include "ddp/train/flat_optimizer.h"
+#include "ddp/train/lm_task.h"
 #include "ddp/train/train_step.h"
 #include "ddp/app.h"
 #include "ddp/train/trainer.h"
@@ -520,6 +521,71 @@ void zero_async(World& world, const std::string& out) {
   std::fclose(f);
 }
 
+// ddptrain's GPT under LmTask with a sharded optimizer (ARGS: none): its
+// forward waits for the gather part by part (TrainStep::wait_by_part).
+// A sharded and an unsharded step train the same 3-block GPT on the same
+// batches (6 steps; after the odd ones the gather is waited for and the
+// weights compared, the even ones leave it to the next forward); the
+// sharded one's GptImpl::before_part is wrapped to record,
+// after each part's wait, the gather's pieces still pending. Writes
+// "equal forwards in_order first_block_left last_left" per rank: steps
+// whose waited-for parameters equal the unsharded run's, forwards that
+// began with a gather pending, those whose parts came in the order
+// -1, 0, 1, 2, 3 with fewer pieces pending after each, the fewest pieces
+// left pending after block 0's wait over those forwards, and the most left
+// after the last part's.
+void zero_gpt_parts(World& world, const std::string& out) {
+  const auto o = models::GptOptions().n_layer(3).n_head(2).n_embd(16).block_size(8).vocab_size(32);
+  auto make = [&](bool sharded, LmTask& task) {
+    torch::manual_seed(5);
+    auto model = task.make_gpt(o, "bytes");
+    return std::make_unique<TrainStep>(task, *model, world,
+                                       TrainStepOptions().shard_optimizer(sharded).optimizer(
+                                           FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1)));
+  };
+  LmTask plain_task, sharded_task;
+  auto plain = make(false, plain_task);
+  auto sharded = make(true, sharded_task);
+  auto& gpt = *sharded_task.gpt();
+  const auto installed = gpt.before_part;
+  if (!installed) throw std::runtime_error("TrainStep installed no per-part wait on the GPT");
+  std::vector<std::pair<int64_t, int64_t>> seen;  // (part, pieces pending after its wait)
+  const auto& opt = sharded->optimizer();
+  gpt.before_part = [&](int64_t part) {
+    installed(part);
+    seen.emplace_back(part, opt.pieces_pending());
+  };
+  int equal = 0, forwards = 0, in_order = 0;
+  int64_t first_block_left = std::numeric_limits<int64_t>::max(), last_left = 0;
+  for (int s = 0; s < 6; ++s) {
+    torch::manual_seed(100 * s + world.rank());
+    data::Batch b{{"input", torch::randint(0, 32, {4, 8}, torch::kLong)}, {"target", torch::randint(0, 32, {4, 8}, torch::kLong)}};
+    plain->run(b, /*last_micro=*/true, 0.01);
+    const bool was_pending = opt.parameters_pending();
+    seen.clear();
+    sharded->run(b, /*last_micro=*/true, 0.01);
+    if (was_pending) {
+      ++forwards;
+      bool ok = seen.size() == 5;
+      for (size_t i = 0; ok && i < seen.size(); ++i) {
+        ok = seen[i].first == static_cast<int64_t>(i) - 1 && (i == 0 || seen[i].second < seen[i - 1].second);
+      }
+      in_order += ok ? 1 : 0;
+      if (seen.size() == 5) {
+        first_block_left = std::min(first_block_left, seen[1].second);
+        last_left = std::max(last_left, seen[4].second);
+      }
+    }
+    if (s % 2 == 0) continue;  // the next forward begins with this step's gather pending
+    sharded->wait_for_parameters();
+    equal += torch::equal(torch::cat(plain->sync().flat_params()), torch::cat(sharded->sync().flat_params())) ? 1 : 0;
+  }
+  std::FILE* f = std::fopen((out + "/gpt_parts_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%d %d %d %lld %lld\n", equal, forwards, in_order, static_cast<long long>(first_block_left),
+               static_cast<long long>(last_left));
+  std::fclose(f);
+}
+
 // A rank that never joins the gather (ARGS: "stall" or "throw"): rank 0's
 // step() returns with its gather pending, and its wait fails, naming the
 // gather, instead of hanging. Rank 0 writes "returned" before it waits.
@@ -918,6 +984,8 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     capture_fallback(world, out, argc > 0 ? argv[0] : "graph");
   } else if (scenario == "zero_async") {
     zero_async(world, out);
+  } else if (scenario == "zero_gpt_parts") {
+    zero_gpt_parts(world, out);
   } else if (scenario == "zero_gather_dead") {
     zero_gather_dead(world, out, argc > 0 ? argv[0] : "throw");
   } else if (scenario == "unused_reference") {

@@ -156,14 +156,24 @@ class FlatOptimizer {
   /// bf16 copies then count as stale). Nothing pending, or unsharded: returns
   /// at once. step(), gather_state() and load() call it themselves.
   void wait_for_parameters();
-  /// The same for flat buffer k alone (GradSync's flat_params()[k]), e.g.
-  /// just before the first layer that reads it.
+  /// The same for flat buffer k alone (GradSync's flat_params()[k]), or
+  /// for its elements [lo, lo + len) (the gather's pieces that overlap
+  /// them), e.g. just before the layer that reads them.
   void wait_for_buffer(size_t k);
+  void wait_for_range(size_t k, int64_t lo, int64_t len);
+  /// The gather's pieces: each rank's part of flat buffer k, cut again at
+  /// `cuts[k]`'s element offsets (e.g. where a model's layers begin), so
+  /// that wait_for_range() waits for the layers it names only. From the
+  /// next step on; more broadcasts, the same bits.
+  void split_gather_at(std::vector<std::vector<int64_t>> cuts);
   /// Whether some buffer's gather is started and not yet waited for.
   bool parameters_pending() const;
-  /// Buffer gathers waited for over this optimizer's life (one per buffer
-  /// per sharded step, whoever waited): for tests.
+  /// Pieces of the gather started and not yet waited for; buffer gathers
+  /// and pieces waited for over this optimizer's life (whoever waited):
+  /// for tests.
+  int64_t pieces_pending() const;
   int64_t buffers_waited() const { return buffers_waited_; }
+  int64_t pieces_waited() const { return pieces_waited_; }
 
   /// Whether step() runs without host synchronisation or host-side
   /// per-step scalars (so it can be captured in a CUDA graph).
@@ -215,10 +225,15 @@ class FlatOptimizer {
   // `part`'s coordinates (a tensor laid out like sp_, sg_, m_ or v_);
   // empty where the slice lies outside the part.
   torch::Tensor part(const std::vector<torch::Tensor>& part, size_t i) const;
-  using Pending = std::vector<c10::intrusive_ptr<compat::Work>>;  // one buffer's broadcasts
+  struct Piece {  // a broadcast of elements [lo, lo + len) of a flat buffer
+    int64_t lo, len;
+    c10::intrusive_ptr<compat::Work> work;
+  };
+  using Pending = std::vector<Piece>;  // one buffer's
   void gather_parameters();
   std::vector<Pending> start_broadcast_parts(const std::vector<torch::Tensor>& whole,
-                                             const std::vector<torch::Tensor>& mine);
+                                             const std::vector<torch::Tensor>& mine,
+                                             const std::vector<std::vector<int64_t>>& cuts = {});
   void broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine);
   bool channels_last() const;  // this run's 4-D slices are in channels-last order
   torch::Tensor relaid(const torch::Tensor& flat, size_t k, bool from_channels_last, bool to_channels_last) const;
@@ -249,7 +264,8 @@ class FlatOptimizer {
   std::vector<torch::Tensor> whole_m_, whole_v_;  // sharded: gathered for save(), until the next step
   int64_t gathered_at_ = -1;                      // steps_taken() when gathered
   std::vector<Pending> gathers_;  // sharded: per flat buffer, its parameter gather in flight (empty: none)
-  int64_t buffers_waited_ = 0;
+  std::vector<std::vector<int64_t>> cuts_;  // split_gather_at()
+  int64_t buffers_waited_ = 0, pieces_waited_ = 0;
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
   std::vector<double> weight_decay_;  // per buffer: o_.weight_decay(), or 0 for 1-D parameters with no_decay_1d
   torch::Tensor lr_t_;                // learning rate on the device (fused path)

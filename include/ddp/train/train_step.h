@@ -29,6 +29,10 @@
 
 namespace ddp {
 
+namespace models {
+class GptImpl;
+}
+
 struct TrainStepOptions {
   TORCH_ARG(std::string, amp) = "off";    // off | bf16 | fp16 (dynamic loss scaling)
   TORCH_ARG(bool, cuda_graph) = false;
@@ -144,6 +148,11 @@ class TrainStep : public Stateful {
   std::string fallback_;
   struct Graph;
   std::unique_ptr<Graph> graph_;
+  // --shard-optimizer on ddptrain's GPT: the forward waits for the gather
+  // part by part (GptImpl::before_part holds a weak pointer to this).
+  struct PartWaits;
+  std::shared_ptr<PartWaits> part_waits_;
+  void wait_by_part(models::GptImpl& gpt);
 };
 
 }  // namespace ddp
