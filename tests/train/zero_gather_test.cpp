@@ -3,6 +3,7 @@
 // through the test worker (tests/worker/testworker.cpp: zero_async,
 // zero_gather_dead).
 #include <filesystem>
+#include <functional>
 #include <sstream>
 
 #include "support/testing.h"
@@ -18,6 +19,23 @@ ddp::testing::ProcessResult run_workers(int n, const std::vector<std::string>& a
   return run_process(argv, env, 120);
 }
 
+// Runs SCENARIO on 2 and then 3 ranks; calls check(numbers, where) with
+// the numbers each rank wrote to PREFIX_rankR.txt.
+void on_2_and_3_ranks(const std::string& scenario, const std::string& prefix,
+                      const std::function<void(const std::vector<long long>&, const std::string&)>& check) {
+  for (int ranks : {2, 3}) {
+    const auto dir = ddp::testing::temp_dir(scenario + std::to_string(ranks));
+    auto r = run_workers(ranks, {scenario, dir});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::istringstream in(ddp::testing::read_file(dir + "/" + prefix + "_rank" + std::to_string(rank) + ".txt"));
+      std::vector<long long> numbers;
+      for (long long x; in >> x;) numbers.push_back(x);
+      check(numbers, std::to_string(ranks) + " ranks, rank " + std::to_string(rank));
+    }
+  }
+}
+
 // On 2 and 3 ranks (3 cuts both flat buffers unevenly), 5 AdamW steps:
 // every run() returns with the gather pending and a checkpoint of the state
 // refused until it is waited for; once waited for (by wait_for_parameters(),
@@ -26,25 +44,16 @@ ddp::testing::ProcessResult run_workers(int n, const std::vector<std::string>& a
 // flat buffer, and no forward began with it pending.
 TEST(ZeroGather, PendingAfterStepAndUnshardedBitsOnceWaitedFor) {
   DDP_SKIP_UNLESS_GLOO();
-  for (int ranks : {2, 3}) {
-    const auto dir = ddp::testing::temp_dir("zero_async" + std::to_string(ranks));
-    auto r = run_workers(ranks, {"zero_async", dir});
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    for (int rank = 0; rank < ranks; ++rank) {
-      std::istringstream in(ddp::testing::read_file(dir + "/zero_async_rank" + std::to_string(rank) + ".txt"));
-      int pending = -1, refused = -1, equal = -1;
-      long long waited = -1, buffers = -1;
-      int forwards_saw_pending = -1;
-      in >> pending >> refused >> equal >> waited >> buffers >> forwards_saw_pending;
-      const std::string where = std::to_string(ranks) + " ranks, rank " + std::to_string(rank);
-      EXPECT_EQ(pending, 5) << where << ": run() waited for its own gather";
-      EXPECT_EQ(refused, 5) << where << ": a checkpoint was written with the gather in flight";
-      EXPECT_EQ(equal, 5) << where << ": the waited-for parameters differ from the unsharded run's";
-      EXPECT_EQ(buffers, 2) << where;  // weights, and the 1-D parameters apart (no_decay_1d)
-      EXPECT_EQ(waited, 5 * buffers) << where;
-      EXPECT_EQ(forwards_saw_pending, 0) << where << ": a forward began before the last step's gather was waited for";
-    }
-  }
+  on_2_and_3_ranks("zero_async", "zero_async", [](const std::vector<long long>& n, const std::string& where) {
+    ASSERT_EQ(n.size(), 6u) << where;
+    const long long pending = n[0], refused = n[1], equal = n[2], waited = n[3], buffers = n[4], saw_pending = n[5];
+    EXPECT_EQ(pending, 5) << where << ": run() waited for its own gather";
+    EXPECT_EQ(refused, 5) << where << ": a checkpoint was written with the gather in flight";
+    EXPECT_EQ(equal, 5) << where << ": the waited-for parameters differ from the unsharded run's";
+    EXPECT_EQ(buffers, 2) << where;  // weights, and the 1-D parameters apart (no_decay_1d)
+    EXPECT_EQ(waited, 5 * buffers) << where;
+    EXPECT_EQ(saw_pending, 0) << where << ": a forward began before the last step's gather was waited for";
+  });
 }
 
 // ddptrain's GPT (3 blocks) under LmTask, on 2 and 3 ranks: a forward
@@ -55,24 +64,16 @@ TEST(ZeroGather, PendingAfterStepAndUnshardedBitsOnceWaitedFor) {
 // for bit.
 TEST(ZeroGather, GptForwardWaitsBlockByBlock) {
   DDP_SKIP_UNLESS_GLOO();
-  for (int ranks : {2, 3}) {
-    const auto dir = ddp::testing::temp_dir("zero_gpt_parts" + std::to_string(ranks));
-    auto r = run_workers(ranks, {"zero_gpt_parts", dir});
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    for (int rank = 0; rank < ranks; ++rank) {
-      std::istringstream in(ddp::testing::read_file(dir + "/gpt_parts_rank" + std::to_string(rank) + ".txt"));
-      int equal = -1, forwards = -1, in_order = -1;
-      long long first_block_left = -1, last_left = -1;
-      in >> equal >> forwards >> in_order >> first_block_left >> last_left;
-      const std::string where = std::to_string(ranks) + " ranks, rank " + std::to_string(rank);
-      EXPECT_EQ(equal, 3) << where << ": the weights differ from the unsharded run's";
-      EXPECT_EQ(forwards, 3) << where << ": steps 2, 4 and 6 begin with the last step's gather pending";
-      EXPECT_EQ(in_order, 3) << where << ": the parts were not waited for one by one, in order";
-      // Blocks 1 and 2 (and the final norm) at least: one piece each.
-      EXPECT_GE(first_block_left, 3) << where << ": block 0 waited for later blocks' pieces";
-      EXPECT_EQ(last_left, 0) << where << ": the head ran before the whole gather was waited for";
-    }
-  }
+  on_2_and_3_ranks("zero_gpt_parts", "gpt_parts", [](const std::vector<long long>& n, const std::string& where) {
+    ASSERT_EQ(n.size(), 5u) << where;
+    const long long equal = n[0], forwards = n[1], in_order = n[2], first_block_left = n[3], last_left = n[4];
+    EXPECT_EQ(equal, 3) << where << ": the weights differ from the unsharded run's";
+    EXPECT_EQ(forwards, 3) << where << ": steps 2, 4 and 6 begin with the last step's gather pending";
+    EXPECT_EQ(in_order, 3) << where << ": the parts were not waited for one by one, in order";
+    // Blocks 1 and 2 (and the final norm) at least: one piece each.
+    EXPECT_GE(first_block_left, 3) << where << ": block 0 waited for later blocks' pieces";
+    EXPECT_EQ(last_left, 0) << where << ": the head ran before the whole gather was waited for";
+  });
 }
 
 // A rank that never joins the gather: rank 0's step returns at once (the
