@@ -269,10 +269,15 @@ Trainer::Trainer(Config config, World& world, Task& task)
   if (step_->optimizer().options().shard_over()) {  // --shard-optimizer or --shard-gradients
     const auto& opt = step_->optimizer();
     const auto& sync = step_->sync();
-    DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s\n",
+    const char* gather = opt.shards() == 1                ? "none (one rank)"
+                         : step_->waits_for_parameters_by_block() ? "in the background, waited for block by block in the next forward"
+                                                                  : "in the background, waited for before the next forward";
+    DDP_PRINT0(world_,
+               "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s; "
+               "parameter gather %s\n",
                static_cast<double>(opt.state_bytes()) / (1 << 20), opt.shards(),
                static_cast<double>(opt.unsharded_state_bytes()) / (1 << 20),
-               describe(sync.options().reduction(), world_).c_str());
+               describe(sync.options().reduction(), world_).c_str(), gather);
     if (config_.shard_gradients)
       DDP_PRINT0(world_, "gradients: %.2f MiB on this rank, sharded over %d rank(s), and up to 3 buckets of %.2f MiB in flight; %.2f MiB unsharded\n",
                  static_cast<double>(sync.gradient_bytes()) / (1 << 20), sync.gradient_storage_sharded() ? world_.size() : 1,

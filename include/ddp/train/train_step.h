@@ -104,6 +104,10 @@ class TrainStep : public Stateful {
   /// (evaluation, a checkpoint, an export, a hook). The next run() waits
   /// itself, as do averaged_weights(), gather_optimizer_state() and load().
   void wait_for_parameters() { optimizer_->wait_for_parameters(); }
+  /// Whether the model's forward waits for that gather block by block
+  /// (ddptrain's GPT under LmTask; see wait_by_part) rather than run()
+  /// for all of it before the forward.
+  bool waits_for_parameters_by_block() const { return part_waits_ != nullptr; }
 
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }
