@@ -273,13 +273,17 @@ void World::all_reduce(torch::Tensor& t, const std::string& what, c10d::ReduceOp
 
 void World::broadcast(torch::Tensor& t, int root, const std::string& what) {
   try {
-    std::vector<torch::Tensor> v{t};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    settle(pg_->broadcast(v, o));
+    settle(broadcast_async(t, root));
   } catch (const std::exception& e) {
     fail(what, e);
   }
+}
+
+c10::intrusive_ptr<compat::Work> World::broadcast_async(torch::Tensor& t, int root) {
+  std::vector<torch::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  return pg_->broadcast(v, o);
 }
 
 void World::barrier(const std::string& what) {

@@ -206,6 +206,10 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   // kernels on CUDA).
   // The token embedding and the output head share wte's weight: with the
   // kernels, one gradient for it (fused_linear.h).
+  auto ready = [this](int64_t part) {
+    if (before_part) before_part(part);
+  };
+  ready(-1);
   models::TiedEmbedding tied(transformer->wte->weight);
   auto x = tied.embed(idx, transformer->wpe->weight.narrow(0, 0, t));
   if (options.dropout() > 0) x = transformer->drop(x);
@@ -214,8 +218,10 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
     int64_t i = 0;
     for (const auto& item : *transformer->h) {
       auto block = std::dynamic_pointer_cast<GptBlockImpl>(item);
+      ready(i);
       x = policy.block(i++) ? recompute(block, x) : block->forward(x);
     }
+    ready(options.n_layer());
     return tied.head(transformer->ln_f(x));
   }
   // --ln-kernel auto: each residual add is fused into the LayerNorm that
@@ -252,6 +258,7 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
   for (const auto& item : *transformer->h) {
     auto& block = *item->as<GptBlock>();
     std::vector<torch::Tensor> out;
+    ready(i);
     if (policy.block(i++)) {
       // The previous block's branch bias gets its gradient here (kInTheAdd).
       auto params = block.parameters();
@@ -268,6 +275,7 @@ torch::Tensor GptImpl::forward(torch::Tensor idx) {
     pending = out[1];
     pending_bias = in_the_add(block.mlp->c_proj);
   }
+  ready(options.n_layer());
   std::tie(x, h) = add_layer_norm(x, pending, transformer->ln_f->weight, transformer->ln_f->bias, eps, pending_bias);
   return tied.head(h);
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <set>
 #include <string>
 
@@ -186,20 +187,35 @@ torch::Tensor FlatOptimizer::part(const std::vector<torch::Tensor>& part, size_t
 
 // Each rank's part of `whole[k]` from that rank (`mine[k]`, laid out like
 // this rank's part), into `whole[k]` on every rank: an all-gather made of
-// broadcasts, which every backend has, over the parts in place.
-void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine) {
+// broadcasts, which every backend has, over the parts in place; each part
+// cut again at `cuts[k]`'s offsets, if any. Started only: per buffer, its
+// pieces' handles, to be waited for (World::wait) before the piece is read,
+// or this rank's part written.
+std::vector<FlatOptimizer::Pending> FlatOptimizer::start_broadcast_parts(const std::vector<torch::Tensor>& whole,
+                                                                         const std::vector<torch::Tensor>& mine,
+                                                                         const std::vector<std::vector<int64_t>>& cuts) {
   const int ranks = shard_->size();
+  std::vector<Pending> out(whole.size());
   for (size_t k = 0; k < whole.size(); ++k) {
     const int64_t n = whole[k].numel(), chunk = (n + ranks - 1) / ranks;
     if (len_[k] > 0 && !whole[k].narrow(0, lo_[k], len_[k]).is_same(mine[k]))
       whole[k].narrow(0, lo_[k], len_[k]).copy_(mine[k]);
-    for (int r = 0; r < ranks; ++r) {
-      const int64_t lo = std::min(n, r * chunk), len = std::min(n, lo + chunk) - lo;
-      if (len == 0) continue;
-      auto piece = whole[k].narrow(0, lo, len);
-      shard_->broadcast(piece, r, "the sharded optimizer's parts (--shard-optimizer)");
+    std::set<int64_t> edges{n};
+    for (int r = 0; r < ranks; ++r) edges.insert(std::min(n, r * chunk));
+    if (k < cuts.size())
+      for (int64_t c : cuts[k])
+        if (c > 0 && c < n) edges.insert(c);
+    for (auto a = edges.begin(), b = std::next(a); b != edges.end(); ++a, ++b) {
+      auto piece = whole[k].narrow(0, *a, *b - *a);
+      out[k].push_back(Piece{*a, *b - *a, shard_->broadcast_async(piece, static_cast<int>(*a / chunk))});
     }
   }
+  return out;
+}
+
+void FlatOptimizer::broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine) {
+  for (auto& pieces : start_broadcast_parts(whole, mine))
+    for (const auto& piece : pieces) shard_->wait(piece.work, "the sharded optimizer's state (--shard-optimizer)");
 }
 
 // One update of the tensors p[k] (gradients g[k], moments m[k] and v[k],
@@ -291,6 +307,7 @@ void FlatOptimizer::whole_step(const torch::Tensor& found_inf, const torch::Tens
 
 void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, GradientsAfterStep after) {
   torch::NoGradGuard no_grad;
+  wait_for_parameters();  // the last step's gather still reads (root) or writes the parts this one updates
   check_user(fused_ || !found_inf.defined(), "fp16 loss scaling needs the fused CUDA optimizers of LibTorch 2.2 or later.",
              "use --amp bf16 (or off) with this build.");
   // The whole step's gradients are scaled in the Adam kernels' own pass;
@@ -342,12 +359,53 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
   if (shard_) gather_parameters();
 }
 
-// Every rank's updated part to every rank. The broadcasts write the flat
-// parameters where no version counter sees it: bumped, so that GradSync's
-// bf16 copies count as stale.
+// Every rank's updated part to every rank, started: the host goes on
+// (the next batch, logging) while the parts travel, until a reader of the
+// parameters calls wait_for_parameters(). Under a CUDA graph capture the
+// wait is recorded in the graph at once (a replay must end gathered).
 void FlatOptimizer::gather_parameters() {
-  broadcast_parts(params_, sp_);
-  for (const auto& p : params_) torch::autograd::impl::bump_version(p);
+  gathers_ = start_broadcast_parts(params_, sp_, cuts_);
+  if (compat::stream_capturing()) wait_for_parameters();
+}
+
+void FlatOptimizer::split_gather_at(std::vector<std::vector<int64_t>> cuts) { cuts_ = std::move(cuts); }
+
+void FlatOptimizer::wait_for_parameters() {
+  for (size_t k = 0; k < gathers_.size(); ++k) wait_for_buffer(k);
+  gathers_.clear();
+}
+
+void FlatOptimizer::wait_for_buffer(size_t k) { wait_for_range(k, 0, params_[k].numel()); }
+
+// The broadcasts wrote the flat parameters where no version counter sees
+// it: bumped here, where the data is known to be written, so that
+// GradSync's bf16 copies count as stale.
+void FlatOptimizer::wait_for_range(size_t k, int64_t lo, int64_t len) {
+  if (k >= gathers_.size() || gathers_[k].empty() || len <= 0) return;
+  auto& pieces = gathers_[k];
+  const size_t before = pieces.size();
+  for (auto it = pieces.begin(); it != pieces.end();) {
+    if (it->lo < lo + len && lo < it->lo + it->len) {
+      shard_->wait(it->work, "the sharded optimizer's parameter gather (--shard-optimizer)");
+      it = pieces.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (pieces.size() == before) return;
+  torch::autograd::impl::bump_version(params_[k]);
+  pieces_waited_ += static_cast<int64_t>(before - pieces.size());
+  if (pieces.empty()) ++buffers_waited_;
+}
+
+int64_t FlatOptimizer::pieces_pending() const {
+  int64_t n = 0;
+  for (const auto& p : gathers_) n += static_cast<int64_t>(p.size());
+  return n;
+}
+
+bool FlatOptimizer::parameters_pending() const {
+  return std::any_of(gathers_.begin(), gathers_.end(), [](const Pending& p) { return !p.empty(); });
 }
 
 // After the whole-buffer step on the fused path: each saved parameter goes
@@ -461,6 +519,7 @@ bool FlatOptimizer::channels_last() const { return sync_ && sync_->options().cha
 void FlatOptimizer::gather_state() {
   if (!shard_) return;
   torch::NoGradGuard no_grad;
+  wait_for_parameters();  // a checkpoint follows, which writes the parameters too
   whole_m_.clear();
   whole_v_.clear();
   for (const auto& p : params_) {
@@ -486,6 +545,9 @@ int64_t FlatOptimizer::unsharded_state_bytes() const {
 }
 
 void FlatOptimizer::save(TensorMap& state) const {
+  TORCH_CHECK(!parameters_pending(),
+              "FlatOptimizer: saved while the parameters are still being gathered; call wait_for_parameters() "
+              "(or gather_state()) on every rank first");
   TORCH_CHECK(!shard_ || whole_m_.size() == m_.size(),
               "FlatOptimizer: a sharded state is saved after gather_state() on every rank");
   const auto& m_all = shard_ ? whole_m_ : m_;
@@ -512,6 +574,7 @@ void FlatOptimizer::save(TensorMap& state) const {
 }
 
 void FlatOptimizer::load(const TensorMap& state) {
+  wait_for_parameters();  // a resume writes the parameters next
   auto name = state.find("name");
   check_user(name != state.end() && tensor_string(name->second) == o_.name(),
              "the checkpoint's optimizer state is not for --optimizer " + o_.name() + ".",

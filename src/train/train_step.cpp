@@ -12,13 +12,14 @@
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/sync_batchnorm.h"
-#ifdef DDP_WITH_CUDA_KERNELS
 #include <typeinfo>
+#include <unordered_map>
 
-#include "ddp/cuda/side_stream.h"
-#include "ddp/models/fused_linear.h"
 #include "ddp/models/gpt.h"
 #include "ddp/train/lm_task.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/side_stream.h"
+#include "ddp/models/fused_linear.h"
 #endif
 
 namespace ddp {
@@ -166,6 +167,14 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
   auto optimizer = o_.optimizer();
   if (o_.shard_optimizer()) optimizer.shard_over(&world_);
   optimizer_ = std::make_unique<FlatOptimizer>(*sync_, optimizer);
+  // --shard-optimizer: ddptrain's GPT trained by ddptrain's LmTask waits
+  // for the gather part by part inside its forward (exact types, as for
+  // the side stream: a subclass may read a weight before the forward).
+  // Not with bf16 autocast (its copies are cast from every buffer at the
+  // forward's start) or --cuda-graph (a captured step waits in the step).
+  if (optimizer_->shards() > 1 && typeid(model_) == typeid(models::GptImpl) && typeid(task_) == typeid(LmTask) &&
+      !(amp_on_ && !fp16_) && !graph_wanted_)
+    wait_by_part(dynamic_cast<models::GptImpl&>(model_));
   if (o_.ema() != 0) ema_ = std::make_unique<WeightEma>(model_, sync_->flat_params(), o_.ema());
   broadcast_buffers_ = world_.size() > 1 && !model_.buffers().empty() && !has_synced_batchnorm(model_);
   // SyncBatchNorm's backward all-reduces on the gradients' process group:
@@ -187,6 +196,54 @@ TrainStep::TrainStep(Task& task, torch::nn::Module& model, World& world, TrainSt
 }
 
 TrainStep::~TrainStep() = default;
+
+// Where each part of the GPT (-1: the embeddings; i: block i) has its
+// parameters in the flat buffers; the gather is cut where a part begins,
+// and the forward waits for a part's pieces just before the part runs
+// (GptImpl::before_part), the rest (final norm, head) before the head.
+struct TrainStep::PartWaits {
+  FlatOptimizer* optimizer;
+  int64_t layers;
+  std::vector<std::vector<std::tuple<size_t, int64_t, int64_t>>> ranges;  // [part + 1]: (buffer, lo, len)
+};
+
+void TrainStep::wait_by_part(models::GptImpl& gpt) {
+  const int64_t layers = gpt.options.n_layer();
+  std::unordered_map<const void*, int64_t> part_of;
+  for (auto* p : {&gpt.transformer->wte->weight, &gpt.transformer->wpe->weight}) part_of[p->unsafeGetTensorImpl()] = -1;
+  for (int64_t i = 0; i < layers; ++i)
+    for (const auto& p : gpt.transformer->h[static_cast<size_t>(i)]->parameters()) part_of[p.unsafeGetTensorImpl()] = i;
+  // GradSync's parameters, in its order (param_slices()): trainable, each once.
+  std::vector<torch::Tensor> params;
+  std::unordered_map<const void*, bool> seen;
+  for (const auto& p : model_.parameters())
+    if (p.requires_grad() && seen.emplace(p.unsafeGetTensorImpl(), true).second) params.push_back(p);
+  const auto& slices = sync_->param_slices();
+  TORCH_CHECK(params.size() == slices.size(), "TrainStep: the GPT's parameters do not match GradSync's");
+  auto waits = std::make_shared<PartWaits>(PartWaits{optimizer_.get(), layers, {}});
+  waits->ranges.resize(static_cast<size_t>(layers + 1));
+  std::vector<std::vector<int64_t>> cuts(sync_->flat_params().size());
+  std::vector<int64_t> last_part(cuts.size(), layers + 1);  // the part of each buffer's last slice so far
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto it = part_of.find(params[i].unsafeGetTensorImpl());
+    const int64_t part = it == part_of.end() ? layers : it->second;  // final norm: waited for with the rest
+    const auto& s = slices[i];
+    if (part != last_part[s.flat]) cuts[s.flat].push_back(s.offset);  // a part begins (slices run in offset order)
+    last_part[s.flat] = part;
+    if (part < layers) waits->ranges[static_cast<size_t>(part + 1)].emplace_back(s.flat, s.offset, s.numel);
+  }
+  optimizer_->split_gather_at(std::move(cuts));
+  part_waits_ = waits;
+  gpt.before_part = [weak = std::weak_ptr<PartWaits>(waits)](int64_t part) {
+    auto w = weak.lock();
+    if (!w) return;  // this TrainStep is gone
+    if (part >= w->layers) {
+      w->optimizer->wait_for_parameters();
+      return;
+    }
+    for (const auto& [k, lo, len] : w->ranges[static_cast<size_t>(part + 1)]) w->optimizer->wait_for_range(k, lo, len);
+  };
+}
 
 GradientReduction TrainStep::gradient_reduction() const {
   if (!o_.shard_optimizer()) return GradientReduction::kAllReduce;
@@ -260,7 +317,10 @@ StepOutput TrainStep::step_body(const data::Batch& batch, bool last_micro, doubl
     }
     optimizer_->step(found_inf, o_.clip_grad_norm(), GradientsAfterStep::kDropped);  // set to none below
     if (fp16_) at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, 2.0, 0.5, 2000);
-    if (ema_) ema_->update();  // in the captured graph too
+    if (ema_) {
+      optimizer_->wait_for_parameters();  // the average reads every parameter (no overlap with --ema)
+      ema_->update();                     // in the captured graph too
+    }
     // As PyTorch 2.x's default zero_grad(set_to_none=True): the next
     // backward's gradients are copied into the flat buffer, not added to
     // zeros (GradSync::zero_grad).
@@ -277,6 +337,11 @@ torch::Tensor TrainStep::run(const torch::Tensor& x, const torch::Tensor& y, boo
 
 StepOutput TrainStep::run(const data::Batch& batch, bool last_micro, double lr, double loss_scale) {
   if (last_micro) optimizer_->set_lr(lr);
+  // --shard-optimizer: the last step's parameter gather ran while the host
+  // got this batch; the forward reads every parameter (a CUDA graph's
+  // replay and capture included, and the bf16 copies cast below).
+  // ddptrain's GPT waits part by part inside its forward (wait_by_part).
+  if (!part_waits_) optimizer_->wait_for_parameters();
   // Local batch norm on several ranks: rank 0's running statistics before
   // every forward, as PyTorch DDP's broadcast_buffers=True does. Outside the
   // captured graph, so a replay starts from them too.
@@ -381,6 +446,7 @@ bool TrainStep::try_capture(const data::Batch& batch) {
 
 std::unique_ptr<WeightEma::Swap> TrainStep::averaged_weights() {
   if (!ema_) return nullptr;
+  optimizer_->wait_for_parameters();  // the swap writes the parameters
   return std::make_unique<WeightEma::Swap>(*ema_, [this] { sync_->bf16_copies_stale(); });
 }
 
@@ -394,7 +460,7 @@ void TrainStep::save(TensorMap& state) const {
 }
 
 void TrainStep::load(const TensorMap& state) {
-  optimizer_->load(state);
+  optimizer_->load(state);  // waits for a gather in flight first
   if (ema_) ema_->load(state);
   // The checkpoint's weights were just written, maybe where no version
   // counter sees it: the bf16 copies are cast again before they are read.

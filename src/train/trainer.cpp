@@ -20,6 +20,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <typeinfo>
 
 #include "ddp/compat.h"
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -41,6 +42,7 @@
 #include "ddp/io/progress.h"
 #include "ddp/train/early_stopping.h"
 #include "ddp/train/flag_agreement.h"
+#include "ddp/train/lm_task.h"  // on_step_end: its exact type reads no weights
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/train/resume.h"
 #include "ddp/train/validation.h"
@@ -267,10 +269,15 @@ Trainer::Trainer(Config config, World& world, Task& task)
   if (step_->optimizer().options().shard_over()) {  // --shard-optimizer or --shard-gradients
     const auto& opt = step_->optimizer();
     const auto& sync = step_->sync();
-    DDP_PRINT0(world_, "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s\n",
+    const char* gather = opt.shards() == 1                ? "none (one rank)"
+                         : step_->waits_for_parameters_by_block() ? "in the background, waited for block by block in the next forward"
+                                                                  : "in the background, waited for before the next forward";
+    DDP_PRINT0(world_,
+               "optimizer state: %.2f MiB on this rank, sharded over %d rank(s); %.2f MiB unsharded; gradients %s; "
+               "parameter gather %s\n",
                static_cast<double>(opt.state_bytes()) / (1 << 20), opt.shards(),
                static_cast<double>(opt.unsharded_state_bytes()) / (1 << 20),
-               describe(sync.options().reduction(), world_).c_str());
+               describe(sync.options().reduction(), world_).c_str(), gather);
     if (config_.shard_gradients)
       DDP_PRINT0(world_, "gradients: %.2f MiB on this rank, sharded over %d rank(s), and up to 3 buckets of %.2f MiB in flight; %.2f MiB unsharded\n",
                  static_cast<double>(sync.gradient_bytes()) / (1 << 20), sync.gradient_storage_sharded() ? world_.size() : 1,
@@ -794,6 +801,12 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
       throw NonFiniteLoss(epoch, state_.step, out.loss.item<double>(), run_dir_);
     if (last_micro) {
       ++state_.step;
+      // --shard-optimizer: the step's parameter gather is in flight while
+      // the host goes on to the next batch. A hook may read the weights
+      // (an EMA of its own, say): it waits, unless its task is one of
+      // ddptrain's own, whose hooks read none (exact types: a subclass may
+      // add a hook that does).
+      if (typeid(task_) != typeid(ClassificationTask) && typeid(task_) != typeid(LmTask)) step_->wait_for_parameters();
       task_.on_step_end(StepEnd{state_.step, epoch, lr, samples_seen - samples_before_step});
       samples_before_step = samples_seen;
       if (after_step_hook()) after_step_hook()(world_, state_.step);
@@ -902,6 +915,7 @@ std::optional<Metrics> Trainer::evaluate(const data::DatasetPtr& test, const std
                                                 " samples, fewer than the " + std::to_string(world_.size()) + " ranks.",
              prefix == kValPrefix ? "raise --val-split, or use fewer ranks." : "use a larger test set (--test-samples) or fewer ranks.");
   auto& model = *model_;
+  step_->wait_for_parameters();  // --shard-optimizer: the last step's gather, done
   // Every rank evaluates rank 0's model (buffers included), the one best.pt keeps.
   step_->sync().broadcast_buffers();
   const auto averaged = average ? step_->averaged_weights() : nullptr;  // --ema: validation judges the average
@@ -1159,6 +1173,7 @@ void Trainer::test_best() {
   int64_t best_epoch = 0;
   if (world_.is_main() && std::filesystem::exists(best)) best_epoch = read_checkpoint_meta(best).state.epoch;
   best_epoch = std::stoll(world_.share_string("best_epoch", std::to_string(best_epoch)));
+  step_->wait_for_parameters();  // before best.pt's weights are written over them
   if (best_epoch > 0) {
     // The parameters are views of the flat buffers: one broadcast per
     // buffer (evaluate() broadcasts the model's buffers), and the bf16

@@ -26,6 +26,7 @@
 #include "ddp/dist/world.h"
 #include "ddp/models/recompute.h"
 #include "ddp/train/flat_optimizer.h"
+#include "ddp/train/lm_task.h"
 #include "ddp/train/train_step.h"
 #include "ddp/app.h"
 #include "ddp/train/trainer.h"
@@ -437,7 +438,170 @@ void unused_reference(World& world, const std::string& out, const std::string& j
     auto x = tensor(xy[0]).view({-1, 3}).to(world.device()), y = tensor(xy[1]).view({-1, 2}).to(world.device());
     step.run(data::Batch(x, y), /*last_micro=*/true, opt.lr());
   }
+  step.wait_for_parameters();  // "shard": the last step's gather
   save(flat_state(*net).cpu(), out + "/params_rank" + std::to_string(rank) + ".pt");
+}
+
+// ZeRO-1's asynchronous parameter gather (ARGS: none): a sharded and an
+// unsharded TrainStep of the same model (AdamW, biases in a flat buffer of
+// their own; 3 ranks cut both buffers unevenly) train on the same batches
+// in one process. After each run() the sharded step's gather is pending
+// (waited for by nobody yet), a checkpoint of it is refused, and once
+// waited for, by each of the readers in turn, its parameters are the
+// unsharded step's bit for bit; no forward begins with it pending. Writes
+// "pending refused equal waited buffers forwards_saw_pending" per rank:
+// the counts over the steps, and buffers waited for.
+struct UnevenNet : Net {
+  torch::nn::Linear a{5, 7}, b{7, 3};
+  UnevenNet() {
+    register_module("a", a);
+    register_module("b", b);
+  }
+  torch::Tensor forward(torch::Tensor x) override { return b(torch::tanh(a(x))); }
+};
+
+// Trains an UnevenNet, and counts the forwards that began with the
+// sharded optimizer's gather (`watch`) still pending.
+struct WatchingTask : Task {
+  UnevenNet& net;
+  const FlatOptimizer* watch = nullptr;
+  int forwards_saw_pending = 0;
+  explicit WatchingTask(UnevenNet& n) : net(n) {}
+  StepOutput training_step(const data::Batch& b) override {
+    if (watch && watch->parameters_pending()) ++forwards_saw_pending;
+    return torch::mse_loss(net.forward(b.input()), b.target());
+  }
+  TensorMap validation_step(const data::Batch&) override { return {}; }
+};
+
+void zero_async(World& world, const std::string& out) {
+  auto make = [&](bool sharded, std::shared_ptr<UnevenNet>& net, std::unique_ptr<WatchingTask>& task) {
+    torch::manual_seed(11);
+    net = std::make_shared<UnevenNet>();
+    task = std::make_unique<WatchingTask>(*net);
+    return std::make_unique<TrainStep>(
+        *task, *net, world,
+        TrainStepOptions()
+            .shard_optimizer(sharded)
+            .optimizer(FlatOptimizerOptions().name("adamw").lr(0.05).weight_decay(0.1).no_decay_1d(true)));
+  };
+  std::shared_ptr<UnevenNet> plain_net, sharded_net;
+  std::unique_ptr<WatchingTask> plain_task, sharded_task;
+  auto plain = make(false, plain_net, plain_task);
+  auto sharded = make(true, sharded_net, sharded_task);
+  sharded_task->watch = &sharded->optimizer();
+  auto params = [](TrainStep& s) { return torch::cat(s.sync().flat_params()).clone(); };
+  int pending = 0, refused = 0, equal = 0;
+  const int steps = 5;
+  for (int s = 0; s < steps; ++s) {
+    torch::manual_seed(100 * s + world.rank());
+    auto x = torch::randn({6, 5}), y = torch::randn({6, 3});
+    plain->run(x, y, /*last_micro=*/true, 0.05);
+    sharded->run(x, y, /*last_micro=*/true, 0.05);  // waits for the last step's gather before its forward
+    pending += sharded->optimizer().parameters_pending() ? 1 : 0;
+    TensorMap state;
+    try {
+      sharded->save(state);
+    } catch (const c10::Error& e) {
+      refused += std::string(e.what()).find("still being gathered") != std::string::npos ? 1 : 0;
+    }
+    // The readers that wait: wait_for_parameters() itself, a checkpoint's
+    // gather of the state, and the next run() (checked by the task).
+    if (s % 3 == 0) sharded->wait_for_parameters();
+    else if (s % 3 == 1) sharded->gather_optimizer_state();
+    else continue;
+    equal += torch::equal(params(*plain), params(*sharded)) ? 1 : 0;
+  }
+  sharded->wait_for_parameters();
+  equal += torch::equal(params(*plain), params(*sharded)) ? 1 : 0;
+  std::FILE* f = std::fopen((out + "/zero_async_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%d %d %d %lld %zu %d\n", pending, refused, equal,
+               static_cast<long long>(sharded->optimizer().buffers_waited()), sharded->sync().flat_params().size(),
+               sharded_task->forwards_saw_pending);
+  std::fclose(f);
+}
+
+// ddptrain's GPT under LmTask with a sharded optimizer (ARGS: none): its
+// forward waits for the gather part by part (TrainStep::wait_by_part).
+// A sharded and an unsharded step train the same 3-block GPT on the same
+// batches (6 steps; after the odd ones the gather is waited for and the
+// weights compared, the even ones leave it to the next forward); the
+// sharded one's GptImpl::before_part is wrapped to record,
+// after each part's wait, the gather's pieces still pending. Writes
+// "equal forwards in_order first_block_left last_left" per rank: steps
+// whose waited-for parameters equal the unsharded run's, forwards that
+// began with a gather pending, those whose parts came in the order
+// -1, 0, 1, 2, 3 with fewer pieces pending after each, the fewest pieces
+// left pending after block 0's wait over those forwards, and the most left
+// after the last part's.
+void zero_gpt_parts(World& world, const std::string& out) {
+  const auto o = models::GptOptions().n_layer(3).n_head(2).n_embd(16).block_size(8).vocab_size(32);
+  auto make = [&](bool sharded, LmTask& task) {
+    torch::manual_seed(5);
+    auto model = task.make_gpt(o, "bytes");
+    return std::make_unique<TrainStep>(task, *model, world,
+                                       TrainStepOptions().shard_optimizer(sharded).optimizer(
+                                           FlatOptimizerOptions().name("adamw").lr(0.01).weight_decay(0.1)));
+  };
+  LmTask plain_task, sharded_task;
+  auto plain = make(false, plain_task);
+  auto sharded = make(true, sharded_task);
+  auto& gpt = *sharded_task.gpt();
+  const auto installed = gpt.before_part;
+  if (!installed) throw std::runtime_error("TrainStep installed no per-part wait on the GPT");
+  std::vector<std::pair<int64_t, int64_t>> seen;  // (part, pieces pending after its wait)
+  const auto& opt = sharded->optimizer();
+  gpt.before_part = [&](int64_t part) {
+    installed(part);
+    seen.emplace_back(part, opt.pieces_pending());
+  };
+  int equal = 0, forwards = 0, in_order = 0;
+  int64_t first_block_left = std::numeric_limits<int64_t>::max(), last_left = 0;
+  for (int s = 0; s < 6; ++s) {
+    torch::manual_seed(100 * s + world.rank());
+    data::Batch b{{"input", torch::randint(0, 32, {4, 8}, torch::kLong)}, {"target", torch::randint(0, 32, {4, 8}, torch::kLong)}};
+    plain->run(b, /*last_micro=*/true, 0.01);
+    const bool was_pending = opt.parameters_pending();
+    seen.clear();
+    sharded->run(b, /*last_micro=*/true, 0.01);
+    if (was_pending) {
+      ++forwards;
+      bool ok = seen.size() == 5;
+      for (size_t i = 0; ok && i < seen.size(); ++i) {
+        ok = seen[i].first == static_cast<int64_t>(i) - 1 && (i == 0 || seen[i].second < seen[i - 1].second);
+      }
+      in_order += ok ? 1 : 0;
+      if (seen.size() == 5) {
+        first_block_left = std::min(first_block_left, seen[1].second);
+        last_left = std::max(last_left, seen[4].second);
+      }
+    }
+    if (s % 2 == 0) continue;  // the next forward begins with this step's gather pending
+    sharded->wait_for_parameters();
+    equal += torch::equal(torch::cat(plain->sync().flat_params()), torch::cat(sharded->sync().flat_params())) ? 1 : 0;
+  }
+  std::FILE* f = std::fopen((out + "/gpt_parts_rank" + std::to_string(world.rank()) + ".txt").c_str(), "w");
+  std::fprintf(f, "%d %d %d %lld %lld\n", equal, forwards, in_order, static_cast<long long>(first_block_left),
+               static_cast<long long>(last_left));
+  std::fclose(f);
+}
+
+// A rank that never joins the gather (ARGS: "stall" or "throw"): rank 0's
+// step() returns with its gather pending, and its wait fails, naming the
+// gather, instead of hanging. Rank 0 writes "returned" before it waits.
+void zero_gather_dead(World& world, const std::string& out, const std::string& how) {
+  torch::manual_seed(3);
+  auto p = torch::randn({10}), g = torch::randn({10});
+  FlatOptimizer opt({p}, {g}, FlatOptimizerOptions().name("sgd").lr(0.1).shard_over(&world));
+  if (world.rank() == 1) {
+    if (how == "stall") std::this_thread::sleep_for(std::chrono::hours(1));
+    throw std::runtime_error("injected failure on rank 1 before the gather");
+  }
+  opt.step();
+  std::FILE* f = std::fopen((out + "/returned").c_str(), "w");
+  std::fprintf(f, "%d\n", opt.parameters_pending() ? 1 : 0);
+  std::fclose(f);
+  opt.wait_for_parameters();
 }
 
 // Ranks hold 5 and 11 samples: the forward output, the input gradient and
@@ -818,6 +982,12 @@ int run_scenario(const std::string& scenario, const std::string& out, int argc, 
     abandon(world, out, argc > 0 ? argv[0] : "reset");
   } else if (scenario == "capture_fallback") {
     capture_fallback(world, out, argc > 0 ? argv[0] : "graph");
+  } else if (scenario == "zero_async") {
+    zero_async(world, out);
+  } else if (scenario == "zero_gpt_parts") {
+    zero_gpt_parts(world, out);
+  } else if (scenario == "zero_gather_dead") {
+    zero_gather_dead(world, out, argc > 0 ? argv[0] : "throw");
   } else if (scenario == "unused_reference") {
     if (argc < 2) throw std::runtime_error("unused_reference needs JSON and OPTIMIZER");
     unused_reference(world, out, argv[0], argv[1], argc > 2 ? argv[2] : "");

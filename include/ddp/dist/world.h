@@ -77,6 +77,9 @@ class World {
   void wait(const c10::intrusive_ptr<compat::Work>& work, const std::string& what);
   /// Copies `t` from `root` to every rank, in place.
   void broadcast(torch::Tensor& t, int root, const std::string& what);
+  /// Starts that copy; call wait() on the result before `t` is read (or,
+  /// on `root`, written).
+  c10::intrusive_ptr<compat::Work> broadcast_async(torch::Tensor& t, int root);
   /// Every rank waits for every other.
   void barrier(const std::string& what);
   /// Rank `root` shares a string with all ranks through the store.

@@ -20,6 +20,8 @@
 // host, so a training step with it can be captured in a CUDA graph.
 #pragma once
 
+#include <functional>
+
 #include <string>
 #include <vector>
 
@@ -163,6 +165,14 @@ class GptImpl : public Net {
   /// end a residual branch (attn.c_proj, mlp.c_proj), zero biases, LayerNorm
   /// weight one. The constructor applies it; call again to re-draw.
   void reset_parameters();
+
+  /// Called by forward() with -1 before the embeddings, with i before
+  /// block i, and with n_layer before the final norm and the head: a
+  /// trainer's hook to make each part's parameters ready only when that
+  /// part runs (TrainStep: --shard-optimizer's gather waited for layer by
+  /// layer, since LibTorch has no forward pre-hooks). Empty: none. Not part
+  /// of the architecture; a copy of the model does not keep it.
+  std::function<void(int64_t)> before_part;
 
   GptOptions options;
   GptTransformer transformer{nullptr};

@@ -77,7 +77,9 @@ struct FlatOptimizerOptions {
   /// ZeRO-1 (--shard-optimizer): with several ranks, each keeps the state
   /// (moments, momentum) of 1/world-size of every flat buffer and updates
   /// only that part of the parameters; the parts are then broadcast, each
-  /// from its rank, so every rank ends the step with all parameters. The
+  /// from its rank, so every rank gets all parameters: started by step()
+  /// and waited for by wait_for_parameters(), which every reader of the
+  /// parameters calls first. The
   /// gradients are all-reduced whole as before (Gloo in LibTorch 1.13 has
   /// no reduce-scatter), so clipping's norm is the unsharded one and the
   /// update is elementwise: the same bits as unsharded. Built on a GradSync
@@ -145,6 +147,34 @@ class FlatOptimizer {
   void step(const torch::Tensor& found_inf = {}, double max_grad_norm = 0,
             GradientsAfterStep after = GradientsAfterStep::kRead);
 
+  /// Sharded: step() ends with its parameter gather started, not done
+  /// (the host runs ahead: the next batch, logging). Every reader of the
+  /// parameters calls this first, on every rank: the next forward,
+  /// evaluation, a checkpoint, the weights' moving average. Waits through
+  /// World::wait (a dead peer is a CollectiveError naming the gather), and
+  /// moves the flat buffers' version counters as the data lands (GradSync's
+  /// bf16 copies then count as stale). Nothing pending, or unsharded: returns
+  /// at once. step(), gather_state() and load() call it themselves.
+  void wait_for_parameters();
+  /// The same for flat buffer k alone (GradSync's flat_params()[k]), or
+  /// for its elements [lo, lo + len) (the gather's pieces that overlap
+  /// them), e.g. just before the layer that reads them.
+  void wait_for_buffer(size_t k);
+  void wait_for_range(size_t k, int64_t lo, int64_t len);
+  /// The gather's pieces: each rank's part of flat buffer k, cut again at
+  /// `cuts[k]`'s element offsets (e.g. where a model's layers begin), so
+  /// that wait_for_range() waits for the layers it names only. From the
+  /// next step on; more broadcasts, the same bits.
+  void split_gather_at(std::vector<std::vector<int64_t>> cuts);
+  /// Whether some buffer's gather is started and not yet waited for.
+  bool parameters_pending() const;
+  /// Pieces of the gather started and not yet waited for; buffer gathers
+  /// and pieces waited for over this optimizer's life (whoever waited):
+  /// for tests.
+  int64_t pieces_pending() const;
+  int64_t buffers_waited() const { return buffers_waited_; }
+  int64_t pieces_waited() const { return pieces_waited_; }
+
   /// Whether step() runs without host synchronisation or host-side
   /// per-step scalars (so it can be captured in a CUDA graph).
   bool capturable() const { return fused_; }
@@ -195,7 +225,15 @@ class FlatOptimizer {
   // `part`'s coordinates (a tensor laid out like sp_, sg_, m_ or v_);
   // empty where the slice lies outside the part.
   torch::Tensor part(const std::vector<torch::Tensor>& part, size_t i) const;
+  struct Piece {  // a broadcast of elements [lo, lo + len) of a flat buffer
+    int64_t lo, len;
+    c10::intrusive_ptr<compat::Work> work;
+  };
+  using Pending = std::vector<Piece>;  // one buffer's
   void gather_parameters();
+  std::vector<Pending> start_broadcast_parts(const std::vector<torch::Tensor>& whole,
+                                             const std::vector<torch::Tensor>& mine,
+                                             const std::vector<std::vector<int64_t>>& cuts = {});
   void broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine);
   bool channels_last() const;  // this run's 4-D slices are in channels-last order
   torch::Tensor relaid(const torch::Tensor& flat, size_t k, bool from_channels_last, bool to_channels_last) const;
@@ -225,6 +263,9 @@ class FlatOptimizer {
   std::vector<torch::Tensor> m_, v_;  // first/second moments (sgd: momentum buffer in m_), over the parts
   std::vector<torch::Tensor> whole_m_, whole_v_;  // sharded: gathered for save(), until the next step
   int64_t gathered_at_ = -1;                      // steps_taken() when gathered
+  std::vector<Pending> gathers_;  // sharded: per flat buffer, its parameter gather in flight (empty: none)
+  std::vector<std::vector<int64_t>> cuts_;  // split_gather_at()
+  int64_t buffers_waited_ = 0, pieces_waited_ = 0;
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
   std::vector<double> weight_decay_;  // per buffer: o_.weight_decay(), or 0 for 1-D parameters with no_decay_1d
   torch::Tensor lr_t_;                // learning rate on the device (fused path)

@@ -29,6 +29,10 @@
 
 namespace ddp {
 
+namespace models {
+class GptImpl;
+}
+
 struct TrainStepOptions {
   TORCH_ARG(std::string, amp) = "off";    // off | bf16 | fp16 (dynamic loss scaling)
   TORCH_ARG(bool, cuda_graph) = false;
@@ -94,6 +98,17 @@ class TrainStep : public Stateful {
   void save(TensorMap& state) const override;
   void load(const TensorMap& state) override;
 
+  /// --shard-optimizer: run() returns with the updated parameters still
+  /// being gathered (FlatOptimizer::wait_for_parameters); whoever reads the
+  /// model's parameters outside run() calls this first, on every rank
+  /// (evaluation, a checkpoint, an export, a hook). The next run() waits
+  /// itself, as do averaged_weights(), gather_optimizer_state() and load().
+  void wait_for_parameters() { optimizer_->wait_for_parameters(); }
+  /// Whether the model's forward waits for that gather block by block
+  /// (ddptrain's GPT under LmTask; see wait_by_part) rather than run()
+  /// for all of it before the forward.
+  bool waits_for_parameters_by_block() const { return part_waits_ != nullptr; }
+
   GradSync& sync() { return *sync_; }
   FlatOptimizer& optimizer() { return *optimizer_; }
   /// Before a checkpoint, on every rank: a sharded optimizer's state is
@@ -137,6 +152,11 @@ class TrainStep : public Stateful {
   std::string fallback_;
   struct Graph;
   std::unique_ptr<Graph> graph_;
+  // --shard-optimizer on ddptrain's GPT: the forward waits for the gather
+  // part by part (GptImpl::before_part holds a weak pointer to this).
+  struct PartWaits;
+  std::shared_ptr<PartWaits> part_waits_;
+  void wait_by_part(models::GptImpl& gpt);
 };
 
 }  // namespace ddp
