@@ -357,6 +357,10 @@ def main():
                 line = dict(measure(batch, 2, 2, False), fits=True)
             except torch.cuda.OutOfMemoryError as e:
                 oom = str(e).splitlines()[0]
+            except RuntimeError as e:  # cuBLAS failing to allocate its workspace, as ddptrain counts it
+                if "CUBLAS_STATUS_ALLOC_FAILED" not in str(e):
+                    raise
+                oom = str(e).splitlines()[0]
             opt.zero_grad(set_to_none=True)
             gc.collect()
             torch.cuda.empty_cache()

@@ -80,6 +80,18 @@ struct Plan {
 // batch) on the model it was set up with: the fields of its JSON line.
 using Measure = std::function<nlohmann::json(const Plan&)>;
 
+// Within a bench run at one batch size: its end sets the model's
+// gradients to none. The TrainStep points them at its flat gradient
+// buffer, and a step that ran out of memory did not reach the zero_grad
+// that lets it go, so the buffer would outlive its TrainStep into the
+// next try. Declared before the TrainStep, so that it ends after it.
+struct GradientsReleased {
+  torch::nn::Module& model;
+  ~GradientsReleased() {
+    for (auto& p : model.parameters()) p.mutable_grad() = torch::Tensor();
+  }
+};
+
 // Whether `e` is the GPU running out of memory: the caching allocator's
 // error, or cuBLAS failing to allocate its workspace.
 bool out_of_memory(const std::exception& e) {
@@ -106,8 +118,8 @@ void print_line(const nlohmann::json& j, World& world) {
 
 // --largest-batch: each try's line (with "fits"), then the largest batch
 // that fits, timed over --bench-steps (with "largest": true). A try runs a
-// few steps, enough for the optimizer state and a captured graph to exist
-// and the step's peak to be reached; a try that runs out of memory leaves
+// few steps, enough for the optimizer state to exist and the step's peak
+// to be reached; a try that runs out of memory leaves
 // nothing behind (its step and batch go out of scope, the allocator's cache
 // is emptied), as a fresh process would start, though the pool may be left
 // more fragmented than a fresh one.
@@ -118,8 +130,7 @@ int search_largest_batch(const Config& c, World& world, const Measure& measure) 
     nlohmann::json j;
     try {
       j = measure({batch, /*warmup=*/2, /*steps=*/2, /*profile=*/false});
-      if (c.cuda_graph && !j.value("graphed", false)) j = {{"batch", batch}, {"fits", false}, {"reason", "the step was not captured"}};
-      else j["fits"] = true;
+      j["fits"] = true;
     } catch (const std::exception& e) {
       if (!out_of_memory(e)) throw;
       j = {{"batch", batch}, {"fits", false}, {"reason", first_line(e)}};
@@ -176,6 +187,7 @@ int run_gpt_bench(const Config& c, World& world) {
   const double flops_per_token = 6 * n + 12.0 * static_cast<double>(o.n_layer() * o.n_head() *
                                                                      (o.n_embd() / o.n_head()) * o.block_size());
   return bench(c, world, [&](const Plan& plan) {
+    GradientsReleased released{*model};
     OptimizerSetup setup{train_step_options(c, dev).optimizer(), LrScheduleOptions()};
     task.configure_optimizer(c, setup);
     auto options = train_step_options(c, dev).optimizer(setup.optimizer);
@@ -238,6 +250,7 @@ int run_task_bench(const Config& c, World& world, Task& task) {
   model->to(dev);
   model->train();
   return bench(c, world, [&](const Plan& plan) {
+    GradientsReleased released{*model};
     OptimizerSetup setup{train_step_options(c, dev).optimizer(), LrScheduleOptions()};
     task.configure_optimizer(c, setup);
     const auto options = train_step_options(c, dev).optimizer(setup.optimizer);
@@ -296,6 +309,9 @@ int run_bench(const Config& c, World& world, Task* own_task) {
     check_user(world.device().is_cuda(), "--largest-batch searches a GPU's memory; this run is on " +
                                              world.device().str() + ".",
                "run it on a CUDA GPU, or time one batch size with --batch N.");
+    check_user(!c.cuda_graph, "--largest-batch searches eagerly: a CUDA graph's capture that runs out of memory "
+                              "cannot give that memory back in this process.",
+               "search without --cuda-graph, then time the batch it finds with --cuda-graph --batch N.");
     check_user(world.size() == 1, "--largest-batch searches one GPU's memory; this run has " +
                                       std::to_string(world.size()) + " ranks.",
                "run it with --size 1: the batch per GPU that fits is about the same with more ranks.");
@@ -315,6 +331,7 @@ int run_bench(const Config& c, World& world, Task* own_task) {
   model->to(dev);
   model->train();
   return bench(c, world, [&](const Plan& plan) {
+    GradientsReleased released{*model};
     const auto options = train_step_options(c, dev);
     TrainStep step(*model, world, options);
     torch::manual_seed(c.seed + world.rank());

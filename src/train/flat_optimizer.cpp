@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iterator>
+#include <map>
 #include <set>
 #include <string>
 
@@ -188,27 +189,45 @@ torch::Tensor FlatOptimizer::part(const std::vector<torch::Tensor>& part, size_t
 // Each rank's part of `whole[k]` from that rank (`mine[k]`, laid out like
 // this rank's part), into `whole[k]` on every rank: an all-gather made of
 // broadcasts, which every backend has, over the parts in place; each part
-// cut again at `cuts[k]`'s offsets, if any. Started only: per buffer, its
-// pieces' handles, to be waited for (World::wait) before the piece is read,
-// or this rank's part written.
-std::vector<FlatOptimizer::Pending> FlatOptimizer::start_broadcast_parts(const std::vector<torch::Tensor>& whole,
-                                                                         const std::vector<torch::Tensor>& mine,
-                                                                         const std::vector<std::vector<int64_t>>& cuts) {
+// cut again where a model's part begins (`part_starts[k]`, if any), and the
+// pieces started in the order of their parts, then buffers, then offsets:
+// the same order on every rank, as collectives must be. Started only: per
+// buffer, its pieces' handles, to be waited for (World::wait) before the
+// piece is read, or this rank's part written.
+std::vector<FlatOptimizer::Pending> FlatOptimizer::start_broadcast_parts(
+    const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine,
+    const std::vector<std::vector<std::pair<int64_t, int64_t>>>& part_starts) {
   const int ranks = shard_->size();
-  std::vector<Pending> out(whole.size());
+  struct Cut {
+    size_t k;
+    int64_t lo, len, part;
+    int root;
+  };
+  std::vector<Cut> cuts;
   for (size_t k = 0; k < whole.size(); ++k) {
     const int64_t n = whole[k].numel(), chunk = (n + ranks - 1) / ranks;
     if (len_[k] > 0 && !whole[k].narrow(0, lo_[k], len_[k]).is_same(mine[k]))
       whole[k].narrow(0, lo_[k], len_[k]).copy_(mine[k]);
+    std::map<int64_t, int64_t> part_at;  // offset -> the part that begins there
+    if (k < part_starts.size())
+      for (const auto& [offset, part] : part_starts[k])
+        if (offset >= 0 && offset < n) part_at[offset] = part;
     std::set<int64_t> edges{n};
     for (int r = 0; r < ranks; ++r) edges.insert(std::min(n, r * chunk));
-    if (k < cuts.size())
-      for (int64_t c : cuts[k])
-        if (c > 0 && c < n) edges.insert(c);
+    for (const auto& [offset, part] : part_at) edges.insert(offset);
     for (auto a = edges.begin(), b = std::next(a); b != edges.end(); ++a, ++b) {
-      auto piece = whole[k].narrow(0, *a, *b - *a);
-      out[k].push_back(Piece{*a, *b - *a, shard_->broadcast_async(piece, static_cast<int>(*a / chunk))});
+      auto in = part_at.upper_bound(*a);
+      const int64_t part = in == part_at.begin() ? 0 : std::prev(in)->second;
+      cuts.push_back({k, *a, *b - *a, part, static_cast<int>(*a / chunk)});
     }
+  }
+  std::stable_sort(cuts.begin(), cuts.end(), [](const Cut& x, const Cut& y) { return x.part < y.part; });
+  std::vector<Pending> out(whole.size());
+  started_parts_.clear();
+  for (const auto& c : cuts) {
+    auto piece = whole[c.k].narrow(0, c.lo, c.len);
+    out[c.k].push_back(Piece{c.lo, c.len, c.part, shard_->broadcast_async(piece, c.root)});
+    started_parts_.push_back(c.part);
   }
   return out;
 }
@@ -364,11 +383,21 @@ void FlatOptimizer::step(const torch::Tensor& found_inf, double max_grad_norm, G
 // parameters calls wait_for_parameters(). Under a CUDA graph capture the
 // wait is recorded in the graph at once (a replay must end gathered).
 void FlatOptimizer::gather_parameters() {
-  gathers_ = start_broadcast_parts(params_, sp_, cuts_);
+  gathers_ = start_broadcast_parts(params_, sp_, part_starts_);
   if (compat::stream_capturing()) wait_for_parameters();
 }
 
-void FlatOptimizer::split_gather_at(std::vector<std::vector<int64_t>> cuts) { cuts_ = std::move(cuts); }
+FlatOptimizer::~FlatOptimizer() {
+  for (auto& pieces : gathers_)
+    for (auto& piece : pieces) try {
+        piece.work->wait();
+      } catch (...) {
+      }
+}
+
+void FlatOptimizer::split_gather_at(std::vector<std::vector<std::pair<int64_t, int64_t>>> part_starts) {
+  part_starts_ = std::move(part_starts);
+}
 
 void FlatOptimizer::wait_for_parameters() {
   for (size_t k = 0; k < gathers_.size(); ++k) wait_for_buffer(k);
@@ -402,6 +431,13 @@ int64_t FlatOptimizer::pieces_pending() const {
   int64_t n = 0;
   for (const auto& p : gathers_) n += static_cast<int64_t>(p.size());
   return n;
+}
+
+std::vector<int64_t> FlatOptimizer::pending_parts() const {
+  std::vector<int64_t> parts;
+  for (const auto& pieces : gathers_)
+    for (const auto& piece : pieces) parts.push_back(piece.part);
+  return parts;
 }
 
 bool FlatOptimizer::parameters_pending() const {

@@ -12,6 +12,7 @@
 #include "ddp/compat.h"
 #include "ddp/error.h"
 #include "ddp/dist/sync_batchnorm.h"
+#include <map>
 #include <typeinfo>
 #include <unordered_map>
 
@@ -222,17 +223,21 @@ void TrainStep::wait_by_part(models::GptImpl& gpt) {
   TORCH_CHECK(params.size() == slices.size(), "TrainStep: the GPT's parameters do not match GradSync's");
   auto waits = std::make_shared<PartWaits>(PartWaits{optimizer_.get(), layers, {}});
   waits->ranges.resize(static_cast<size_t>(layers + 1));
-  std::vector<std::vector<int64_t>> cuts(sync_->flat_params().size());
-  std::vector<int64_t> last_part(cuts.size(), layers + 1);  // the part of each buffer's last slice so far
+  // Each part's first element in each buffer (GradSync lays the slices out
+  // in reverse: the embeddings last), where the gather is cut.
+  std::vector<std::map<int64_t, int64_t>> first_of(sync_->flat_params().size());  // [buffer]: part -> offset
   for (size_t i = 0; i < params.size(); ++i) {
     auto it = part_of.find(params[i].unsafeGetTensorImpl());
     const int64_t part = it == part_of.end() ? layers : it->second;  // final norm: waited for with the rest
     const auto& s = slices[i];
-    if (part != last_part[s.flat]) cuts[s.flat].push_back(s.offset);  // a part begins (slices run in offset order)
-    last_part[s.flat] = part;
+    auto [at, fresh] = first_of[s.flat].emplace(part, s.offset);
+    if (!fresh) at->second = std::min(at->second, s.offset);
     if (part < layers) waits->ranges[static_cast<size_t>(part + 1)].emplace_back(s.flat, s.offset, s.numel);
   }
-  optimizer_->split_gather_at(std::move(cuts));
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> starts(first_of.size());
+  for (size_t k = 0; k < first_of.size(); ++k)
+    for (const auto& [part, offset] : first_of[k]) starts[k].emplace_back(offset, part);
+  optimizer_->split_gather_at(std::move(starts));
   part_waits_ = waits;
   gpt.before_part = [weak = std::weak_ptr<PartWaits>(waits)](int64_t part) {
     auto w = weak.lock();

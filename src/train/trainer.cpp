@@ -20,7 +20,6 @@
 #include <optional>
 #include <sstream>
 #include <thread>
-#include <typeinfo>
 
 #include "ddp/compat.h"
 #ifdef DDP_WITH_CUDA_KERNELS
@@ -42,7 +41,6 @@
 #include "ddp/io/progress.h"
 #include "ddp/train/early_stopping.h"
 #include "ddp/train/flag_agreement.h"
-#include "ddp/train/lm_task.h"  // on_step_end: its exact type reads no weights
 #include "ddp/train/fused_cross_entropy.h"
 #include "ddp/train/resume.h"
 #include "ddp/train/validation.h"
@@ -801,12 +799,11 @@ double Trainer::train_epoch(int64_t epoch, int64_t& samples_seen, Metrics& logs)
       throw NonFiniteLoss(epoch, state_.step, out.loss.item<double>(), run_dir_);
     if (last_micro) {
       ++state_.step;
-      // --shard-optimizer: the step's parameter gather is in flight while
-      // the host goes on to the next batch. A hook may read the weights
-      // (an EMA of its own, say): it waits, unless its task is one of
-      // ddptrain's own, whose hooks read none (exact types: a subclass may
-      // add a hook that does).
-      if (typeid(task_) != typeid(ClassificationTask) && typeid(task_) != typeid(LmTask)) step_->wait_for_parameters();
+      // --shard-optimizer: the step's parameter gather may be in flight, and
+      // a hook may read the weights (an EMA of its own, say): it waits,
+      // unless the next forward waits block by block (ddptrain's GPT under
+      // ddptrain's LmTask, whose hook reads none).
+      if (!step_->waits_for_parameters_by_block()) step_->wait_for_parameters();
       task_.on_step_end(StepEnd{state_.step, epoch, lr, samples_seen - samples_before_step});
       samples_before_step = samples_seen;
       if (after_step_hook()) after_step_hook()(world_, state_.step);

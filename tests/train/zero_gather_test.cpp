@@ -69,7 +69,8 @@ TEST(ZeroGather, GptForwardWaitsBlockByBlock) {
     const long long equal = n[0], forwards = n[1], in_order = n[2], first_block_left = n[3], last_left = n[4];
     EXPECT_EQ(equal, 3) << where << ": the weights differ from the unsharded run's";
     EXPECT_EQ(forwards, 3) << where << ": steps 2, 4 and 6 begin with the last step's gather pending";
-    EXPECT_EQ(in_order, 3) << where << ": the parts were not waited for one by one, in order";
+    EXPECT_EQ(in_order, 3) << where << ": the gather was not started in the forward's order, or the parts were "
+                                       "not waited for one by one, in order, each for its own pieces";
     // Blocks 1 and 2 (and the final norm) at least: one piece each.
     EXPECT_GE(first_block_left, 3) << where << ": block 0 waited for later blocks' pieces";
     EXPECT_EQ(last_left, 0) << where << ": the head ran before the whole gather was waited for";

@@ -530,8 +530,10 @@ void zero_async(World& world, const std::string& out) {
 // after each part's wait, the gather's pieces still pending. Writes
 // "equal forwards in_order first_block_left last_left" per rank: steps
 // whose waited-for parameters equal the unsharded run's, forwards that
-// began with a gather pending, those whose parts came in the order
-// -1, 0, 1, 2, 3 with fewer pieces pending after each, the fewest pieces
+// began with a gather pending, those whose gather was started part by
+// part in the forward's order and whose parts were waited for in the order
+// -1, 0, 1, 2, 3, each taking its own pieces only (those of later parts
+// all still pending after it) with fewer pending after each, the fewest pieces
 // left pending after block 0's wait over those forwards, and the most left
 // after the last part's.
 void zero_gpt_parts(World& world, const std::string& out) {
@@ -551,9 +553,15 @@ void zero_gpt_parts(World& world, const std::string& out) {
   if (!installed) throw std::runtime_error("TrainStep installed no per-part wait on the GPT");
   std::vector<std::pair<int64_t, int64_t>> seen;  // (part, pieces pending after its wait)
   const auto& opt = sharded->optimizer();
+  bool exact = true;  // each part's wait took its own pieces: those of later parts all still pending
   gpt.before_part = [&](int64_t part) {
     installed(part);
     seen.emplace_back(part, opt.pieces_pending());
+    const auto pending = opt.pending_parts();
+    const auto& started = opt.started_parts();
+    const auto later = std::count_if(started.begin(), started.end(), [&](int64_t p) { return p > part; });
+    exact = exact && static_cast<int64_t>(pending.size()) == later &&
+            std::all_of(pending.begin(), pending.end(), [&](int64_t p) { return p > part; });
   };
   int equal = 0, forwards = 0, in_order = 0;
   int64_t first_block_left = std::numeric_limits<int64_t>::max(), last_left = 0;
@@ -563,10 +571,15 @@ void zero_gpt_parts(World& world, const std::string& out) {
     plain->run(b, /*last_micro=*/true, 0.01);
     const bool was_pending = opt.parameters_pending();
     seen.clear();
+    exact = true;
+    // The gather in flight was started part by part, in the forward's order.
+    const auto& started = opt.started_parts();
+    const bool started_in_order = std::is_sorted(started.begin(), started.end()) && !started.empty() &&
+                                  started.front() == -1 && started.back() == 3;
     sharded->run(b, /*last_micro=*/true, 0.01);
     if (was_pending) {
       ++forwards;
-      bool ok = seen.size() == 5;
+      bool ok = seen.size() == 5 && exact && started_in_order;
       for (size_t i = 0; ok && i < seen.size(); ++i) {
         ok = seen[i].first == static_cast<int64_t>(i) - 1 && (i == 0 || seen[i].second < seen[i - 1].second);
       }

@@ -114,6 +114,11 @@ class FlatOptimizer {
   /// Steps GradSync's flat buffers, and skips the parameters that got no
   /// gradient on any rank (sync.usage(), read at every step()).
   FlatOptimizer(const GradSync& sync, FlatOptimizerOptions options);
+  /// Waits for a gather still in flight (errors ignored), so that no
+  /// collective writes the parameters after their optimizer is gone.
+  ~FlatOptimizer();
+  FlatOptimizer(const FlatOptimizer&) = delete;
+  FlatOptimizer& operator=(const FlatOptimizer&) = delete;
 
   /// Sets the learning rate for the next step(). Call it outside a CUDA graph
   /// capture: it writes the device-side copy that a captured step reads.
@@ -161,17 +166,24 @@ class FlatOptimizer {
   /// them), e.g. just before the layer that reads them.
   void wait_for_buffer(size_t k);
   void wait_for_range(size_t k, int64_t lo, int64_t len);
-  /// The gather's pieces: each rank's part of flat buffer k, cut again at
-  /// `cuts[k]`'s element offsets (e.g. where a model's layers begin), so
-  /// that wait_for_range() waits for the layers it names only. From the
-  /// next step on; more broadcasts, the same bits.
-  void split_gather_at(std::vector<std::vector<int64_t>> cuts);
+  /// The gather's pieces: each rank's part of flat buffer k, cut again
+  /// where a model's parts begin: `part_starts[k]` holds (offset, part) for
+  /// the first element of each part in buffer k, a part being a number in
+  /// the order the forward reads them (e.g. -1 the embeddings, i block i).
+  /// The pieces are started in that order (then by buffer and offset), so
+  /// that an early part's pieces travel first and wait_for_range() on a
+  /// part waits for its pieces only. From the next step on; more
+  /// broadcasts, the same bits.
+  void split_gather_at(std::vector<std::vector<std::pair<int64_t, int64_t>>> part_starts);
   /// Whether some buffer's gather is started and not yet waited for.
   bool parameters_pending() const;
   /// Pieces of the gather started and not yet waited for; buffer gathers
-  /// and pieces waited for over this optimizer's life (whoever waited):
-  /// for tests.
+  /// and pieces waited for over this optimizer's life (whoever waited);
+  /// the part of each piece pending, and of each piece of the last gather
+  /// in the order started (0 without split_gather_at): for tests.
   int64_t pieces_pending() const;
+  std::vector<int64_t> pending_parts() const;
+  const std::vector<int64_t>& started_parts() const { return started_parts_; }
   int64_t buffers_waited() const { return buffers_waited_; }
   int64_t pieces_waited() const { return pieces_waited_; }
 
@@ -225,15 +237,15 @@ class FlatOptimizer {
   // `part`'s coordinates (a tensor laid out like sp_, sg_, m_ or v_);
   // empty where the slice lies outside the part.
   torch::Tensor part(const std::vector<torch::Tensor>& part, size_t i) const;
-  struct Piece {  // a broadcast of elements [lo, lo + len) of a flat buffer
-    int64_t lo, len;
+  struct Piece {  // a broadcast of elements [lo, lo + len) of a flat buffer, of a model's part
+    int64_t lo, len, part;
     c10::intrusive_ptr<compat::Work> work;
   };
   using Pending = std::vector<Piece>;  // one buffer's
   void gather_parameters();
   std::vector<Pending> start_broadcast_parts(const std::vector<torch::Tensor>& whole,
                                              const std::vector<torch::Tensor>& mine,
-                                             const std::vector<std::vector<int64_t>>& cuts = {});
+                                             const std::vector<std::vector<std::pair<int64_t, int64_t>>>& part_starts = {});
   void broadcast_parts(const std::vector<torch::Tensor>& whole, const std::vector<torch::Tensor>& mine);
   bool channels_last() const;  // this run's 4-D slices are in channels-last order
   torch::Tensor relaid(const torch::Tensor& flat, size_t k, bool from_channels_last, bool to_channels_last) const;
@@ -264,7 +276,8 @@ class FlatOptimizer {
   std::vector<torch::Tensor> whole_m_, whole_v_;  // sharded: gathered for save(), until the next step
   int64_t gathered_at_ = -1;                      // steps_taken() when gathered
   std::vector<Pending> gathers_;  // sharded: per flat buffer, its parameter gather in flight (empty: none)
-  std::vector<std::vector<int64_t>> cuts_;  // split_gather_at()
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> part_starts_;  // split_gather_at()
+  std::vector<int64_t> started_parts_;                                 // the last gather's, for tests
   int64_t buffers_waited_ = 0, pieces_waited_ = 0;
   std::vector<torch::Tensor> step_;   // fused path: one float step count per buffer, on its device
   std::vector<double> weight_decay_;  // per buffer: o_.weight_decay(), or 0 for 1-D parameters with no_decay_1d
