@@ -306,12 +306,12 @@ int64_t largest_fitting_batch(int64_t start, const std::function<bool(int64_t)>&
 int run_bench(const Config& c, World& world, Task* own_task) {
   check_profile_trace_flag(c);
   if (c.largest_batch) {  // before the model is built: a large one takes a while
-    check_user(world.device().is_cuda(), "--largest-batch searches a GPU's memory; this run is on " +
-                                             world.device().str() + ".",
-               "run it on a CUDA GPU, or time one batch size with --batch N.");
     check_user(!c.cuda_graph, "--largest-batch searches eagerly: a CUDA graph's capture that runs out of memory "
                               "cannot give that memory back in this process.",
                "search without --cuda-graph, then time the batch it finds with --cuda-graph --batch N.");
+    check_user(world.device().is_cuda(), "--largest-batch searches a GPU's memory; this run is on " +
+                                             world.device().str() + ".",
+               "run it on a CUDA GPU, or time one batch size with --batch N.");
     check_user(world.size() == 1, "--largest-batch searches one GPU's memory; this run has " +
                                       std::to_string(world.size()) + " ranks.",
                "run it with --size 1: the batch per GPU that fits is about the same with more ranks.");

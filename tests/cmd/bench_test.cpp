@@ -75,17 +75,23 @@ TEST(Bench, LargestFittingBatchDoublesThenBisects) {
   EXPECT_THROW(ddp::largest_fitting_batch(0, up_to(4)), ddp::UserError);
 }
 
-// --largest-batch searches a GPU's memory: on a CPU it stops at once with a
-// one-line error, before the model is built (the CPU allocator has no
-// budget of its own to search, and glibc's heap keeps freed address space).
-TEST(Bench, LargestBatchOnACpuIsRefusedInOneLine) {
+// --largest-batch searches a GPU's memory, eagerly: on a CPU, or with
+// --cuda-graph, it stops at once with a one-line error, before the model is
+// built (the CPU allocator has no budget of its own to search, and glibc's
+// heap keeps freed address space; a capture that ran out of memory keeps
+// its pool).
+TEST(Bench, LargestBatchOnACpuOrWithCudaGraphIsRefusedInOneLine) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has a GPU: Bench.LargestBatchSearchIsExact_CUDA runs";
-  auto r = ddp::testing::run_process({DDPTRAIN_EXE, "bench", "--size", "1", "--backend", "gloo", "--task", "lm",
-                                      "--model", "gpt2", "--batch", "4", "--largest-batch"}, {}, 60);
-  EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
-  EXPECT_NE(r.output.find("--largest-batch searches a GPU's memory; this run is on cpu."), std::string::npos) << r.output;
-  EXPECT_LT(r.seconds, 20) << "the refusal came after building the model";
-  EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  for (const auto& [flag, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"--tf32", "--largest-batch searches a GPU's memory; this run is on cpu."},
+           {"--cuda-graph", "--largest-batch searches eagerly: a CUDA graph's capture"}}) {
+    auto r = ddp::testing::run_process({DDPTRAIN_EXE, "bench", "--size", "1", "--backend", "gloo", "--task", "lm",
+                                        "--model", "gpt2", "--batch", "4", "--largest-batch", flag}, {}, 60);
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+    EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
+    EXPECT_LT(r.seconds, 20) << "the refusal came after building the model";
+    EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << r.output;
+  }
 }
 
 // On a GPU: GPT-2 124M at context 1024 from batch 8, in one process. Every
