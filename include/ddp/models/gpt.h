@@ -171,7 +171,8 @@ class GptImpl : public Net {
   /// trainer's hook to make each part's parameters ready only when that
   /// part runs (TrainStep: --shard-optimizer's gather waited for layer by
   /// layer, since LibTorch has no forward pre-hooks). Empty: none. Not part
-  /// of the architecture; a copy of the model does not keep it.
+  /// of the architecture, nor of a checkpoint; a TrainStep's hook does
+  /// nothing once that TrainStep is gone (it holds a weak pointer).
   std::function<void(int64_t)> before_part;
 
   GptOptions options;
