@@ -338,29 +338,21 @@ constexpr bool kHasGpuProfiler = false;
 /// where kHasGpuProfiler is false. In src/compat.cpp: its header is heavy.
 void profile_chrome_trace(const std::function<void()>& fn, const std::string& path);
 
-/// Peak bytes allocated on a CUDA device since the last reset (what Python's
-/// torch.cuda.max_memory_allocated reports); 0 without CUDA.
-inline int64_t peak_cuda_bytes(int device) {
+/// Bytes allocated on a CUDA device: now (what Python's
+/// torch.cuda.memory_allocated reports) or at most since the last reset
+/// (torch.cuda.max_memory_allocated); 0 without CUDA.
+enum class CudaBytes { kNow, kPeak };
+inline int64_t allocated_cuda_bytes(int device, CudaBytes which = CudaBytes::kNow) {
 #ifdef DDP_WITH_CUDA
-  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
-  return stats.allocated_bytes[0].peak;
+  const auto stat = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device)).allocated_bytes[0];
+  return which == CudaBytes::kPeak ? stat.peak : stat.current;
 #else
   (void)device;
+  (void)which;
   return 0;
 #endif
 }
-
-/// Bytes allocated on a CUDA device now (torch.cuda.memory_allocated); 0
-/// without CUDA.
-inline int64_t allocated_cuda_bytes(int device) {
-#ifdef DDP_WITH_CUDA
-  auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(device));
-  return stats.allocated_bytes[0].current;
-#else
-  (void)device;
-  return 0;
-#endif
-}
+inline int64_t peak_cuda_bytes(int device) { return allocated_cuda_bytes(device, CudaBytes::kPeak); }
 
 inline void reset_peak_cuda_bytes(int device) {
 #ifdef DDP_WITH_CUDA

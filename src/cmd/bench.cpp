@@ -76,6 +76,19 @@ struct Plan {
   bool profile = false;
 };
 
+// The plain run at `batch`: 10 warm-up steps, --bench-steps timed, then
+// --profile-trace's.
+Plan timed(const Config& c, int64_t batch) { return {batch, 10, c.bench_steps, !c.profile_trace.empty()}; }
+
+// A plan's steps on a built step: warm-up (at least the graph's own warm-up
+// and capture), the timed steps, and the profiled ones if asked for.
+Timing run_plan(const std::function<torch::Tensor()>& run_step, const Plan& plan, int graph_warmup, const Config& c,
+                World& world) {
+  const auto timing = time_steps(run_step, std::max(plan.warmup, graph_warmup + 3), plan.steps, world);
+  if (plan.profile) profile_steps(run_step, plan.steps, c, world);
+  return timing;
+}
+
 // A bench kind's run at one batch size, built afresh (step, optimizer state,
 // batch) on the model it was set up with: the fields of its JSON line.
 using Measure = std::function<nlohmann::json(const Plan&)>;
@@ -148,7 +161,7 @@ int search_largest_batch(const Config& c, World& world, const Measure& measure) 
   compat::reset_peak_cuda_bytes(dev.index());
   nlohmann::json j;
   try {
-    j = measure({largest, 10, c.bench_steps, !c.profile_trace.empty()});
+    j = measure(timed(c, largest));
   } catch (const std::exception& e) {
     if (!out_of_memory(e)) throw;
     throw UserError("--largest-batch: batch " + std::to_string(largest) +
@@ -163,7 +176,7 @@ int search_largest_batch(const Config& c, World& world, const Measure& measure) 
 // A bench kind's one line, or with --largest-batch its search.
 int bench(const Config& c, World& world, const Measure& measure) {
   if (c.largest_batch) return search_largest_batch(c, world, measure);
-  print_line(measure({c.batch, 10, c.bench_steps, !c.profile_trace.empty()}), world);
+  print_line(measure(timed(c, c.batch)), world);
   return 0;
 }
 
@@ -198,8 +211,7 @@ int run_gpt_bench(const Config& c, World& world) {
                       {"target", torch::randint(0, o.vocab_size(), {plan.batch, o.block_size()}, ids)}};
     const double lr = setup.optimizer.lr();
     auto run_step = [&] { return step.run(batch, true, lr).loss; };
-    const auto [ms, last_loss] = time_steps(run_step, std::max(plan.warmup, options.graph_warmup() + 3), plan.steps, world);
-    if (plan.profile) profile_steps(run_step, plan.steps, c, world);
+    const auto [ms, last_loss] = run_plan(run_step, plan, options.graph_warmup(), c, world);
     const double tokens_per_rank_s = static_cast<double>(plan.batch * o.block_size()) * 1000.0 / ms;
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.ce_kernel == "native") contender += ", LibTorch CE";
@@ -264,8 +276,7 @@ int run_task_bench(const Config& c, World& world, Task& task) {
     }
     const double lr = setup.optimizer.lr();
     auto run_step = [&] { return step.run(batch, true, lr).loss; };
-    const auto [ms, last_loss] = time_steps(run_step, std::max(plan.warmup, options.graph_warmup() + 3), plan.steps, world);
-    if (plan.profile) profile_steps(run_step, plan.steps, c, world);
+    const auto [ms, last_loss] = run_plan(run_step, plan, options.graph_warmup(), c, world);
     return nlohmann::json{{"contender", std::string(c.cuda_graph ? "cuda-graph" : "eager")},
                           {"program", c.program.name},
                           {"model", task.arch()},
@@ -338,8 +349,7 @@ int run_bench(const Config& c, World& world, Task* own_task) {
     auto x = step.prepare(torch::randn({plan.batch, 3, size, size}, torch::TensorOptions().device(dev)));
     auto y = torch::randint(0, spec.num_classes, {plan.batch}, torch::TensorOptions().dtype(torch::kLong).device(dev));
     auto run_step = [&] { return step.run(x, y, true, c.lr); };
-    const auto [ms, last_loss] = time_steps(run_step, std::max(plan.warmup, options.graph_warmup() + 3), plan.steps, world);
-    if (plan.profile) profile_steps(run_step, plan.steps, c, world);
+    const auto [ms, last_loss] = run_plan(run_step, plan, options.graph_warmup(), c, world);
     std::string contender = c.cuda_graph ? "ddptrain cuda-graph" : "ddptrain eager";
     if (c.bn_kernel == "native") contender += ", LibTorch BN and max pool";
     if (c.bn_kernel == "unfused") contender += ", BN unfused";
