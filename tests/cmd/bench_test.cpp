@@ -77,16 +77,26 @@ TEST(Bench, LargestFittingBatchDoublesThenBisects) {
 
 // --largest-batch searches a GPU's memory, eagerly: on a CPU, or with
 // --cuda-graph, it stops at once with a one-line error, before the model is
-// built (the CPU allocator has no budget of its own to search, and glibc's
+// built, in ddptrain and in a program of one's own (the CPU allocator has no budget of its own to search, and glibc's
 // heap keeps freed address space; a capture that ran out of memory keeps
 // its pool).
 TEST(Bench, LargestBatchOnACpuOrWithCudaGraphIsRefusedInOneLine) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has a GPU: Bench.LargestBatchSearchIsExact_CUDA runs";
-  for (const auto& [flag, expect] : std::vector<std::pair<std::string, std::string>>{
-           {"--tf32", "--largest-batch searches a GPU's memory; this run is on cpu."},
-           {"--cuda-graph", "--largest-batch searches eagerly: a CUDA graph's capture"}}) {
-    auto r = ddp::testing::run_process({DDPTRAIN_EXE, "bench", "--size", "1", "--backend", "gloo", "--task", "lm",
-                                        "--model", "gpt2", "--batch", "4", "--largest-batch", flag}, {}, 60);
+  const std::vector<std::string> gpt2{"--task", "lm", "--model", "gpt2"};
+  const auto data = ddp::testing::temp_dir("bench_largest_data");
+  ddp::testing::write_sales_csvs(data, 40, 10);
+  struct Case {
+    std::string program;
+    std::vector<std::string> flags;
+    std::string expect;
+  };
+  for (const auto& [program, flags, expect] : std::vector<Case>{
+           {DDPTRAIN_EXE, gpt2, "--largest-batch searches a GPU's memory; this run is on cpu."},
+           {DDPTRAIN_EXE, {"--task", "lm", "--model", "gpt2", "--cuda-graph"}, "--largest-batch searches eagerly: a CUDA graph's capture"},
+           {EXAMPLE_tabular, {"--data_root", data}, "--largest-batch searches a GPU's memory; this run is on cpu."}}) {
+    std::vector<std::string> args{program, "bench", "--size", "1", "--backend", "gloo", "--batch", "4", "--largest-batch"};
+    args.insert(args.end(), flags.begin(), flags.end());
+    auto r = ddp::testing::run_process(args, {}, 60);
     EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
     EXPECT_NE(r.output.find(expect), std::string::npos) << r.output;
     EXPECT_LT(r.seconds, 20) << "the refusal came after building the model";
