@@ -135,7 +135,9 @@ struct MyTask : ddp::Task {
   ddp::Monitor monitor() const override { return {"acc", ddp::Goal::kMax}; }
 
   // What `./train predict --checkpoint RUN/best.pt --out preds.csv` writes
-  // for each sample (the default suits a ddp::Net: its output for "input").
+  // for each sample of the test split (or --split val, train). For files of
+  // your own, `--split PATH` asks your make_predict_data(config, world, path)
+  // for PATH's samples (examples/tabular reads a new CSV so).
   // In plain C++: MyModel m(3, MyDataset::kClasses);
   // ddp::load_model_weights("RUN/best.pt", *m, torch::kCPU); m->eval();
   ddp::TensorMap predict_step(const ddp::data::Batch& batch) override {

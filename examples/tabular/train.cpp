@@ -3,6 +3,7 @@
 // MAE as the monitor:
 //   ./build/tabular --data_root DIR                  DIR/train.csv and DIR/test.csv
 //   ./build/tabular --data_root DIR --size 2 --val-split 0.1 --epochs 10
+//   ./build/tabular predict --checkpoint RUN/best.pt --split NEW.csv --out sales.csv
 // Each CSV has the header x0,...,x7,store,sales; store is an integer id from
 // 0. The data is read into named tensors held in memory (ddp::data::read_csv,
 // NamedTensorDataset); --val-split holds out a validation split that chooses
@@ -119,8 +120,8 @@ struct SalesTask : ddp::Task {
     if (!train_shards.empty()) return shards_data(train_shards, config.flag<std::string>("test-shards"), config);
     auto train = read_sales(config.data_root + "/train.csv"), test = read_sales(config.data_root + "/test.csv");
     // Standardise with the training set's statistics, for train and test alike.
-    const auto mean = train.input().mean(0), std = train.input().std(0).clamp_min(1e-6);
-    for (auto* split : {&train, &test}) split->input() = (split->input() - mean) / std;
+    feature_mean = train.input().mean(0), feature_std = train.input().std(0).clamp_min(1e-6);
+    for (auto* split : {&train, &test}) split->input() = (split->input() - feature_mean) / feature_std;
     stores = 1 + std::max(train.at("store").max().item<int64_t>(), test.at("store").max().item<int64_t>());
     ddp::data::Splits data;
     data.train = std::make_shared<ddp::data::NamedTensorDataset>(train, "sales train.csv");
@@ -135,12 +136,30 @@ struct SalesTask : ddp::Task {
     ddp::check_user(!test_pattern.empty(), "--train-shards needs --test-shards.", "write test.csv as shards too.");
     const auto train = read_sales_shards(train_pattern, config.skip_bad_samples);
     const auto test = read_sales_shards(test_pattern, config.skip_bad_samples);
-    const auto mean = train.input().mean(0), std = train.input().std(0).clamp_min(1e-6);
+    feature_mean = train.input().mean(0), feature_std = train.input().std(0).clamp_min(1e-6);
     stores = 1 + std::max(train.at("store").max().item<int64_t>(), test.at("store").max().item<int64_t>());
     ddp::data::Splits data;
-    data.train = sales_shards(train_pattern, sales_record(mean, std), config.skip_bad_samples);
-    data.test = sales_shards(test_pattern, sales_record(mean, std), config.skip_bad_samples);
+    data.train = sales_shards(train_pattern, sales_record(feature_mean, feature_std), config.skip_bad_samples);
+    data.test = sales_shards(test_pattern, sales_record(feature_mean, feature_std), config.skip_bad_samples);
     return data;
+  }
+
+  // What `tabular predict --split NEW.csv` predicts: NEW.csv's rows (no
+  // sales column needed), standardised as the run's data was. The run's
+  // data comes first: its statistics, and the stores the model was made for.
+  ddp::data::DatasetPtr make_predict_data(const ddp::Config& config, ddp::World& world,
+                                          const std::string& path) override {
+    make_data(config, world);
+    auto columns = kFeatures;
+    columns.push_back("store");
+    const auto table = ddp::data::read_csv(path, ddp::data::CsvOptions(kSalesCsv).columns(columns));
+    const auto store = table.column("store");
+    const int64_t top = table.rows > 0 ? store.max().item<int64_t>() : 0;
+    ddp::check_user(top < stores, path + ": store " + std::to_string(top) + " is not one of the " +
+                                      std::to_string(stores) + " stores the model was trained on.",
+                    "predict rows of the stores in the run's train.csv and test.csv.");
+    ddp::data::TensorDict rows{{"input", (table.floats(kFeatures) - feature_mean) / feature_std}, {"store", store}};
+    return std::make_shared<ddp::data::NamedTensorDataset>(rows, path);
   }
 
   ddp::ModulePtr make_model(const ddp::Config& config, const ddp::data::Splits&) override {
@@ -182,6 +201,7 @@ struct SalesTask : ddp::Task {
   }
 
   double penalty = 0;
+  torch::Tensor feature_mean, feature_std;  // the training set's (make_data)
 };
 
 // ---------------------------------------------------------------------------

@@ -81,7 +81,15 @@ data::DatasetPtr Task::make_predict_data(const Config& config, World& world, con
   Config c = config;
   c.data_root = path;
   if (std::find(c.given.begin(), c.given.end(), "data_root") == c.given.end()) c.given.push_back("data_root");
-  return make_data(c, world).test;
+  auto data = make_data(c, world).test;
+  // A task's own make_data() makes its data, or reads it from wherever it
+  // likes: nothing says it read PATH, and its own test split in PATH's place
+  // would be predicted without a word.
+  check_user(builtin_data_, "predict --split " + path + ": this task makes its data in its own make_data(), which " +
+                                "ddptrain cannot point at " + path + ".",
+             "override make_predict_data(config, world, path) in your task to return the samples in " + path +
+                 " (examples/tabular does), or predict --split test, val or train.");
+  return data;
 }
 
 std::vector<std::string> Task::ignored_flags() const {

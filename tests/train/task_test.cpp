@@ -576,6 +576,59 @@ TEST(Task, PredictOnOneAndTwoRanksWritesEverySampleOnceInOrder) {
   auto bad = run_process({EXAMPLE_regression, "predict", "--checkpoint", best, "--out", dir + "/preds.txt"});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("names no .csv or .npy file"), std::string::npos) << bad.output;
+
+  // --split PATH, for a task whose make_data() makes its own data and that
+  // has no make_predict_data(): refused, not its own test split predicted
+  // in PATH's place.
+  auto elsewhere = run_process({EXAMPLE_regression, "predict", "--checkpoint", best, "--split", dir, "--out",
+                                dir + "/elsewhere.csv"});
+  EXPECT_EQ(elsewhere.exit_code, 2) << elsewhere.output;
+  EXPECT_NE(elsewhere.output.find("predict --split " + dir + ": this task makes its data in its own make_data()"),
+            std::string::npos) << elsewhere.output;
+  EXPECT_NE(elsewhere.output.find("override make_predict_data(config, world, path)"), std::string::npos)
+      << elsewhere.output;
+  EXPECT_FALSE(fs::exists(dir + "/elsewhere.csv"));
+}
+
+// A program's own make_predict_data(): examples/tabular predicts the rows of
+// a new CSV without a sales column, standardised as the run's data was, so
+// the first 25 test rows copied there get the predictions the test split's
+// first 25 rows get (unstandardised, they would be off by far more than the
+// rounding allowed); a store the model never saw is refused in one line.
+TEST(Task, TabularPredictsANewCsvAsItsTestRows) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("tabular_predict");
+  ddp::testing::write_sales_csvs(dir, 400, 60);
+  auto train = run_process(cpu_run(EXAMPLE_tabular, dir + "/runs", {"--data_root", dir, "--size", "1", "--epochs", "1",
+                                                                    "--batch", "32", "--workers", "0"}));
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  const auto best = run_dir_of(dir + "/runs") + "/best.pt";
+  auto predict = [&](const std::string& split, const std::string& out) {
+    return run_process({EXAMPLE_tabular, "predict", "--checkpoint", best, "--split", split, "--out", dir + "/" + out,
+                        "--size", "1", "--backend", "gloo", "--timeout", "60"});
+  };
+  // NEW.csv: test.csv's header and first 25 rows, less the last column (sales).
+  const auto without_sales = [](const std::string& line) { return line.substr(0, line.rfind(',')); };
+  std::istringstream test_csv(read_file(dir + "/test.csv"));
+  std::string line, fresh;
+  for (int i = 0; i <= 25 && std::getline(test_csv, line); ++i) fresh += without_sales(line) + "\n";
+  ASSERT_EQ(fresh.substr(0, fresh.find('\n')), "x0,x1,x2,x3,x4,x5,x6,x7,store");
+  { std::ofstream(dir + "/new.csv") << fresh; }
+  auto on_test = predict("test", "test_preds.csv"), on_new = predict(dir + "/new.csv", "new_preds.csv");
+  ASSERT_EQ(on_test.exit_code, 0) << on_test.output;
+  ASSERT_EQ(on_new.exit_code, 0) << on_new.output;
+  const auto test_rows = csv_values(read_file(dir + "/test_preds.csv"));
+  const auto new_rows = csv_values(read_file(dir + "/new_preds.csv"));
+  ASSERT_EQ(test_rows.size(), 60u);
+  ASSERT_EQ(new_rows.size(), 25u);
+  // To rounding: a batch of 25 rows and one of 60 may take other matrix kernels.
+  for (size_t i = 0; i < 25; ++i) EXPECT_NEAR(std::stod(new_rows[i]), std::stod(test_rows[i]), 1e-5) << "row " << i;
+
+  { std::ofstream(dir + "/odd.csv") << "x0,x1,x2,x3,x4,x5,x6,x7,store\n0,0,0,0,0,0,0,0,999\n"; }
+  auto odd = predict(dir + "/odd.csv", "odd_preds.csv");
+  EXPECT_EQ(odd.exit_code, 2) << odd.output;
+  EXPECT_NE(odd.output.find(dir + "/odd.csv: store 999 is not one of the"), std::string::npos) << odd.output;
+  EXPECT_FALSE(fs::exists(dir + "/odd_preds.csv"));
 }
 
 // Example (b): two inputs, a custom loss with its own flag, macro-F1.

@@ -137,11 +137,13 @@ class Task {
   /// columns (.csv) or its array (.npy). Runs under NoGradGuard in eval
   /// mode, with the checkpoint's weights in model(). Default:
   /// {"output": the model's output for "input"}, for a model that is a
-  /// ddp::Net (the built-in ones and the template's); override it for
-  /// another model.
+  /// ddp::Net (the built-in ones); override it for another model (the
+  /// template does).
   virtual TensorMap predict_step(const data::Batch& batch);
   /// The data that `predict --split PATH` predicts, in its order. Default:
-  /// the test split of make_data() with --data_root PATH.
+  /// for ddptrain's own data, the test split of make_data() with --data_root
+  /// PATH; a task whose make_data() is its own overrides it (else `predict
+  /// --split PATH` is refused: nothing says its make_data() read PATH).
   virtual data::DatasetPtr make_predict_data(const Config& config, World& world, const std::string& path);
   /// The model make_model() returned, once `predict` has made and loaded it
   /// (null before; the trainer leaves it so).
