@@ -93,7 +93,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--seed", "seed for initialisation, shuffling and augmentation", &c.seed, {}, "train"},
       {"--bucket-cap-mb", "gradient all-reduce bucket size in MiB", &c.bucket_cap_mb, {}, "train"},
 
-      {"--amp", "mixed precision: bf16, or fp16 with dynamic loss scaling (CUDA)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
+      {"--amp", "mixed precision: bf16 (CPU or CUDA), or fp16 with dynamic loss scaling (CUDA only)", &c.amp, {"off", "bf16", "fp16"}, "speed"},
       {"--cuda-graph", "capture the whole training step in a CUDA graph and replay it", &c.cuda_graph, {}, "speed", kMayChange},
       {"--shard-optimizer", "ZeRO-1: each rank keeps the optimizer state (AdamW's two moments, SGD's momentum) of 1/world-size of the parameters and updates only those; the updated parts are then broadcast, each from its rank. Saves (N-1)/N of that state per rank (AdamW: 8 bytes per parameter become 8/N); costs one all-gather of the parameters per step and a gather of the state before each checkpoint. The same numbers bit for bit (over NCCL with --clip-grad-norm: to rounding, the norm being summed over the ranks' parts), and the same checkpoints: resume sharded or not, on any number of ranks. Gradients are reduce-scattered where the backend has it (NCCL), else all-reduced whole (Gloo), as the start line says", &c.shard_optimizer, {}, "memory", kMayChange},
       {"--shard-gradients", "ZeRO-2 (DeepSpeed stage 2, FSDP's SHARD_GRAD_OP without the parameters): --shard-optimizer, and each rank keeps the gradients of its 1/world-size part only. Each bucket's gradients are copied into a bucket buffer as backward makes them, reduced, this rank's part kept, and the buffer freed: gradient memory per rank falls from 4 bytes per parameter (fp32) to 4/N plus two or three buckets (--bucket-cap-mb). Costs a copy of each gradient, no gradient slots for the fused kernels, no --cuda-graph; with --accum-steps the micro-steps but the last keep whole gradients. The same numbers bit for bit over Gloo (with --clip-grad-norm too), the same checkpoints as --shard-optimizer and unsharded runs", &c.shard_gradients, {}, "memory", kMayChange},
@@ -298,10 +298,30 @@ std::map<std::string, std::string> long_names(const std::vector<Flag>& table) {
   return out;
 }
 
-// " Did you mean --epochs?" for the nearest name, or "".
+// What users of Lightning, torchrun and timm type for a flag this table
+// names otherwise: offered by "did you mean", never accepted (one spelling
+// per flag keeps config files and refusals readable).
+const std::map<std::string, std::string>& kin_names() {
+  static const std::map<std::string, std::string> kin{
+      {"max-epochs", "epochs"},          {"batch-size", "batch"},          {"learning-rate", "lr"},
+      {"precision", "amp"},              {"gradient-clip-val", "clip-grad-norm"}, {"clip-grad", "clip-grad-norm"},
+      {"accumulate-grad-batches", "accum-steps"}, {"devices", "size"},   {"gpus", "size"},
+      {"nproc-per-node", "size"},        {"num-nodes", "nnodes"},          {"master-port", "port"},
+      {"master-addr", "address"},        {"lr-schedule", "schedule"},      {"scheduler", "schedule"},
+      {"sched", "schedule"},             {"ckpt-path", "resume"},          {"default-root-dir", "save-path"},
+      {"output-dir", "save-path"},       {"num-workers", "workers"},       {"model-ema-decay", "ema"},
+      {"grad-checkpointing", "recompute"}, {"opt", "optimizer"},         {"wd", "weight-decay"},
+      {"smoothing", "label-smoothing"},  {"early-stopping-patience", "patience"}};
+  return kin;
+}
+
+// " Did you mean --epochs?" for the nearest name, or "". `names` holds what
+// may be offered (a program's flags less those its task does not read).
 std::string did_you_mean(const std::string& wrong, const std::map<std::string, std::string>& names,
                          const std::string& prefix) {
   const std::string w = dashes(wrong);
+  const auto kin = kin_names().find(w);
+  if (kin != kin_names().end() && names.count(kin->second)) return "did you mean " + prefix + kin->second + "? ";
   std::string best;
   size_t best_distance = std::max<size_t>(2, w.size() / 4) + 1;
   for (const auto& [spelling, name] : names) {
@@ -315,7 +335,7 @@ std::string did_you_mean(const std::string& wrong, const std::map<std::string, s
 // argv with every long flag spelt as the table spells it (--train_samples ->
 // --train-samples); an unknown flag is an error that suggests the nearest.
 std::vector<std::string> normalise_flags(int argc, const char* const* argv, const std::map<std::string, std::string>& names,
-                                         const std::string& program) {
+                                         const std::map<std::string, std::string>& offered, const std::string& program) {
   std::vector<std::string> out(argv, argv + argc);
   for (size_t i = 1; i < out.size(); ++i) {
     std::string& arg = out[i];
@@ -326,7 +346,7 @@ std::vector<std::string> normalise_flags(int argc, const char* const* argv, cons
     const auto it = names.find(dashes(name));
     if (it == names.end())
       throw UserError("unknown flag '--" + name + "'.",
-                      did_you_mean(name, names, "--") + "Run '" + program + " --help' to see every flag.");
+                      did_you_mean(name, offered, "--") + "Run '" + program + " --help' to see every flag.");
     arg = "--" + it->second + (eq == std::string::npos ? "" : arg.substr(eq));
   }
   return out;
@@ -475,7 +495,11 @@ Config parse_cli(int argc, const char* const* argv, Config defaults) {
       std::cout << version_text(program.name);
       std::exit(exit_code::kOk);
     }
-  const auto args = normalise_flags(argc, argv, names, program.name);
+  // What an unknown flag may be offered: not a flag this program's task
+  // does not read (it would be refused next).
+  auto offered = names;
+  for (const auto& key : program.unread_flags) offered.erase(key);
+  const auto args = normalise_flags(argc, argv, names, offered, program.name);
   for (auto& f : ordered_for_help(table)) {
     const std::string help = f.help + (f.across_ranks == AcrossRanks::kPerNode ? " [per node]" : "");
     CLI::Option* o = std::visit(

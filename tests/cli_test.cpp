@@ -267,6 +267,40 @@ TEST(Cli, MistypedFlagSuggestsTheNearest) {
   EXPECT_TRUE(contains(e, "ddptrain --help")) << e;
 }
 
+// The names Lightning, torchrun and timm users type point to ddptrain's
+// (suggested, not accepted); a program's own task is not offered the flags
+// it does not read (--loss-scal: not --loss, which it would refuse).
+TEST(Cli, KinNamesOfOtherToolsSuggestDdptrainsFlag) {
+  for (const auto& [kin, ours] : std::vector<std::pair<std::string, std::string>>{
+           {"--max-epochs", "--epochs"}, {"--max_epochs", "--epochs"}, {"--precision", "--amp"},
+           {"--gradient-clip-val", "--clip-grad-norm"}, {"--accumulate-grad-batches", "--accum-steps"},
+           {"--nproc-per-node", "--size"}, {"--lr-schedule", "--schedule"}, {"--grad-checkpointing", "--recompute"}}) {
+    const auto e = error_of({kin, "1"});
+    EXPECT_TRUE(contains(e, "unknown flag '" + kin + "'.")) << e;
+    EXPECT_TRUE(contains(e, "did you mean " + ours + "?")) << kin << ": " << e;
+  }
+  ddp::Config own;
+  own.program.name = "train";
+  own.program.unread_flags = {"task", "loss", "label-smoothing", "model", "stem"};
+  own.add_flag("--loss-scale", "the program's own flag", 1.0);
+  auto error_of_own = [&](std::vector<std::string> args) {
+    std::vector<const char*> argv{"train"};
+    for (const auto& a : args) argv.push_back(a.c_str());
+    try {
+      ddp::parse_cli(static_cast<int>(argv.size()), argv.data(), own);
+    } catch (const ddp::UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  auto e = error_of_own({"--loss-scal", "2"});
+  EXPECT_TRUE(contains(e, "did you mean --loss-scale?")) << e;
+  e = error_of_own({"--mdoel", "x"});
+  EXPECT_FALSE(contains(e, "--model?")) << e;
+  e = error_of({"--mdoel", "x"});
+  EXPECT_TRUE(contains(e, "did you mean --model?")) << "ddptrain reads --model: " << e;
+}
+
 TEST(Cli, MistypedConfigKeySuggestsTheNearest) {
   const auto e = error_of({"--config", write_config("cfg_typo", "epoch = 2\n")});
   EXPECT_TRUE(contains(e, "unknown key 'epoch'")) << e;
