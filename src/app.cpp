@@ -28,6 +28,7 @@
 #include "ddp/cmd/doctor.h"
 #include "ddp/cmd/generate.h"
 #include "ddp/cmd/shards.h"
+#include "ddp/cmd/subcommand.h"
 #include "ddp/cmd/predict.h"
 #include "ddp/data/synthetic.h"
 #include "ddp/error.h"
@@ -484,11 +485,27 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
       args.erase(args.begin() + 1);
     }
     if (argc > 1 && std::string(argv[1]) == "export") {
-      check_user(argc == 4, "usage: " + info.name + " export CHECKPOINT OUT.pt",
-                 "e.g. " + info.name + " export checkpoint/train_<time>/best.pt weights.pt");
+      const std::string usage = "usage: " + info.name + " export CHECKPOINT OUT.pt";
+      if (argc == 3 && (std::string(argv[2]) == "--help" || std::string(argv[2]) == "-h")) {
+        std::printf("%s\nwrites CHECKPOINT's weights (the moving average's with --ema) as a PyTorch state_dict\n",
+                    usage.c_str());
+        return exit_code::kOk;
+      }
+      check_user(argc == 4, usage, "e.g. " + info.name + " export checkpoint/train_<time>/best.pt weights.pt");
       export_weights(argv[2], argv[3]);
       std::printf("wrote %s (a PyTorch state_dict: torch.load it and call load_state_dict)\n", argv[3]);
       return exit_code::kOk;
+    }
+    // Training takes flags only: a first word that is no command (`train
+    // exprot a b`) is said to be one, not left to the flag parser.
+    if (argc > 1 && command.empty() && argv[1][0] != '-') {
+      std::vector<std::string> commands{"predict", "export", "report", "doctor", "bench", "shards"};
+      if (!own_task) commands.push_back("generate");
+      std::string list;
+      for (const auto& name : commands) list += (list.empty() ? "" : ", ") + name;
+      throw UserError("unknown command '" + std::string(argv[1]) + "'.",
+                      nearest_word(argv[1], commands) + "The commands are " + list + "; training takes flags only ('" +
+                          info.name + " --help').");
     }
     // The task's flags and defaults join the table before parsing; the
     // built-in task is the one --task names (so it is parsed twice).

@@ -473,6 +473,12 @@ std::string version_text(const std::string& program) {
 
 }  // namespace
 
+std::string nearest_word(const std::string& wrong, const std::vector<std::string>& words) {
+  std::map<std::string, std::string> names;
+  for (const auto& w : words) names.emplace(w, w);
+  return did_you_mean(wrong, names, "");
+}
+
 Config parse_cli(int argc, const char* const* argv, Config defaults) {
   Config c = std::move(defaults);
   c.given.clear();

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 #include <torch/cuda.h>
@@ -40,6 +41,26 @@ TEST(App, TwoRanksPrintOneErrorLine) {
                              {}, 120);
   EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
   EXPECT_EQ(count(r.output, "'" + root + "' does not exist"), 1u) << r.output;
+}
+
+// A mistyped command is named as one, with the nearest command, in one line
+// (the flag parser said "not expected: b a exprot"); `export --help` is help.
+TEST(App, AMistypedCommandIsNamedWithTheNearest) {
+  for (const auto& [program, word, nearest] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {DDPTRAIN_EXE, "exprot", "export"}, {EXAMPLE_tabular, "prdict", "predict"}, {EXAMPLE_tabular, "lol", ""}}) {
+    const auto r = run_process({program, word, "a", "b"}, {}, 60);
+    EXPECT_EQ(r.exit_code, ddp::exit_code::kUsage) << r.output;
+    EXPECT_EQ(count(r.output, "\n"), 1u) << r.output;
+    EXPECT_NE(r.output.find("unknown command '" + word + "'."), std::string::npos) << r.output;
+    if (nearest.empty())
+      EXPECT_EQ(r.output.find("did you mean"), std::string::npos) << r.output;
+    else
+      EXPECT_NE(r.output.find("did you mean " + nearest + "?"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("generate") == std::string::npos, program == EXAMPLE_tabular) << r.output;
+  }
+  const auto help = run_process({EXAMPLE_tabular, "export", "--help"}, {}, 60);
+  EXPECT_EQ(help.exit_code, 0) << help.output;
+  EXPECT_NE(help.output.find("usage: tabular export CHECKPOINT OUT.pt"), std::string::npos) << help.output;
 }
 
 // --profile-trace needs Kineto's GPU profiling (a CUDA LibTorch 2.2+): a
