@@ -108,6 +108,7 @@ std::vector<Flag> flag_table(Config& c) {
       {"--side-stream", "--task lm's GPT on CUDA under --amp bf16: the backward's weight-gradient matmuls on a second CUDA stream, beside the chain of input gradients, the same gradients to the bit (auto: for ddptrain's GPT trained by one process; on: also for other models built from ddptrain's GPT layers, each of whose weights must get its gradient from those layers alone; off)", &c.side_stream, {"auto", "on", "off"}, "speed", kMayChange},
       {"--stop-at-acc", "stop after the first epoch whose test accuracy reaches this fraction (0: off); short for --stop-at test_acc>=X", &c.stop_at_acc, {}, "train", kMayChange},
       {"--stop-at", "stop after the first epoch whose metric reaches a value: METRIC>=V or METRIC<=V, or MONITOR=V for the task's monitor (reached in the direction it prefers)", &c.stop_at, {}, "train", kMayChange},
+      {"--monitor", "the metric that picks best.pt and that --patience, --save-top-k and --stop-at MONITOR=V follow, as NAME:min or NAME:max (e.g. loss:min; read on the validation split when there is one, else on test); default: the task's monitor()", &c.monitor, {}, "train"},
       {"--patience", "early stopping: stop after N validations in a row in which the task's monitor did not improve on its best by more than --min-delta (0: off); that epoch is saved", &c.patience, {}, "train", kMayChange},
       {"--min-delta", "with --patience: the least change of the monitor, in its direction, that counts as an improvement", &c.min_delta, {}, "train", kMayChange},
       {"--sanity-val-steps", "validation batches per rank to run before training, as Lightning's num_sanity_val_steps: a failing validation_step() or a --stop-at metric that validation does not report shows at the start, not after the first epoch (0: off)", &c.sanity_val_steps, {}, "train", kMayChange},
@@ -218,7 +219,8 @@ void validate(const Config& c) {
   check_user(c.stop_at_acc >= 0 && c.stop_at_acc <= 1, "--stop-at-acc must be a fraction in [0, 1], got " + std::to_string(c.stop_at_acc) + ".",
              "e.g. --stop-at-acc 0.93.");
   positive("--bench-steps", c.bench_steps, "e.g. --bench-steps 100.");
-  parse_stop_rule(c.stop_at);  // the trainer reads the same parse (src/train/stop_rule.cpp)
+  parse_stop_rule(c.stop_at);  // the trainer reads the same parses (src/train/stop_rule.cpp)
+  parse_monitor(c.monitor, {});
   check_user(c.inject_fault.empty() || std::regex_match(c.inject_fault, std::regex("[0-9]+:[0-9]+(:(segv|user|term))?")),
              "--inject-fault '" + c.inject_fault + "' is not RANK:STEP or RANK:STEP:segv|user|term.",
              "e.g. --inject-fault 1:30 (rank 1 fails after step 30); it is for testing restarts.");

@@ -54,14 +54,20 @@ class MyDataset : public ddp::data::Dataset {
 //    in one pass. torch::nn layers work too (and --sync-bn needs
 //    ddp::nn's BatchNorm); docs/speed.md says what each layer gains.
 // ---------------------------------------------------------------------------
+// A 3x3 convolution that keeps the size. Before a batch norm it has no
+// bias: the norm's shift takes its place, and a bias there would only drift.
+torch::nn::Conv2dOptions conv3x3(int64_t in, int64_t out) {
+  return torch::nn::Conv2dOptions(in, out, 3).padding(1).bias(false);
+}
+
 struct MyModelImpl : torch::nn::Module {
   using Activation = ddp::nn::Activation;
   MyModelImpl(int64_t in_channels, int64_t classes)
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_channels, 16, 3).padding(1)))),
+      : conv1(register_module("conv1", torch::nn::Conv2d(conv3x3(in_channels, 16)))),
         bn1(register_module("bn1", ddp::nn::BatchNorm2d(16, Activation::kRelu))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 16, 3).padding(1)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(conv3x3(16, 16)))),
         bn2(register_module("bn2", ddp::nn::BatchNorm2d(16))),
-        conv3(register_module("conv3", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 3).padding(1)))),
+        conv3(register_module("conv3", torch::nn::Conv2d(conv3x3(16, 32)))),
         bn3(register_module("bn3", ddp::nn::BatchNorm2d(32, Activation::kRelu))),
         fc(register_module("fc", ddp::nn::Linear(32 * 4 * 4, classes))) {}
 

@@ -316,7 +316,11 @@ std::vector<std::pair<ddp::Flag, std::string>> flags_with_a_value() {
   for (const auto& f : ddp::flag_table(defaults)) {
     const auto& v = j[f.key()];
     std::string word = v.is_string() ? v.get<std::string>() : v.dump();
-    if (word.empty()) word = f.key() == "stop-at" ? "test_acc=0.9" : f.key() == "inject-fault" ? "0:1" : "x";
+    if (word.empty())
+      word = f.key() == "stop-at"        ? "test_acc=0.9"
+             : f.key() == "inject-fault" ? "0:1"
+             : f.key() == "monitor"      ? "test_loss:min"
+                                         : "x";
     out.push_back({f, word});
   }
   return out;

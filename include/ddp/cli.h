@@ -115,6 +115,7 @@ struct Config {
   bool shard_gradients = false;        // ZeRO-2: also the gradients (implies shard_optimizer)
   double stop_at_acc = 0;           // stop after the first epoch at or above this test accuracy (0: off)
   std::string stop_at;              // METRIC=V, METRIC>=V or METRIC<=V ("": off; --stop-at-acc X sets test_acc>=X)
+  std::string monitor;              // NAME:min or NAME:max: what picks best.pt ("": the task's monitor())
   int patience = 0;                 // stop after N validations without improvement of the monitor (0: off)
   double min_delta = 0;             // what counts as an improvement for --patience
   int sanity_val_steps = 2;         // validation batches per rank before training (0: off), as Lightning's

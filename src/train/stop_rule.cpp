@@ -7,6 +7,22 @@
 
 namespace ddp {
 
+bool Monitor::better(double value, double than) const {
+  if (std::isnan(value)) return false;
+  if (std::isnan(than)) return true;
+  return goal == Goal::kMin ? value < than : value > than;
+}
+
+Monitor parse_monitor(const std::string& text, const Monitor& otherwise) {
+  if (text.empty()) return otherwise;
+  const auto colon = text.rfind(':');
+  const std::string goal = colon == std::string::npos ? "" : text.substr(colon + 1);
+  check_user(colon != std::string::npos && colon > 0 && (goal == "min" || goal == "max"),
+             "--monitor '" + text + "' is not NAME:min or NAME:max.",
+             "name the metric and whether lower or higher is better, e.g. --monitor loss:min or --monitor acc:max.");
+  return {text.substr(0, colon), goal == "min" ? Goal::kMin : Goal::kMax};
+}
+
 std::string StopRule::str() const {
   if (empty()) return "";
   return metric + (way == Way::kAtLeast ? ">=" : way == Way::kAtMost ? "<=" : "=") + value_text;

@@ -15,12 +15,6 @@
 
 namespace ddp {
 
-bool Monitor::better(double value, double than) const {
-  if (std::isnan(value)) return false;
-  if (std::isnan(than)) return true;
-  return goal == Goal::kMin ? value < than : value > than;
-}
-
 // ---- Task defaults ---------------------------------------------------------
 
 data::Splits Task::make_data(const Config& config, World& world) {

@@ -187,7 +187,7 @@ std::function<void(const World&, int64_t)>& Trainer::after_step_hook() {
 
 // The set-up order of every run, in one place.
 Trainer::Trainer(Config config, World& world, Task& task)
-    : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
+    : config_(std::move(config)), world_(world), task_(task), monitor_(parse_monitor(config_.monitor, task.monitor())) {
   // 0. Every rank has rank 0's flags; then flags that only the task or the
   //    run's length can judge.
   check_flags_agree(config_, world_);
@@ -572,13 +572,15 @@ EpochMetrics Trainer::fit() {
     // ---- checkpoint, and stop if asked ----
     auto monitored = metrics.find(monitor_.metric);
     check_user(choosing_split()->size() == 0 || monitored != metrics.end(),
-               "the task's monitor metric '" + monitor_.metric + "' is not among its metrics (" +
+               (config_.monitor.empty() ? "the task's monitor metric '" : "--monitor's metric '") + monitor_.metric +
+                   "' is not among the task's metrics (" +
                    [&] {
                      std::string s;
                      for (const auto& [name, v] : metrics) s += (s.empty() ? "" : ", ") + name;
                      return s;
                    }() + ").",
-               "return it from validation_metrics(), or name one of these in monitor().");
+               config_.monitor.empty() ? "return it from validation_metrics(), or name one of these in monitor()."
+                                       : "name one of these, e.g. --monitor " + metrics.begin()->first + ":min.");
     const double value = monitored == metrics.end() ? std::numeric_limits<double>::quiet_NaN() : monitored->second;
     // A --stop-at metric the task does not report is an error, after this
     // epoch's checkpoint is saved.

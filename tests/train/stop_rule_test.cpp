@@ -37,6 +37,24 @@ TEST(StopRule, RefusesWhatIsNotOneOfThem) {
   }
 }
 
+// --monitor's parse: NAME:min or NAME:max; "" keeps the task's.
+TEST(StopRule, MonitorIsANameAndAGoal) {
+  const ddp::Monitor task{"acc", ddp::Goal::kMax};
+  EXPECT_EQ(ddp::parse_monitor("", task).metric, "acc");
+  const auto loss = ddp::parse_monitor("val_loss:min", task);
+  EXPECT_EQ(loss.metric, "val_loss");
+  EXPECT_EQ(loss.goal, ddp::Goal::kMin);
+  EXPECT_EQ(ddp::parse_monitor("f1:max", task).goal, ddp::Goal::kMax);
+  for (const char* bad : {"loss", ":min", "loss:", "loss:low", "loss:min:x"}) {
+    try {
+      ddp::parse_monitor(bad, task);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const ddp::UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("--monitor '") + bad + "'"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(StopRule, ReachedInItsWayOrTheMonitors) {
   const StopRule up = ddp::parse_stop_rule("acc>=0.9"), down = ddp::parse_stop_rule("loss<=0.2");
   EXPECT_TRUE(up.reached(0.9, false));

@@ -912,6 +912,38 @@ TEST(Task, SaveTopKKeepsExactlyTheKBestAcrossResume) {
   EXPECT_FALSE(fs::exists(run_dir + "/epoch_4.pt")) << "--keep-last 2 as before";
 }
 
+// --monitor overrides the task's monitor(): with test_loss scripted to 1.0,
+// 0.5, 2.0, 0.8 and --monitor loss:max, best.pt is epoch 3's and the two
+// best kept are epochs 3 and 1; the logs say max. A metric the task does
+// not report is refused after the first validation, naming those it does.
+TEST(Task, MonitorFlagPicksBestAndTopKInItsDirection) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("monitor_flag");
+  auto run = [&](const std::string& monitor) {
+    return run_process({DDP_TESTWORKER, "--launch", "2", "not_finite", dir + "/" + monitor.substr(0, monitor.find(':')),
+                        "scripted", "--train-samples", "256", "--test-samples", "64", "--batch", "32",
+                        "--sanity-val-steps", "0", "--workers", "0", "--epochs", "4", "--save-top-k", "2",
+                        "--monitor", monitor});
+  };
+  auto a = run("loss:max");
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  const auto run_dir = run_dir_of(dir + "/loss/runs");
+  std::set<std::string> top;
+  for (const auto& e : fs::directory_iterator(run_dir))
+    if (e.path().filename().string().rfind("epoch=", 0) == 0) top.insert(e.path().filename().string());
+  EXPECT_EQ(top, (std::set<std::string>{"epoch=1-test_loss=1.pt", "epoch=3-test_loss=2.pt"}));
+  EXPECT_EQ(ddp::read_checkpoint_meta(run_dir + "/best.pt").state.epoch, 3);
+  const auto m = metrics_under(dir + "/loss/runs");
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_EQ(m[3]["monitor"], "test_loss");
+  EXPECT_EQ(m[3]["goal"], "max");
+
+  auto b = run("nothing:min");
+  EXPECT_EQ(b.exit_code, 2) << b.output;
+  EXPECT_NE(b.output.find("--monitor's metric 'test_nothing' is not among the task's metrics (test_loss"),
+            std::string::npos) << b.output;
+}
+
 // The flags are checked: negative values name the flag and a fix.
 TEST(Task, PatienceAndTopKFlagsRefuseNegativeValues) {
   for (const char* flag : {"--patience", "--save-top-k", "--min-delta"}) {

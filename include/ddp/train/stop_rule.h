@@ -1,11 +1,30 @@
-// A --stop-at rule: METRIC>=V, METRIC<=V, or MONITOR=V (V reached in the
-// monitor's direction). One parser, which the command line's check and the
-// trainer both call, so that what is accepted is what is obeyed.
+// What a run follows: the monitor (a task's monitor(), or --monitor) and a
+// --stop-at rule: METRIC>=V, METRIC<=V, or MONITOR=V (V reached in the
+// monitor's direction). One parser each, which the command line's check and
+// the trainer both call, so that what is accepted is what is obeyed.
 #pragma once
 
 #include <string>
 
 namespace ddp {
+
+enum class Goal { kMin, kMax };
+
+/// The metric that picks best.pt, that --stop-at compares against by
+/// default, and that `ddptrain report` summarises. It is read on the
+/// validation split when there is one: "test_acc" (or "acc") then means
+/// val_acc.
+struct Monitor {
+  std::string metric = "test_loss";
+  Goal goal = Goal::kMin;
+  /// True if `value` is better than `than` (anything beats NaN).
+  bool better(double value, double than) const;
+  const char* goal_name() const { return goal == Goal::kMin ? "min" : "max"; }
+};
+
+/// Parses --monitor's NAME:min or NAME:max; "" gives `otherwise` (the
+/// task's), other text a UserError that names it.
+Monitor parse_monitor(const std::string& text, const Monitor& otherwise);
 
 struct StopRule {
   enum class Way { kAtLeast, kAtMost, kMonitors };  // >=, <=, = (the monitor's direction)

@@ -39,6 +39,7 @@
 #include "ddp/models/net.h"
 #include "ddp/train/flat_optimizer.h"
 #include "ddp/train/loss.h"
+#include "ddp/train/stop_rule.h"
 #include "ddp/train/lr_schedule.h"
 
 namespace ddp {
@@ -64,19 +65,6 @@ struct StepOutput {
   TensorMap logs;
 };
 
-enum class Goal { kMin, kMax };
-
-/// The metric that picks best.pt, that --stop-at compares against by
-/// default, and that `ddptrain report` summarises. It is read on the
-/// validation split when there is one: "test_acc" (or "acc") then means
-/// val_acc.
-struct Monitor {
-  std::string metric = "test_loss";
-  Goal goal = Goal::kMin;
-  /// True if `value` is better than `than` (anything beats NaN).
-  bool better(double value, double than) const;
-  const char* goal_name() const { return goal == Goal::kMin ? "min" : "max"; }
-};
 
 /// Where training stands, for the hooks.
 struct StepEnd {
