@@ -11,6 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "ddp/compat.h"
+#ifdef DDP_WITH_CUDA_KERNELS
+#include "ddp/cuda/gemm_gelu.h"
+#endif
 #include "ddp/error.h"
 #include "ddp/models/gpt.h"
 #include "ddp/models/registry.h"
@@ -129,16 +132,35 @@ void print_line(const nlohmann::json& j, World& world) {
   std::fflush(stdout);
 }
 
+// For the tries of --largest-batch: the matmuls take cuBLASLt's first
+// choice instead of timing its candidates for every new shape. Each batch
+// is a new shape, and the timing grows with it: GPT-2 124M's tries took
+// 18, 37 and 65 s at batches 16, 32 and 64 on an H100 (2026-12-08), where a
+// try needs seconds. Memory is the same either way (the workspace is one
+// size for every algorithm). The timed run after the search tunes as any
+// bench does.
+class UntunedMatmuls {
+ public:
+#ifdef DDP_WITH_CUDA_KERNELS
+  UntunedMatmuls() : was_(cuda::gemm_tuning()) { cuda::set_gemm_tuning(false); }
+  ~UntunedMatmuls() { cuda::set_gemm_tuning(was_); }
+
+ private:
+  bool was_;
+#endif
+};
+
 // --largest-batch: each try's line (with "fits"), then the largest batch
 // that fits, timed over --bench-steps (with "largest": true). A try runs a
 // few steps, enough for the optimizer state to exist and the step's peak
-// to be reached; a try that runs out of memory leaves
-// nothing behind (its step and batch go out of scope, the allocator's cache
-// is emptied), as a fresh process would start, though the pool may be left
-// more fragmented than a fresh one.
+// to be reached, its matmuls untuned (UntunedMatmuls); a try that runs out
+// of memory leaves nothing behind (its step and batch go out of scope, the
+// allocator's cache is emptied), as a fresh process would start, though
+// the pool may be left more fragmented than a fresh one.
 int search_largest_batch(const Config& c, World& world, const Measure& measure) {
   const auto dev = world.device();
   auto fits = [&](int64_t batch) {
+    [[maybe_unused]] UntunedMatmuls untuned;
     compat::reset_peak_cuda_bytes(dev.index());
     nlohmann::json j;
     try {
