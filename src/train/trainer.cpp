@@ -1141,8 +1141,10 @@ void Trainer::print_summary(const EpochMetrics& last, double seconds) const {
               monitor_.goal == Goal::kMax ? "higher" : "lower");
   std::printf("run dir:  %s (best.pt, epoch_*.pt, metrics.jsonl, metrics.csv, curves.svg, config.toml)\n", run_dir_.c_str());
   std::printf("resume:   %s\n", command("--resume " + run_dir_ + placement_flags()).c_str());
-  std::printf("export:   %s\n", command("export " + run_dir_ + "/best.pt weights.pt").c_str());
-  std::printf("view:     %s; tensorboard --logdir %s\n", command("report " + run_dir_).c_str(), run_dir_.c_str());
+  // export and report need no ranks: the program alone, under no launcher.
+  const std::string program = program_invocation_name;
+  std::printf("export:   %s export %s/best.pt weights.pt\n", program.c_str(), run_dir_.c_str());
+  std::printf("view:     %s report %s; tensorboard --logdir %s\n", program.c_str(), run_dir_.c_str(), run_dir_.c_str());
   std::fflush(stdout);
 }
 

@@ -86,6 +86,11 @@ TEST(Torchrun, TwoRanksTrainOneJob) {
   EXPECT_NE(r.output.find("world: 2 rank(s)"), std::string::npos) << r.output;
   EXPECT_EQ(count(r.output, "train_loss"), 1u) << "one epoch line, from rank 0 only:\n" << r.output;
   EXPECT_EQ(ddp::testing::metrics_jsonl(dir).size(), 1u) << r.output;
+  // Resuming takes the launcher again; export and report need no ranks, so
+  // their commands are the program alone (under torchrun they ran twice).
+  EXPECT_NE(r.output.find("resume:   torchrun --nproc_per_node 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(std::string("export:   ") + DDPTRAIN_EXE + " export "), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(std::string("view:     ") + DDPTRAIN_EXE + " report "), std::string::npos) << r.output;
 }
 
 // Every rank meets the same bad --data_root; the user reads it once. (Each
