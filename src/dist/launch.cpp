@@ -215,20 +215,6 @@ std::string job_token() {
   return t;
 }
 
-// Whether something listens on `port` (on any address, as c10d binds).
-bool port_in_use(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  const int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  const bool busy = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 && errno == EADDRINUSE;
-  ::close(fd);
-  return busy;
-}
 
 // One node: the launcher hosts the job's store, so that the port is taken
 // before any rank starts (a busy port is one error here, not a rank joining
@@ -504,6 +490,21 @@ void check_address(const LaunchOptions& o) {
 }
 
 }  // namespace
+
+// Whether something listens on `port` (on any address, as c10d binds).
+bool port_in_use(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  const int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool busy = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 && errno == EADDRINUSE;
+  ::close(fd);
+  return busy;
+}
 
 std::string describe_exit(int rank, int st) {
   std::string who = "rank " + std::to_string(rank);

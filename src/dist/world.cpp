@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <sstream>
 
+#include "ddp/dist/launch.h"
 #include "ddp/error.h"
 
 namespace ddp {
@@ -159,6 +160,11 @@ World::World(const Placement& where, const WorldOptions& options)
   so.waitWorkers = false;
   so.timeout = options_.timeout;
   const std::string addr = where_.master_addr;
+  // A busy port, in one line before c10d logs its own attempts to stderr.
+  check_user(!so.isServer || so.port == 0 || !port_in_use(so.port),
+             "rank 0 cannot host the rendezvous store: port " + std::to_string(so.port) +
+                 " is already in use on this machine (another job or program listens there).",
+             "pass another --port (or MASTER_PORT), or omit --port to let ddptrain pick a free one.");
   try {
     store_ = c10::make_intrusive<c10d::TCPStore>(addr, so);
     // Every key lives under the job's secret token when ddptrain's launcher

@@ -800,6 +800,7 @@ TEST_P(BadInput, OneLineErrorAndExitCode) {
   EXPECT_NE(r.output.find(c.expect), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("terminate called"), std::string::npos);
   EXPECT_EQ(r.output.find("Exception raised from"), std::string::npos) << "a stack trace leaked";
+  EXPECT_EQ(r.output.find("Logging before InitGoogleLogging"), std::string::npos) << "c10's log lines leaked";
 }
 
 std::string busy_port_holder() {
@@ -831,7 +832,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"InputTooSmallForModel", {"--dataset", "synthetic", "--model", "resnet18", "--stem", "imagenet"}, "--stem small"},
         BadCase{"ShapesDoNotMatch", {"--dataset", "synthetic", "--loss", "l1"}, "would broadcast output [64, 10] and target [64]"},
         BadCase{"NonFiniteLoss", {"--dataset", "synthetic", "--optimizer", "sgd", "--lr", "1e30", "--schedule", "constant", "--warmup-epochs", "0", "--train-samples", "640"}, "the training loss became", ddp::exit_code::kNonFinite},
-        BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "pass a free --port"},
+        BadCase{"PortInUse", {"--dataset", "synthetic", "--port", busy_port_holder()}, "is already in use on this machine"},
         BadCase{"UnwritableSavePath", {"--dataset", "synthetic", "--save_path", "/proc/ddp_forbidden"}, "pass a writable --save_path"},
         BadCase{"CorruptCheckpoint", {"--dataset", "synthetic", "--resume", "/etc/hostname"}, "corrupt or not a ddptrain"},
         BadCase{"MissingResume", {"--dataset", "synthetic", "--resume", "/nonexistent/epoch_3.pt"}, "--resume /nonexistent/epoch_3.pt does not exist."},

@@ -54,6 +54,9 @@ int launch_workers(const LaunchOptions& options);
 /// launcher does not use it; tests do).
 int find_free_port();
 
+/// Whether something listens on `port` (on any address, as c10d binds).
+bool port_in_use(int port);
+
 /// "rank 1 exited with code 3", "rank 0 was killed by signal 9 (SIGKILL)".
 std::string describe_exit(int rank, int wait_status);
 
