@@ -205,8 +205,9 @@ int run_worker(Config c, Placement where, Task& task, const std::string& command
   if (command == "predict") return run_predict(c, world, task);
   check_user(!c.largest_batch, "--largest-batch searches the batch size for `" + c.program.name + " bench`; training takes --batch as given.",
              "run `" + c.program.name + " bench --largest-batch ...` first, then train with --batch N.");
-  DDP_PRINT0(world, "%s: rank %d of %d (%s launcher), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
-             where.source.c_str(), world.backend_name().c_str());
+  const std::string launcher = where.source == "none" ? "no launcher" : where.source + " launcher";
+  DDP_PRINT0(world, "%s: rank %d of %d (%s), backend %s\n", c.program.name.c_str(), world.rank(), world.size(),
+             launcher.c_str(), world.backend_name().c_str());
   torch::manual_seed(c.seed);
   install_fault_injection(c.inject_fault);
   Trainer trainer(c, world, task);

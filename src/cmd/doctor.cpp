@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "ddp/dist/grad_sync.h"
+#include "ddp/program.h"
 
 namespace ddp {
 namespace {
@@ -74,7 +75,7 @@ Check ddp_equivalence(World& world) {
 int run_doctor(World& world) {
   std::vector<Check> checks;
   if (world.is_main()) {
-    std::printf("ddptrain doctor\n  LibTorch %s, %s\n", compat::torch_version().c_str(),
+    std::printf("%s doctor\n  LibTorch %s, %s\n", program_name(), compat::torch_version().c_str(),
                 compat::kHasGloo ? "with Gloo" : "without Gloo (NCCL only)");
     const int gpus = torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
     std::printf("  CUDA GPUs visible: %d\n  job: %d rank(s), backend %s, rank 0 on %s\n", gpus, world.size(),

@@ -190,7 +190,7 @@ TEST(Resume, AHeaderCannotPlaceTheJobOrNameAFileToWrite) {
   EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_EQ(resumed.output.find("joining"), std::string::npos) << resumed.output;
   EXPECT_EQ(resumed.output.find("198.51.100.1"), std::string::npos) << resumed.output;
-  EXPECT_NE(resumed.output.find("rank 0 of 1 (none launcher), backend gloo"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("rank 0 of 1 (no launcher), backend gloo"), std::string::npos) << resumed.output;
   EXPECT_FALSE(fs::exists(victim));
   EXPECT_FALSE(fs::exists(elsewhere));
   EXPECT_EQ(metrics_jsonl(dir).size(), 2u) << resumed.output;
