@@ -415,11 +415,15 @@ void Trainer::open_run_dir(const std::string& resume_from) {
 // best.pt goes with them when it is from past the resume point; the live
 // branch's best then starts again, so that its best.pt is its own. Rank 0.
 void Trainer::set_aside_abandoned_branch() {
-  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, timestamp());
+  std::vector<std::string> unreadable;
+  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, state_.epoch, timestamp(), &unreadable);
   if (aside.empty()) return;
   if (!std::filesystem::exists(run_dir_ + "/best.pt")) state_.best = std::numeric_limits<double>::quiet_NaN();
-  std::printf("resume: the checkpoints past step %lld (another branch of this run) moved to %s\n",
-              static_cast<long long>(state_.step), aside.c_str());
+  std::string names;
+  for (const auto& name : unreadable) names += (names.empty() ? "" : ", ") + name;
+  std::printf("resume: the checkpoints past step %lld (another branch of this run%s%s) moved to %s\n",
+              static_cast<long long>(state_.step), names.empty() ? "" : "; unreadable, kept as they are: ",
+              names.c_str(), aside.c_str());
   std::fflush(stdout);
 }
 

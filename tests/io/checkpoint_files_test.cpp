@@ -12,7 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -280,7 +282,8 @@ TEST(CheckpointFormat, OldTorchScriptCheckpointIsRefusedWithOneLine) {
   expect_refused(ddp::testing::user_error([&] { ddp::load_pretrained(old, *model, torch::kCPU); }));
   expect_refused(ddp::testing::user_error([&] { ddp::export_weights(old, dir + "/w.pt"); }));
   EXPECT_FALSE(ddp::is_checkpoint(old));
-  EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");
+  // Named by --resume's search too (it once said the run "holds no checkpoint").
+  expect_refused(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }));
   EXPECT_FALSE(fs::exists(dir + "/w.pt"));
 }
 
@@ -406,4 +409,143 @@ TEST(RunDir, StaleTempFilesOfDeadProcessesGoAtStart) {
   EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << second.output;
   for (const auto& name : stale) EXPECT_FALSE(fs::exists(run_dir + "/" + name)) << name << " (a dead process's) is left";
   for (const auto& name : kept) EXPECT_TRUE(fs::exists(run_dir + "/" + name)) << name << " was removed";
+}
+
+// ---- resuming a run safely (ux review B2-B5) ----
+
+namespace resume_guard {
+
+using ddp::testing::only_run_dir;
+using ddp::testing::run_process;
+
+// Every file under `dir` (recursively) with its bytes: what a run that
+// writes nothing leaves exactly as it was.
+std::map<std::string, std::string> contents(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    out[e.path().string()] = e.is_regular_file() ? ddp::testing::read_file(e.path().string()) : "<dir>";
+  return out;
+}
+
+// The lines of a refused run's output that say "error:": a refusal says it
+// in exactly one.
+std::vector<std::string> error_lines(const std::string& output) {
+  std::vector<std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.find("error:") != std::string::npos) out.push_back(line);
+  return out;
+}
+
+void truncate_to(const std::string& path, uintmax_t size) { fs::resize_file(path, size); }
+
+}  // namespace resume_guard
+
+// B2: run B (newer) has only damaged checkpoints. --resume auto once went on
+// with the older run A without a word, and --resume B said B "holds no
+// checkpoint". Both now stop in one line naming B's damaged file and why it
+// could not be read, and nothing of either run changes.
+TEST(RunDir, DamagedNewestRunIsNamedNotSkippedForAnOlderRun) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("damaged_auto");
+  auto a = run_process(quick_run(save_path + "/a", {"--epochs", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_process(quick_run(save_path + "/b", {"--epochs", "2", "--save_epoch", "1", "--sanity-val-steps", "0", "--seed", "5"}));
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  // One --save_path holding both runs, A written before B.
+  const std::string run_a = save_path + "/train_a", run_b = save_path + "/train_b";
+  fs::rename(only_run_dir(save_path + "/a"), run_a);
+  fs::rename(only_run_dir(save_path + "/b"), run_b);
+  for (const char* f : {"epoch_1.pt", "best.pt"}) fs::last_write_time(run_a + "/" + f, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  for (const auto& e : fs::directory_iterator(run_b))
+    if (e.path().extension() == ".pt") truncate_to(e.path().string(), 5000);
+  const auto before = contents(save_path);
+
+  auto resumed = run_process(quick_run(save_path, {"--resume", "auto", "--epochs", "3", "--reschedule"}));
+  EXPECT_EQ(resumed.exit_code, 2) << resumed.output;
+  EXPECT_EQ(resumed.output.find("resume: " + run_a), std::string::npos) << "auto crossed into the older run:\n" << resumed.output;
+  auto lines = error_lines(resumed.output);
+  ASSERT_EQ(lines.size(), 1u) << resumed.output;
+  EXPECT_NE(lines[0].find(run_b + "/epoch_2.pt"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("not a complete PyTorch zip file"), std::string::npos) << lines[0];
+
+  auto named = run_process({DDPTRAIN_EXE, "--resume", run_b, "--epochs", "3", "--reschedule"});
+  EXPECT_EQ(named.exit_code, 2) << named.output;
+  EXPECT_EQ(named.output.find("holds no checkpoint"), std::string::npos) << named.output;
+  lines = error_lines(named.output);
+  ASSERT_EQ(lines.size(), 1u) << named.output;
+  EXPECT_NE(lines[0].find(run_b + "/epoch_2.pt"), std::string::npos) << lines[0];
+  EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
+  // "holds no checkpoint" stays for a directory that holds none.
+  fs::create_directories(save_path + "/empty");
+  auto empty = run_process({DDPTRAIN_EXE, "--resume", save_path + "/empty"});
+  EXPECT_NE(empty.output.find("holds no checkpoint"), std::string::npos) << empty.output;
+}
+
+// B2: a damaged epoch_3.pt beside an intact epoch_2.pt. --resume RUN once
+// resumed epoch 2 without a word and overwrote the damaged file with its own
+// epoch 3. Now it stops in one line naming epoch_3.pt, with the explicit
+// command as the fix; that command keeps the damaged file (moved aside with
+// the branch it belongs to, byte for byte) and says where it went.
+TEST(RunDir, DamagedLaterCheckpointStopsResumeAndAnExplicitOlderResumeKeepsIt) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("damaged_later");
+  auto first = run_process(quick_run(save_path, {"--epochs", "3", "--save_epoch", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run = only_run_dir(save_path);
+  truncate_to(run + "/epoch_3.pt", fs::file_size(run + "/epoch_3.pt") / 2);
+  const std::string damaged = ddp::testing::read_file(run + "/epoch_3.pt");
+  const auto before = contents(save_path);
+
+  auto refused = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "4", "--reschedule"});
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  auto lines = error_lines(refused.output);
+  ASSERT_EQ(lines.size(), 1u) << refused.output;
+  EXPECT_NE(lines[0].find(run + "/epoch_3.pt"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("--resume " + run + "/epoch_2.pt"), std::string::npos) << lines[0];
+  EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
+
+  auto explicit_older = run_process({DDPTRAIN_EXE, "--resume", run + "/epoch_2.pt", "--epochs", "3"});
+  ASSERT_EQ(explicit_older.exit_code, 0) << explicit_older.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_3.pt")) << explicit_older.output;
+  std::string aside;
+  for (const auto& e : fs::directory_iterator(run))
+    if (e.is_directory() && e.path().filename().string().rfind("abandoned-", 0) == 0) aside = e.path().string();
+  ASSERT_FALSE(aside.empty()) << explicit_older.output;
+  EXPECT_EQ(ddp::testing::read_file(aside + "/epoch_3.pt"), damaged);
+  EXPECT_NE(explicit_older.output.find(aside), std::string::npos) << explicit_older.output;
+}
+
+// B2's control: a damaged checkpoint that is older and behind an intact one
+// does not block, and one that may be further along (a later epoch, a
+// preempt.pt, a newer file) does, naming itself and the intact one.
+TEST(RunDir, OnlyADamagedCheckpointThatMayBeFurtherAlongBlocksResume) {
+  const auto dir = ddp::testing::temp_dir("damaged_rules");
+  torch::nn::Linear model(2, 2);
+  auto save = [&](const std::string& name, int64_t epoch, int64_t step, int minutes_ago) {
+    ddp::CheckpointMeta meta;
+    meta.state.epoch = epoch;
+    meta.state.step = step;
+    ddp::save_checkpoint(dir + "/" + name, *model, nullptr, meta);
+    fs::last_write_time(dir + "/" + name, fs::file_time_type::clock::now() - std::chrono::minutes(minutes_ago));
+  };
+  auto damage = [&](const std::string& name, int minutes_ago) {
+    std::ofstream(dir + "/" + name, std::ios::binary) << "PK\x03\x04 half a file";
+    fs::last_write_time(dir + "/" + name, fs::file_time_type::clock::now() - std::chrono::minutes(minutes_ago));
+  };
+  save("epoch_2.pt", 2, 20, 30);
+  damage("epoch_1.pt", 60);  // older and behind
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), dir + "/epoch_2.pt");
+  damage("epoch_3.pt", 90);  // a later epoch, though an older file
+  auto msg = ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); });
+  EXPECT_NE(msg.find(dir + "/epoch_3.pt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir + "/epoch_2.pt"), std::string::npos) << msg;
+  fs::remove(dir + "/epoch_3.pt");
+  damage("preempt.pt", 90);
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/preempt.pt"), std::string::npos);
+  fs::remove(dir + "/preempt.pt");
+  damage("epoch_1.pt", 1);  // behind by its number, but written after epoch_2.pt
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/epoch_1.pt"), std::string::npos);
 }
