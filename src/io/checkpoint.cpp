@@ -2,6 +2,7 @@
 #include "ddp/io/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <fnmatch.h>
@@ -11,9 +12,11 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 #include <cerrno>
 #include <cstring>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <limits>
@@ -462,6 +465,46 @@ std::string make_run_dir(const std::string& save_path, const std::string& stem) 
                "cannot create the run directory " + dir + ": " + std::strerror(errno) + ".",
                "pass a writable --save_path.");
   }
+}
+
+RunDirLock::RunDirLock(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kRunLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) write_failed(path, "", errno);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+    // Who holds it, for the job that finds it taken: "pid host".
+    const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()))
+      write_failed(path, "", errno);
+    return;
+  }
+  const int err = errno;
+  std::string pid, host;
+  std::ifstream(path) >> pid >> host;
+  ::close(fd_);
+  fd_ = -1;
+  if (err != EWOULDBLOCK) {  // a file system without locks: the run goes on unguarded, and says so
+    std::fprintf(stderr, "note: cannot lock %s (%s); nothing stops another job from writing this run at once\n",
+                 path.c_str(), std::strerror(err));
+    return;
+  }
+  throw UserError("the run directory " + dir + " is in use by another job (pid " + (pid.empty() ? "?" : pid) +
+                      " on host " + (host.empty() ? "?" : host) + "); two jobs writing one run would mix its files.",
+                  "wait for that job to end (or stop it), then resume; to train beside it, start a new run.");
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+RunDirLock::RunDirLock(RunDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+RunDirLock& RunDirLock::operator=(RunDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
 }
 
 std::string run_dir_of(const std::string& checkpoint) {

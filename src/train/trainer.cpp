@@ -386,6 +386,10 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   } else if (world_.is_main()) {
     dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
+  // Rank 0 holds the directory from here until the job ends: a second job
+  // that would write in it (a resume of the same run) stops here, before
+  // it writes anything.
+  if (world_.is_main()) run_dir_lock_ = RunDirLock(dir);
   run_dir_ = world_.share_string("run_dir", dir);
   if (!resume_from.empty() && world_.is_main()) set_aside_abandoned_branch();
   if (world_.is_main()) remove_stale_temp_files(run_dir_);  // what a kill mid-write left

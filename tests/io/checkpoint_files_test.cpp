@@ -549,3 +549,44 @@ TEST(RunDir, OnlyADamagedCheckpointThatMayBeFurtherAlongBlocksResume) {
   damage("epoch_1.pt", 1);  // behind by its number, but written after epoch_2.pt
   EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/epoch_1.pt"), std::string::npos);
 }
+
+// B3: two jobs resuming one run directory at once once both trained, each
+// row of metrics.csv twice and both writing epoch_3.pt. Rank 0 of a job holds
+// a lock on its run directory: a second job stops at its start in one line
+// naming the directory and the holder (pid, host). The lock is the
+// kernel's: after the holder is killed (SIGKILL, no clean-up), the next job
+// goes on.
+TEST(RunDir, ASecondJobInTheSameRunDirectoryStopsAndAKilledHoldersLockDoesNotBlock) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("run_lock");
+  auto first = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run = only_run_dir(save_path);
+  // A long resume, held at its start of training.
+  auto holder = ddp::testing::start_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "400", "--reschedule",
+                                             "--save_epoch", "1"});
+  ASSERT_TRUE(ddp::testing::wait_for_output(holder, "world:", 120)) << ddp::testing::read_file(holder.log);
+  // (More epochs than the holder reaches: a resume with nothing left to do writes nothing, and goes.)
+  auto second = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "500", "--reschedule"});
+  EXPECT_EQ(second.exit_code, 2) << second.output;
+  const auto lines = error_lines(second.output);
+  ASSERT_EQ(lines.size(), 1u) << second.output;
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  EXPECT_NE(lines[0].find(run), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("pid " + std::to_string(holder.pid)), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find(host), std::string::npos) << lines[0];
+  EXPECT_EQ(second.output.find("world:"), std::string::npos) << "the second job went on:\n" << second.output;
+  EXPECT_EQ(second.output.find("saved "), std::string::npos) << "the second job wrote:\n" << second.output;
+
+  ASSERT_EQ(::kill(holder.pid, SIGKILL), 0);
+  ddp::testing::finish_process(holder, 60);
+  // The run.lock it leaves (with its pid) does not stop the next job: one more epoch.
+  ASSERT_NE(ddp::testing::read_file(run + "/run.lock").find(std::to_string(holder.pid)), std::string::npos);
+  const int64_t reached = ddp::read_checkpoint_meta(ddp::find_latest_checkpoint(run)).state.epoch;
+  const std::string next = std::to_string(reached + 1);
+  auto after_kill = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", next, "--reschedule"});
+  ASSERT_EQ(after_kill.exit_code, 0) << after_kill.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_" + next + ".pt")) << after_kill.output;
+}

@@ -197,6 +197,29 @@ void remove_superseded_preempt(const std::string& dir, int64_t step);
 /// host (whose pid says nothing here), stays.
 void remove_stale_temp_files(const std::string& dir);
 
+/// The file in a run directory that its job locks (RunDirLock).
+constexpr const char* kRunLockFile = "run.lock";
+
+/// Rank 0's hold on its run directory, from when the job owns it until the
+/// job ends: an exclusive flock on `dir`/run.lock, whose text names the
+/// holder ("pid host"). The kernel releases it when the process ends in any
+/// way (a crash, SIGKILL), so no lock is ever left stale. Throws UserError
+/// naming the directory and the holder when another process holds it. On a
+/// file system without locks it says so on stderr and holds nothing.
+class RunDirLock {
+ public:
+  RunDirLock() = default;
+  explicit RunDirLock(const std::string& dir);
+  ~RunDirLock();
+  RunDirLock(RunDirLock&& other) noexcept;
+  RunDirLock& operator=(RunDirLock&& other) noexcept;
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 /// Writes `text` to `path` atomically (temp file, fsync, rename).
 void write_file_atomic(const std::string& path, const std::string& text);
 
