@@ -590,3 +590,31 @@ TEST(RunDir, ASecondJobInTheSameRunDirectoryStopsAndAKilledHoldersLockDoesNotBlo
   ASSERT_EQ(after_kill.exit_code, 0) << after_kill.output;
   EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_" + next + ".pt")) << after_kill.output;
 }
+
+// B4: --save_path with --resume RUN_DIR was accepted and ignored (the run
+// went on in RUN_DIR; the new path was never made). A resumed run continues
+// in its own directory, so a --save_path elsewhere is refused in one line,
+// before anything is written; the run's own parent is accepted.
+TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("resume_save_path");
+  auto first = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run = only_run_dir(save_path);
+  const auto before = contents(save_path);
+  const std::string other = ddp::testing::temp_dir("resume_save_path_other") + "/runs";
+  for (const std::string& from : {run, run + "/epoch_1.pt"}) {
+    auto refused = run_process({DDPTRAIN_EXE, "--resume", from, "--epochs", "2", "--reschedule", "--save_path", other});
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    const auto lines = error_lines(refused.output);
+    ASSERT_EQ(lines.size(), 1u) << refused.output;
+    EXPECT_NE(lines[0].find("--save_path " + other), std::string::npos) << lines[0];
+    EXPECT_NE(lines[0].find(run), std::string::npos) << lines[0];
+    EXPECT_FALSE(fs::exists(other)) << from;
+    EXPECT_EQ(contents(save_path), before) << from;
+  }
+  auto same = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "2", "--reschedule", "--save_path", save_path});
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_2.pt")) << same.output;
+}
