@@ -185,6 +185,16 @@ std::function<void(const World&, int64_t)>& Trainer::after_step_hook() {
   return hook;
 }
 
+namespace {
+
+// A run resumed with nothing left to train: all its epochs, or --patience
+// ran out.
+bool nothing_left_to_train(const Config& c, const TrainState& s) {
+  return s.epoch >= c.epochs || (c.patience > 0 && s.patience_wait >= c.patience);
+}
+
+}  // namespace
+
 // The set-up order of every run, in one place.
 Trainer::Trainer(Config config, World& world, Task& task)
     : config_(std::move(config)), world_(world), task_(task), monitor_(task.monitor()) {
@@ -288,6 +298,10 @@ Trainer::Trainer(Config config, World& world, Task& task)
   //    gets a new directory. The checkpoint is read (and so checked) before
   //    anything is written.
   if (!resume_from.empty()) resume(resume_from);
+  if (!resume_from.empty() && nothing_left_to_train(config_, state_)) {
+    run_dir_ = run_dir_of(resume_from);  // nothing to train: fit() says so, and the run's files stay as they are
+    return;
+  }
   open_run_dir(resume_from);
 }
 
@@ -474,17 +488,17 @@ void Trainer::note_fewer_samples_than_asked() const {
 
 // The whole run: epochs of training and validation, logs and checkpoints.
 EpochMetrics Trainer::fit() {
+  // A finished run resumed (by a job script that always resumes, say):
+  // nothing to train, no error, so that such a script ends cleanly, and no
+  // file of the run written (Trainer::Trainer opened no run directory).
   if (state_.epoch >= config_.epochs) {
-    // A finished run resumed (by a job script that always resumes, say):
-    // nothing to train, and no error, so that such a script ends cleanly.
     DDP_PRINT0(world_,
                "resume: the run in %s already trained all its %d epoch(s); nothing to do. To train on, resume it with "
                "--epochs N (more than %d) --reschedule.\n",
                run_dir_.c_str(), config_.epochs, config_.epochs);
     return {};
   }
-  if (config_.patience > 0 && state_.patience_wait >= config_.patience) {
-    // As for a finished run: a job script that always resumes ends cleanly.
+  if (nothing_left_to_train(config_, state_)) {  // --patience ran out
     DDP_PRINT0(world_,
                "resume: the run in %s stopped early after epoch %lld (--patience %d ran out); nothing to do. To "
                "train on, resume it with a larger --patience.\n",

@@ -618,3 +618,27 @@ TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
   ASSERT_EQ(same.exit_code, 0) << same.output;
   EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_2.pt")) << same.output;
 }
+
+// B5: a resume with nothing left to do (a finished 2-rank run, copied, and
+// resumed from another directory on one process) exits 0 saying so, and
+// once rewrote config.toml (size 0, batch 64, the working directory's
+// save_path), the metrics, the curves and the TensorBoard file. Now every
+// file of the run stays byte-identical, and nothing is written elsewhere.
+TEST(RunDir, ResumeWithNothingToDoLeavesEveryFileOfTheRunByteIdentical) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("nothing_to_do");
+  auto first = run_process({DDPTRAIN_EXE, "--model", "cnn", "--size", "2", "--backend", "gloo", "--save_path", save_path,
+                            "--dataset", "synthetic", "--train-samples", "128", "--test-samples", "64", "--batch", "32",
+                            "--epochs", "1", "--sanity-val-steps", "0", "--progress", "none", "--timeout", "60"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string copy = ddp::testing::temp_dir("nothing_to_do_copy") + "/run";
+  fs::copy(only_run_dir(save_path), copy, fs::copy_options::recursive);
+  const auto before = contents(copy);
+  const auto cwd = ddp::testing::temp_dir("nothing_to_do_cwd");
+  auto again = run_process({"/bin/sh", "-c", "cd \"$0\" && exec \"$1\" --resume \"$2\" --progress none", cwd, DDPTRAIN_EXE, copy});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(ddp::testing::count(again.output, "nothing to do"), 1u) << again.output;
+  EXPECT_EQ(contents(copy), before) << again.output;
+  EXPECT_TRUE(fs::is_empty(cwd)) << again.output;
+}
