@@ -193,6 +193,39 @@ bool nothing_left_to_train(const Config& c, const TrainState& s) {
   return s.epoch >= c.epochs || (c.patience > 0 && s.patience_wait >= c.patience);
 }
 
+// The program that trained the run of `checkpoint`, from its run.json; ""
+// when there is none (a bare checkpoint file).
+std::string program_of_run(const std::string& checkpoint) {
+  try {
+    return nlohmann::json::parse(std::ifstream(run_dir_of(checkpoint) + "/run.json")).value("program", "");
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// A run of another program is said first, as such: the checks after it
+// (the data's first, or reading the data at all) would only say so
+// obliquely, with hints that do not apply. Before the data is made, the
+// kind of program: ddptrain's built-in tasks, or a program of the user's
+// (whose name alone may change with its binary's); once the model is
+// built, the model.
+void check_resumed_program(const Config& c) {
+  if (c.resume.empty() || !std::filesystem::is_regular_file(c.resume)) return;
+  const std::string program = program_of_run(c.resume), builtin = ProgramInfo().name;
+  if (program.empty() || (program == builtin) == (c.program.name == builtin)) return;
+  throw UserError("checkpoint " + c.resume + " is of a run trained by " + program + " (model '" +
+                      read_checkpoint_meta(c.resume).arch + "'), but this program is " + c.program.name + ".",
+                  "resume it with " + program + ", or start a new run without --resume.");
+}
+
+void check_resumed_model(const CheckpointMeta& saved, const std::string& checkpoint, const std::string& arch) {
+  if (saved.arch.empty() || saved.arch == arch) return;
+  const std::string program = program_of_run(checkpoint);
+  throw UserError("checkpoint " + checkpoint + " is for model '" + saved.arch + "', but this program builds '" + arch +
+                      "'" + (program.empty() ? "" : "; the run was trained by " + program) + ".",
+                  "resume it with the program (and --task) that trained it, or start a new run without --resume.");
+}
+
 }  // namespace
 
 // The set-up order of every run, in one place.
@@ -210,6 +243,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   }
   // 1. The task's data and model, on this rank's device.
   //    Validation (the task's, or --val-split's) chooses when there is one.
+  check_resumed_program(config_);  // ddp::main put the file chosen to resume in --resume
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && (data_.test || data_.val), "make_data() returned no train, or no test and no validation dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
@@ -222,6 +256,8 @@ Trainer::Trainer(Config config, World& world, Task& task)
   check_stop_rule();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
+  if (!config_.resume.empty() && std::filesystem::is_regular_file(config_.resume))
+    check_resumed_model(read_checkpoint_meta(config_.resume), config_.resume, task_.arch());
   if (config_.convert_layers == "on") {
     const auto conversion = nn::convert_layers(*model_);
     if (conversion.converted() > 0 || (!conversion.kept.empty() && world_.device().is_cuda()))

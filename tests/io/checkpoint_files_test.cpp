@@ -439,6 +439,13 @@ std::vector<std::string> error_lines(const std::string& output) {
 
 void truncate_to(const std::string& path, uintmax_t size) { fs::resize_file(path, size); }
 
+// A finished one-epoch run under `save_path` (quick_run): its directory.
+std::string one_epoch_run(const std::string& save_path) {
+  auto r = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return only_run_dir(save_path);
+}
+
 }  // namespace resume_guard
 
 // B2: run B (newer) has only damaged checkpoints. --resume auto once went on
@@ -560,9 +567,8 @@ TEST(RunDir, ASecondJobInTheSameRunDirectoryStopsAndAKilledHoldersLockDoesNotBlo
   DDP_SKIP_UNLESS_GLOO();
   using namespace resume_guard;
   const auto save_path = ddp::testing::temp_dir("run_lock");
-  auto first = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const auto run = only_run_dir(save_path);
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
   // A long resume, held at its start of training.
   auto holder = ddp::testing::start_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "400", "--reschedule",
                                              "--save_epoch", "1"});
@@ -599,9 +605,8 @@ TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
   DDP_SKIP_UNLESS_GLOO();
   using namespace resume_guard;
   const auto save_path = ddp::testing::temp_dir("resume_save_path");
-  auto first = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
-  ASSERT_EQ(first.exit_code, 0) << first.output;
-  const auto run = only_run_dir(save_path);
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
   const auto before = contents(save_path);
   const std::string other = ddp::testing::temp_dir("resume_save_path_other") + "/runs";
   for (const std::string& from : {run, run + "/epoch_1.pt"}) {
@@ -641,4 +646,50 @@ TEST(RunDir, ResumeWithNothingToDoLeavesEveryFileOfTheRunByteIdentical) {
   EXPECT_EQ(ddp::testing::count(again.output, "nothing to do"), 1u) << again.output;
   EXPECT_EQ(contents(copy), before) << again.output;
   EXPECT_TRUE(fs::is_empty(cwd)) << again.output;
+}
+
+// C1: a run of ddptrain resumed by a program of the user's once stopped at
+// whatever came first: examples/regression (which makes its own data) at
+// "--dataset does not apply to this program", examples/tabular at reading
+// the CSV files of ddptrain's --data_root; the template at "trained on other
+// data ... pass the --data_root the run trained on". None can help. Now the
+// one line says that the run is ddptrain's, and its model.
+TEST(RunDir, ResumingAnotherProgramsRunNamesTheModelAndProgramFirst) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("other_program");
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
+  const auto before = contents(save_path);
+  auto other = run_process({EXAMPLE_regression, "--resume", run, "--epochs", "2", "--reschedule"});
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  const auto lines = error_lines(other.output);
+  ASSERT_EQ(lines.size(), 1u) << other.output;
+  EXPECT_NE(lines[0].find("model 'cnn/"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[0].find("trained by ddptrain"), std::string::npos) << lines[0];
+  EXPECT_EQ(lines[0].find("--data_root"), std::string::npos) << lines[0];
+  EXPECT_EQ(lines[0].find("--dataset"), std::string::npos) << lines[0];
+  // A program that reads its data from --data_root (examples/tabular) once
+  // stopped at reading the CSV files there: ddptrain's run is said first.
+  const auto cwd = ddp::testing::temp_dir("other_program_cwd");
+  auto reads_data = run_process({"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", cwd, EXAMPLE_tabular, "--resume", run});
+  EXPECT_EQ(reads_data.exit_code, 2) << reads_data.output;
+  const auto tabular_lines = error_lines(reads_data.output);
+  ASSERT_EQ(tabular_lines.size(), 1u) << reads_data.output;
+  EXPECT_NE(tabular_lines[0].find("trained by ddptrain"), std::string::npos) << tabular_lines[0];
+  EXPECT_EQ(tabular_lines[0].find("CSV"), std::string::npos) << tabular_lines[0];
+  EXPECT_EQ(contents(save_path), before);
+  EXPECT_TRUE(fs::is_empty(cwd));
+  // Two programs of the user's: the model differs, said once it is built.
+  ddp::testing::write_sales_csvs(cwd + "/sales", 200, 50);
+  auto tabular = run_process({EXAMPLE_tabular, "--data_root", cwd + "/sales", "--save_path", cwd + "/runs", "--size", "1",
+                              "--backend", "gloo", "--epochs", "1", "--workers", "0", "--progress", "none"});
+  ASSERT_EQ(tabular.exit_code, 0) << tabular.output;
+  auto regression = run_process({EXAMPLE_regression, "--resume", only_run_dir(cwd + "/runs")});
+  EXPECT_EQ(regression.exit_code, 2) << regression.output;
+  const auto model_lines = error_lines(regression.output);
+  ASSERT_EQ(model_lines.size(), 1u) << regression.output;
+  EXPECT_NE(model_lines[0].find("is for model 'sales-mlp/"), std::string::npos) << model_lines[0];
+  EXPECT_NE(model_lines[0].find("but this program builds 'area-net'; the run was trained by tabular"), std::string::npos)
+      << model_lines[0];
 }
