@@ -439,6 +439,15 @@ std::vector<std::string> error_lines(const std::string& output) {
 
 void truncate_to(const std::string& path, uintmax_t size) { fs::resize_file(path, size); }
 
+// The one "error:" line of a run refused with exit 2 ("", and a failure,
+// for anything else).
+std::string refusal(const ddp::testing::ProcessResult& r) {
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const auto lines = error_lines(r.output);
+  EXPECT_EQ(lines.size(), 1u) << r.output;
+  return lines.size() == 1 ? lines[0] : "";
+}
+
 // A finished one-epoch run under `save_path` (quick_run): its directory.
 std::string one_epoch_run(const std::string& save_path) {
   auto r = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
@@ -470,19 +479,15 @@ TEST(RunDir, DamagedNewestRunIsNamedNotSkippedForAnOlderRun) {
   const auto before = contents(save_path);
 
   auto resumed = run_process(quick_run(save_path, {"--resume", "auto", "--epochs", "3", "--reschedule"}));
-  EXPECT_EQ(resumed.exit_code, 2) << resumed.output;
   EXPECT_EQ(resumed.output.find("resume: " + run_a), std::string::npos) << "auto crossed into the older run:\n" << resumed.output;
-  auto lines = error_lines(resumed.output);
-  ASSERT_EQ(lines.size(), 1u) << resumed.output;
-  EXPECT_NE(lines[0].find(run_b + "/epoch_2.pt"), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find("not a complete PyTorch zip file"), std::string::npos) << lines[0];
+  const std::string line_auto = refusal(resumed);
+  EXPECT_NE(line_auto.find(run_b + "/epoch_2.pt"), std::string::npos) << line_auto;
+  EXPECT_NE(line_auto.find("not a complete PyTorch zip file"), std::string::npos) << line_auto;
 
   auto named = run_process({DDPTRAIN_EXE, "--resume", run_b, "--epochs", "3", "--reschedule"});
-  EXPECT_EQ(named.exit_code, 2) << named.output;
   EXPECT_EQ(named.output.find("holds no checkpoint"), std::string::npos) << named.output;
-  lines = error_lines(named.output);
-  ASSERT_EQ(lines.size(), 1u) << named.output;
-  EXPECT_NE(lines[0].find(run_b + "/epoch_2.pt"), std::string::npos) << lines[0];
+  const std::string line_named = refusal(named);
+  EXPECT_NE(line_named.find(run_b + "/epoch_2.pt"), std::string::npos) << line_named;
   EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
   // "holds no checkpoint" stays for a directory that holds none.
   fs::create_directories(save_path + "/empty");
@@ -507,11 +512,9 @@ TEST(RunDir, DamagedLaterCheckpointStopsResumeAndAnExplicitOlderResumeKeepsIt) {
   const auto before = contents(save_path);
 
   auto refused = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "4", "--reschedule"});
-  EXPECT_EQ(refused.exit_code, 2) << refused.output;
-  auto lines = error_lines(refused.output);
-  ASSERT_EQ(lines.size(), 1u) << refused.output;
-  EXPECT_NE(lines[0].find(run + "/epoch_3.pt"), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find("--resume " + run + "/epoch_2.pt"), std::string::npos) << lines[0];
+  const std::string line_refused = refusal(refused);
+  EXPECT_NE(line_refused.find(run + "/epoch_3.pt"), std::string::npos) << line_refused;
+  EXPECT_NE(line_refused.find("--resume " + run + "/epoch_2.pt"), std::string::npos) << line_refused;
   EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
 
   auto explicit_older = run_process({DDPTRAIN_EXE, "--resume", run + "/epoch_2.pt", "--epochs", "3"});
@@ -575,14 +578,12 @@ TEST(RunDir, ASecondJobInTheSameRunDirectoryStopsAndAKilledHoldersLockDoesNotBlo
   ASSERT_TRUE(ddp::testing::wait_for_output(holder, "world:", 120)) << ddp::testing::read_file(holder.log);
   // (More epochs than the holder reaches: a resume with nothing left to do writes nothing, and goes.)
   auto second = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "500", "--reschedule"});
-  EXPECT_EQ(second.exit_code, 2) << second.output;
-  const auto lines = error_lines(second.output);
-  ASSERT_EQ(lines.size(), 1u) << second.output;
+  const std::string line_second = refusal(second);
   char host[256] = {};
   ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
-  EXPECT_NE(lines[0].find(run), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find("pid " + std::to_string(holder.pid)), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find(host), std::string::npos) << lines[0];
+  EXPECT_NE(line_second.find(run), std::string::npos) << line_second;
+  EXPECT_NE(line_second.find("pid " + std::to_string(holder.pid)), std::string::npos) << line_second;
+  EXPECT_NE(line_second.find(host), std::string::npos) << line_second;
   EXPECT_EQ(second.output.find("world:"), std::string::npos) << "the second job went on:\n" << second.output;
   EXPECT_EQ(second.output.find("saved "), std::string::npos) << "the second job wrote:\n" << second.output;
 
@@ -611,11 +612,9 @@ TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
   const std::string other = ddp::testing::temp_dir("resume_save_path_other") + "/runs";
   for (const std::string& from : {run, run + "/epoch_1.pt"}) {
     auto refused = run_process({DDPTRAIN_EXE, "--resume", from, "--epochs", "2", "--reschedule", "--save_path", other});
-    EXPECT_EQ(refused.exit_code, 2) << refused.output;
-    const auto lines = error_lines(refused.output);
-    ASSERT_EQ(lines.size(), 1u) << refused.output;
-    EXPECT_NE(lines[0].find("--save_path " + other), std::string::npos) << lines[0];
-    EXPECT_NE(lines[0].find(run), std::string::npos) << lines[0];
+    const std::string line = refusal(refused);
+    EXPECT_NE(line.find("--save_path " + other), std::string::npos) << line;
+    EXPECT_NE(line.find(run), std::string::npos) << line;
     EXPECT_FALSE(fs::exists(other)) << from;
     EXPECT_EQ(contents(save_path), before) << from;
   }
@@ -662,22 +661,18 @@ TEST(RunDir, ResumingAnotherProgramsRunNamesTheModelAndProgramFirst) {
   ASSERT_FALSE(run.empty());
   const auto before = contents(save_path);
   auto other = run_process({EXAMPLE_regression, "--resume", run, "--epochs", "2", "--reschedule"});
-  EXPECT_EQ(other.exit_code, 2) << other.output;
-  const auto lines = error_lines(other.output);
-  ASSERT_EQ(lines.size(), 1u) << other.output;
-  EXPECT_NE(lines[0].find("model 'cnn/"), std::string::npos) << lines[0];
-  EXPECT_NE(lines[0].find("trained by ddptrain"), std::string::npos) << lines[0];
-  EXPECT_EQ(lines[0].find("--data_root"), std::string::npos) << lines[0];
-  EXPECT_EQ(lines[0].find("--dataset"), std::string::npos) << lines[0];
+  const std::string line_other = refusal(other);
+  EXPECT_NE(line_other.find("model 'cnn/"), std::string::npos) << line_other;
+  EXPECT_NE(line_other.find("trained by ddptrain"), std::string::npos) << line_other;
+  EXPECT_EQ(line_other.find("--data_root"), std::string::npos) << line_other;
+  EXPECT_EQ(line_other.find("--dataset"), std::string::npos) << line_other;
   // A program that reads its data from --data_root (examples/tabular) once
   // stopped at reading the CSV files there: ddptrain's run is said first.
   const auto cwd = ddp::testing::temp_dir("other_program_cwd");
   auto reads_data = run_process({"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", cwd, EXAMPLE_tabular, "--resume", run});
-  EXPECT_EQ(reads_data.exit_code, 2) << reads_data.output;
-  const auto tabular_lines = error_lines(reads_data.output);
-  ASSERT_EQ(tabular_lines.size(), 1u) << reads_data.output;
-  EXPECT_NE(tabular_lines[0].find("trained by ddptrain"), std::string::npos) << tabular_lines[0];
-  EXPECT_EQ(tabular_lines[0].find("CSV"), std::string::npos) << tabular_lines[0];
+  const std::string line_reads_data = refusal(reads_data);
+  EXPECT_NE(line_reads_data.find("trained by ddptrain"), std::string::npos) << line_reads_data;
+  EXPECT_EQ(line_reads_data.find("CSV"), std::string::npos) << line_reads_data;
   EXPECT_EQ(contents(save_path), before);
   EXPECT_TRUE(fs::is_empty(cwd));
   // Two programs of the user's: the model differs, said once it is built.
@@ -686,10 +681,8 @@ TEST(RunDir, ResumingAnotherProgramsRunNamesTheModelAndProgramFirst) {
                               "--backend", "gloo", "--epochs", "1", "--workers", "0", "--progress", "none"});
   ASSERT_EQ(tabular.exit_code, 0) << tabular.output;
   auto regression = run_process({EXAMPLE_regression, "--resume", only_run_dir(cwd + "/runs")});
-  EXPECT_EQ(regression.exit_code, 2) << regression.output;
-  const auto model_lines = error_lines(regression.output);
-  ASSERT_EQ(model_lines.size(), 1u) << regression.output;
-  EXPECT_NE(model_lines[0].find("is for model 'sales-mlp/"), std::string::npos) << model_lines[0];
-  EXPECT_NE(model_lines[0].find("but this program builds 'area-net'; the run was trained by tabular"), std::string::npos)
-      << model_lines[0];
+  const std::string line_regression = refusal(regression);
+  EXPECT_NE(line_regression.find("is for model 'sales-mlp/"), std::string::npos) << line_regression;
+  EXPECT_NE(line_regression.find("but this program builds 'area-net'; the run was trained by tabular"), std::string::npos)
+      << line_regression;
 }
