@@ -526,6 +526,7 @@ int main(int argc, char** argv, std::shared_ptr<Task> task, ProgramOptions progr
     const bool resumes = command.empty() && (!c.resume.empty() || restart_attempt() > 0);
     if (resumes) {
       if (!resume_from) resume_from = choose_resume_checkpoint(c, speaks());
+      check_save_path_fits_resume(c, *resume_from);
       c = with_saved_flags(c, *resume_from);
       c.resume = *resume_from;  // the file itself from here on: the ranks and the trainer load it
     }

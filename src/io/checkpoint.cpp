@@ -2,6 +2,7 @@
 #include "ddp/io/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <fnmatch.h>
@@ -11,11 +12,14 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 #include <cerrno>
 #include <cstring>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -463,6 +467,46 @@ std::string make_run_dir(const std::string& save_path, const std::string& stem) 
   }
 }
 
+RunDirLock::RunDirLock(const std::string& dir) {
+  const std::string path = (fs::path(dir) / kRunLockFile).string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) write_failed(path, "", errno);
+  if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+    // Who holds it, for the job that finds it taken: "pid host".
+    const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()))
+      write_failed(path, "", errno);
+    return;
+  }
+  const int err = errno;
+  std::string pid, host;
+  std::ifstream(path) >> pid >> host;
+  ::close(fd_);
+  fd_ = -1;
+  if (err != EWOULDBLOCK) {  // a file system without locks: the run goes on unguarded, and says so
+    std::fprintf(stderr, "note: cannot lock %s (%s); nothing stops another job from writing this run at once\n",
+                 path.c_str(), std::strerror(err));
+    return;
+  }
+  throw UserError("the run directory " + dir + " is in use by another job (pid " + (pid.empty() ? "?" : pid) +
+                      " on host " + (host.empty() ? "?" : host) + "); two jobs writing one run would mix its files.",
+                  "wait for that job to end (or stop it), then resume; to train beside it, start a new run.");
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+RunDirLock::RunDirLock(RunDirLock&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+
+RunDirLock& RunDirLock::operator=(RunDirLock&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+  }
+  return *this;
+}
+
 std::string run_dir_of(const std::string& checkpoint) {
   const auto dir = fs::path(checkpoint).parent_path();
   return dir.empty() ? "." : dir.string();
@@ -484,14 +528,24 @@ void remove_old_checkpoints(const std::string& dir, int64_t keep, int64_t up_to_
   for (size_t i = 0; i + static_cast<size_t>(keep) < found.size(); ++i) fs::remove(found[i].second);
 }
 
-std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, const std::string& stamp) {
+std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, int64_t epoch, const std::string& stamp,
+                                        std::vector<std::string>* unreadable) {
   std::vector<fs::path> later;
   for (const auto& e : fs::directory_iterator(dir)) {
     if (!e.is_regular_file() || e.path().extension() != ".pt") continue;
+    const std::string name = e.path().filename().string();
     try {
       if (read_checkpoint_meta(e.path().string()).state.step > step) later.push_back(e.path());
     } catch (const std::exception&) {
-      // not a checkpoint (an exported weights.pt) or a damaged one: not a branch's
+      // Not a checkpoint (an exported weights.pt), or a damaged one. A
+      // damaged file of a name this run would write again (a later epoch's,
+      // preempt.pt, best.pt) may be the branch's furthest work: kept with it,
+      // never written over.
+      const auto n = epoch_of(name);
+      if ((n && *n > epoch) || name == "preempt.pt" || name == "best.pt") {
+        later.push_back(e.path());
+        if (unreadable) unreadable->push_back(name);
+      }
     }
   }
   if (later.empty()) return "";
@@ -539,12 +593,28 @@ void remove_stale_temp_files(const std::string& dir) {
   }
 }
 
+namespace {
+
+// Why `path` could not be read, from the reader's one-line error without
+// the path and the reader's own hint: for a line that names the file once.
+std::string unreadable_reason(const std::exception& e, const std::string& path) {
+  std::string why = first_line(e);
+  why = why.substr(0, why.find(" Hint: "));
+  for (const std::string& prefix : {"cannot read " + path + ": ", "checkpoint " + path + " "})
+    if (why.rfind(prefix, 0) == 0) why = why.substr(prefix.size());
+  while (!why.empty() && why.back() == '.') why.pop_back();
+  return why;
+}
+
+}  // namespace
+
 std::string find_latest_checkpoint(const std::string& dir) {
   if (!fs::exists(dir)) return "";
   struct Found {
     fs::path path;
     fs::file_time_type time;
     int64_t step, epoch;
+    std::string unreadable;  // why, for a damaged (or foreign) file
   };
   std::vector<Found> found;
   std::error_code ec;
@@ -561,23 +631,50 @@ std::string find_latest_checkpoint(const std::string& dir) {
     if (!epoch && fname != "preempt.pt") continue;
     try {
       const auto meta = read_checkpoint_meta(e.path().string());
-      found.push_back({e.path(), e.last_write_time(), meta.state.step, meta.state.epoch});
-    } catch (const std::exception&) {
-      continue;  // damaged or foreign: not a place to resume from
+      found.push_back({e.path(), e.last_write_time(), meta.state.step, meta.state.epoch, ""});
+    } catch (const std::exception& err) {
+      // By its name only: a preempt.pt stopped somewhere in an epoch, so it
+      // is never known to be behind.
+      found.push_back({e.path(), e.last_write_time(), -1, epoch.value_or(std::numeric_limits<int64_t>::max()),
+                       unreadable_reason(err, e.path().string())});
     }
   }
   if (found.empty()) return "";
   // The run written to last (a directory may hold several runs' folders),
   // then in it the checkpoint furthest along: file times do not say that
-  // (a copy or a touch reorders them).
+  // (a copy or a touch reorders them). A damaged file counts for the run it
+  // is in, so that a run whose files are all damaged is never passed over
+  // for an older one.
   const auto last = std::max_element(found.begin(), found.end(), [](const Found& x, const Found& y) {
                       return x.time < y.time;
                     })->path.parent_path();
-  const Found* best = nullptr;
-  for (const auto& f : found)
-    if (f.path.parent_path() == last &&
-        (!best || std::tie(f.step, f.epoch, f.time) > std::tie(best->step, best->epoch, best->time)))
-      best = &f;
+  const Found *best = nullptr, *damaged = nullptr;
+  for (const auto& f : found) {
+    if (f.path.parent_path() != last || !f.unreadable.empty()) continue;
+    if (!best || std::tie(f.step, f.epoch, f.time) > std::tie(best->step, best->epoch, best->time)) best = &f;
+  }
+  // A damaged file that may be further along than `best` (a later epoch,
+  // a preempt.pt, a newer file) is where the run got to, for all anyone
+  // knows: resuming `best` would skip its work without a word, and then
+  // write over it. One older and behind `best` does not matter.
+  for (const auto& f : found) {
+    if (f.path.parent_path() != last || f.unreadable.empty()) continue;
+    const bool may_be_ahead = !best || f.epoch > best->epoch || f.time > best->time;
+    if (may_be_ahead && (!damaged || std::tie(f.epoch, f.time) > std::tie(damaged->epoch, damaged->time))) damaged = &f;
+  }
+  if (damaged) {
+    const std::string file = damaged->path.string();
+    if (best)
+      throw UserError("checkpoint " + file + " cannot be read (" + damaged->unreadable +
+                          ") and may be further along than " + best->path.string() +
+                          ", the run's newest readable checkpoint; resuming that would skip it.",
+                      "to go on from the readable one, name it: --resume " + best->path.string() +
+                          " (the unreadable file then moves into an abandoned-* folder, kept); or move " + file +
+                          " out of " + last.string() + ".");
+    throw UserError("checkpoint " + file + " cannot be read (" + damaged->unreadable + "), and the run " +
+                        last.string() + " holds no readable checkpoint to resume.",
+                    "restore the file from a copy; or, to go on with another run, pass --resume with its directory.");
+  }
   return best->path.string();
 }
 

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <system_error>
 
+#include "ddp/error.h"
 #include "ddp/io/checkpoint.h"
 
 namespace ddp {
@@ -70,6 +71,18 @@ std::string choose_resume_checkpoint(const Config& c, bool speak) {
   if (speak && c.resume == "auto" && path.empty())
     std::printf("resume: no checkpoint under %s; starting fresh\n", c.save_path.c_str());
   return path;
+}
+
+void check_save_path_fits_resume(const Config& c, const std::string& checkpoint) {
+  if (checkpoint.empty() || c.resume.empty() || c.resume == "auto" || !c.was_given("save_path")) return;
+  std::error_code ec;
+  const fs::path run = fs::weakly_canonical(fs::absolute(run_dir_of(checkpoint)), ec);
+  const fs::path given = fs::weakly_canonical(fs::absolute(c.save_path), ec);
+  if (run.parent_path() == given) return;  // the run's own --save_path: what a job script repeats
+  throw UserError("--save_path " + c.save_path + " does not apply to --resume " + c.resume +
+                      ": a resumed run goes on in its own run directory, " + run.string() + ".",
+                  "drop --save_path; to go on elsewhere, copy the run directory there and resume the copy "
+                  "(--resume NEW_DIR), or start a new run there from its weights with --pretrain " + checkpoint + ".");
 }
 
 }  // namespace ddp

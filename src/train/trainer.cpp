@@ -185,6 +185,49 @@ std::function<void(const World&, int64_t)>& Trainer::after_step_hook() {
   return hook;
 }
 
+namespace {
+
+// A run resumed with nothing left to train: all its epochs, or --patience
+// ran out.
+bool nothing_left_to_train(const Config& c, const TrainState& s) {
+  return s.epoch >= c.epochs || (c.patience > 0 && s.patience_wait >= c.patience);
+}
+
+// The program that trained the run of `checkpoint`, from its run.json; ""
+// when there is none (a bare checkpoint file).
+std::string program_of_run(const std::string& checkpoint) {
+  try {
+    return nlohmann::json::parse(std::ifstream(run_dir_of(checkpoint) + "/run.json")).value("program", "");
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// A run of another program is said first, as such: the checks after it
+// (the data's first, or reading the data at all) would only say so
+// obliquely, with hints that do not apply. Before the data is made, the
+// kind of program: ddptrain's built-in tasks, or a program of the user's
+// (whose name alone may change with its binary's); once the model is
+// built, the model.
+void check_resumed_program(const Config& c) {
+  if (c.resume.empty() || !std::filesystem::is_regular_file(c.resume)) return;
+  const std::string program = program_of_run(c.resume), builtin = ProgramInfo().name;
+  if (program.empty() || (program == builtin) == (c.program.name == builtin)) return;
+  throw UserError("checkpoint " + c.resume + " is of a run trained by " + program + " (model '" +
+                      read_checkpoint_meta(c.resume).arch + "'), but this program is " + c.program.name + ".",
+                  "resume it with " + program + ", or start a new run without --resume.");
+}
+
+void check_resumed_model(const CheckpointMeta& saved, const std::string& checkpoint, const std::string& arch) {
+  if (saved.arch.empty() || saved.arch == arch) return;
+  const std::string program = program_of_run(checkpoint);
+  throw UserError("checkpoint " + checkpoint + " is for model '" + saved.arch + "', but this program builds '" + arch +
+                      "'" + (program.empty() ? "" : "; the run was trained by " + program) + ".",
+                  "resume it with the program (and --task) that trained it, or start a new run without --resume.");
+}
+
+}  // namespace
+
 // The set-up order of every run, in one place.
 Trainer::Trainer(Config config, World& world, Task& task)
     : config_(std::move(config)), world_(world), task_(task), monitor_(parse_monitor(config_.monitor, task.monitor())) {
@@ -200,6 +243,7 @@ Trainer::Trainer(Config config, World& world, Task& task)
   }
   // 1. The task's data and model, on this rank's device.
   //    Validation (the task's, or --val-split's) chooses when there is one.
+  check_resumed_program(config_);  // ddp::main put the file chosen to resume in --resume
   data_ = task_.make_data(config_, world_);
   check_user(data_.train && (data_.test || data_.val), "make_data() returned no train, or no test and no validation dataset.",
              "return both splits (a test split may be empty: data::Splits{train, empty}).");
@@ -212,6 +256,8 @@ Trainer::Trainer(Config config, World& world, Task& task)
   check_stop_rule();
   model_ = task_.make_model(config_, data_);
   check_user(model_ != nullptr, "make_model() returned no model.", "return your model's .ptr().");
+  if (!config_.resume.empty() && std::filesystem::is_regular_file(config_.resume))
+    check_resumed_model(read_checkpoint_meta(config_.resume), config_.resume, task_.arch());
   if (config_.convert_layers == "on") {
     const auto conversion = nn::convert_layers(*model_);
     if (conversion.converted() > 0 || (!conversion.kept.empty() && world_.device().is_cuda()))
@@ -288,6 +334,10 @@ Trainer::Trainer(Config config, World& world, Task& task)
   //    gets a new directory. The checkpoint is read (and so checked) before
   //    anything is written.
   if (!resume_from.empty()) resume(resume_from);
+  if (!resume_from.empty() && nothing_left_to_train(config_, state_)) {
+    run_dir_ = run_dir_of(resume_from);  // nothing to train: fit() says so, and the run's files stay as they are
+    return;
+  }
   open_run_dir(resume_from);
 }
 
@@ -386,6 +436,10 @@ void Trainer::open_run_dir(const std::string& resume_from) {
   } else if (world_.is_main()) {
     dir = make_run_dir(config_.save_path, "train_" + timestamp());
   }
+  // Rank 0 holds the directory from here until the job ends: a second job
+  // that would write in it (a resume of the same run) stops here, before
+  // it writes anything.
+  if (world_.is_main()) run_dir_lock_ = RunDirLock(dir);
   run_dir_ = world_.share_string("run_dir", dir);
   if (!resume_from.empty() && world_.is_main()) set_aside_abandoned_branch();
   if (world_.is_main()) remove_stale_temp_files(run_dir_);  // what a kill mid-write left
@@ -415,11 +469,15 @@ void Trainer::open_run_dir(const std::string& resume_from) {
 // best.pt goes with them when it is from past the resume point; the live
 // branch's best then starts again, so that its best.pt is its own. Rank 0.
 void Trainer::set_aside_abandoned_branch() {
-  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, timestamp());
+  std::vector<std::string> unreadable;
+  const std::string aside = set_aside_later_checkpoints(run_dir_, state_.step, state_.epoch, timestamp(), &unreadable);
   if (aside.empty()) return;
   if (!std::filesystem::exists(run_dir_ + "/best.pt")) state_.best = std::numeric_limits<double>::quiet_NaN();
-  std::printf("resume: the checkpoints past step %lld (another branch of this run) moved to %s\n",
-              static_cast<long long>(state_.step), aside.c_str());
+  std::string names;
+  for (const auto& name : unreadable) names += (names.empty() ? "" : ", ") + name;
+  std::printf("resume: the checkpoints past step %lld (another branch of this run%s%s) moved to %s\n",
+              static_cast<long long>(state_.step), names.empty() ? "" : "; unreadable, kept as they are: ",
+              names.c_str(), aside.c_str());
   std::fflush(stdout);
 }
 
@@ -466,17 +524,17 @@ void Trainer::note_fewer_samples_than_asked() const {
 
 // The whole run: epochs of training and validation, logs and checkpoints.
 EpochMetrics Trainer::fit() {
+  // A finished run resumed (by a job script that always resumes, say):
+  // nothing to train, no error, so that such a script ends cleanly, and no
+  // file of the run written (Trainer::Trainer opened no run directory).
   if (state_.epoch >= config_.epochs) {
-    // A finished run resumed (by a job script that always resumes, say):
-    // nothing to train, and no error, so that such a script ends cleanly.
     DDP_PRINT0(world_,
                "resume: the run in %s already trained all its %d epoch(s); nothing to do. To train on, resume it with "
                "--epochs N (more than %d) --reschedule.\n",
                run_dir_.c_str(), config_.epochs, config_.epochs);
     return {};
   }
-  if (config_.patience > 0 && state_.patience_wait >= config_.patience) {
-    // As for a finished run: a job script that always resumes ends cleanly.
+  if (nothing_left_to_train(config_, state_)) {  // --patience ran out
     DDP_PRINT0(world_,
                "resume: the run in %s stopped early after epoch %lld (--patience %d ran out); nothing to do. To "
                "train on, resume it with a larger --patience.\n",

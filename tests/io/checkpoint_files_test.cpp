@@ -12,7 +12,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -280,7 +282,8 @@ TEST(CheckpointFormat, OldTorchScriptCheckpointIsRefusedWithOneLine) {
   expect_refused(ddp::testing::user_error([&] { ddp::load_pretrained(old, *model, torch::kCPU); }));
   expect_refused(ddp::testing::user_error([&] { ddp::export_weights(old, dir + "/w.pt"); }));
   EXPECT_FALSE(ddp::is_checkpoint(old));
-  EXPECT_EQ(ddp::find_latest_checkpoint(dir), "");
+  // Named by --resume's search too (it once said the run "holds no checkpoint").
+  expect_refused(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }));
   EXPECT_FALSE(fs::exists(dir + "/w.pt"));
 }
 
@@ -406,4 +409,280 @@ TEST(RunDir, StaleTempFilesOfDeadProcessesGoAtStart) {
   EXPECT_TRUE(fs::exists(run_dir + "/epoch_2.pt")) << second.output;
   for (const auto& name : stale) EXPECT_FALSE(fs::exists(run_dir + "/" + name)) << name << " (a dead process's) is left";
   for (const auto& name : kept) EXPECT_TRUE(fs::exists(run_dir + "/" + name)) << name << " was removed";
+}
+
+// ---- resuming a run safely (ux review B2-B5) ----
+
+namespace resume_guard {
+
+using ddp::testing::only_run_dir;
+using ddp::testing::run_process;
+
+// Every file under `dir` (recursively) with its bytes: what a run that
+// writes nothing leaves exactly as it was.
+std::map<std::string, std::string> contents(const std::string& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir))
+    out[e.path().string()] = e.is_regular_file() ? ddp::testing::read_file(e.path().string()) : "<dir>";
+  return out;
+}
+
+// The lines of a refused run's output that say "error:": a refusal says it
+// in exactly one.
+std::vector<std::string> error_lines(const std::string& output) {
+  std::vector<std::string> out;
+  std::istringstream in(output);
+  for (std::string line; std::getline(in, line);)
+    if (line.find("error:") != std::string::npos) out.push_back(line);
+  return out;
+}
+
+void truncate_to(const std::string& path, uintmax_t size) { fs::resize_file(path, size); }
+
+// The one "error:" line of a run refused with exit 2 ("", and a failure,
+// for anything else).
+std::string refusal(const ddp::testing::ProcessResult& r) {
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  const auto lines = error_lines(r.output);
+  EXPECT_EQ(lines.size(), 1u) << r.output;
+  return lines.size() == 1 ? lines[0] : "";
+}
+
+// A finished one-epoch run under `save_path` (quick_run): its directory.
+std::string one_epoch_run(const std::string& save_path) {
+  auto r = run_process(quick_run(save_path, {"--epochs", "1", "--sanity-val-steps", "0"}));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  return only_run_dir(save_path);
+}
+
+}  // namespace resume_guard
+
+// B2: run B (newer) has only damaged checkpoints. --resume auto once went on
+// with the older run A without a word, and --resume B said B "holds no
+// checkpoint". Both now stop in one line naming B's damaged file and why it
+// could not be read, and nothing of either run changes.
+TEST(RunDir, DamagedNewestRunIsNamedNotSkippedForAnOlderRun) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("damaged_auto");
+  auto a = run_process(quick_run(save_path + "/a", {"--epochs", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_process(quick_run(save_path + "/b", {"--epochs", "2", "--save_epoch", "1", "--sanity-val-steps", "0", "--seed", "5"}));
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  // One --save_path holding both runs, A written before B.
+  const std::string run_a = save_path + "/train_a", run_b = save_path + "/train_b";
+  fs::rename(only_run_dir(save_path + "/a"), run_a);
+  fs::rename(only_run_dir(save_path + "/b"), run_b);
+  for (const char* f : {"epoch_1.pt", "best.pt"}) fs::last_write_time(run_a + "/" + f, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  for (const auto& e : fs::directory_iterator(run_b))
+    if (e.path().extension() == ".pt") truncate_to(e.path().string(), 5000);
+  const auto before = contents(save_path);
+
+  auto resumed = run_process(quick_run(save_path, {"--resume", "auto", "--epochs", "3", "--reschedule"}));
+  EXPECT_EQ(resumed.output.find("resume: " + run_a), std::string::npos) << "auto crossed into the older run:\n" << resumed.output;
+  const std::string line_auto = refusal(resumed);
+  EXPECT_NE(line_auto.find(run_b + "/epoch_2.pt"), std::string::npos) << line_auto;
+  EXPECT_NE(line_auto.find("not a complete PyTorch zip file"), std::string::npos) << line_auto;
+
+  auto named = run_process({DDPTRAIN_EXE, "--resume", run_b, "--epochs", "3", "--reschedule"});
+  EXPECT_EQ(named.output.find("holds no checkpoint"), std::string::npos) << named.output;
+  const std::string line_named = refusal(named);
+  EXPECT_NE(line_named.find(run_b + "/epoch_2.pt"), std::string::npos) << line_named;
+  EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
+  // "holds no checkpoint" stays for a directory that holds none.
+  fs::create_directories(save_path + "/empty");
+  auto empty = run_process({DDPTRAIN_EXE, "--resume", save_path + "/empty"});
+  EXPECT_NE(empty.output.find("holds no checkpoint"), std::string::npos) << empty.output;
+}
+
+// B2: a damaged epoch_3.pt beside an intact epoch_2.pt. --resume RUN once
+// resumed epoch 2 without a word and overwrote the damaged file with its own
+// epoch 3. Now it stops in one line naming epoch_3.pt, with the explicit
+// command as the fix; that command keeps the damaged file (moved aside with
+// the branch it belongs to, byte for byte) and says where it went.
+TEST(RunDir, DamagedLaterCheckpointStopsResumeAndAnExplicitOlderResumeKeepsIt) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("damaged_later");
+  auto first = run_process(quick_run(save_path, {"--epochs", "3", "--save_epoch", "1", "--sanity-val-steps", "0"}));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto run = only_run_dir(save_path);
+  truncate_to(run + "/epoch_3.pt", fs::file_size(run + "/epoch_3.pt") / 2);
+  const std::string damaged = ddp::testing::read_file(run + "/epoch_3.pt");
+  const auto before = contents(save_path);
+
+  auto refused = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "4", "--reschedule"});
+  const std::string line_refused = refusal(refused);
+  EXPECT_NE(line_refused.find(run + "/epoch_3.pt"), std::string::npos) << line_refused;
+  EXPECT_NE(line_refused.find("--resume " + run + "/epoch_2.pt"), std::string::npos) << line_refused;
+  EXPECT_EQ(contents(save_path), before) << "a refused resume changed a file";
+
+  auto explicit_older = run_process({DDPTRAIN_EXE, "--resume", run + "/epoch_2.pt", "--epochs", "3"});
+  ASSERT_EQ(explicit_older.exit_code, 0) << explicit_older.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_3.pt")) << explicit_older.output;
+  std::string aside;
+  for (const auto& e : fs::directory_iterator(run))
+    if (e.is_directory() && e.path().filename().string().rfind("abandoned-", 0) == 0) aside = e.path().string();
+  ASSERT_FALSE(aside.empty()) << explicit_older.output;
+  EXPECT_EQ(ddp::testing::read_file(aside + "/epoch_3.pt"), damaged);
+  EXPECT_NE(explicit_older.output.find(aside), std::string::npos) << explicit_older.output;
+}
+
+// B2's control: a damaged checkpoint that is older and behind an intact one
+// does not block, and one that may be further along (a later epoch, a
+// preempt.pt, a newer file) does, naming itself and the intact one.
+TEST(RunDir, OnlyADamagedCheckpointThatMayBeFurtherAlongBlocksResume) {
+  const auto dir = ddp::testing::temp_dir("damaged_rules");
+  torch::nn::Linear model(2, 2);
+  auto save = [&](const std::string& name, int64_t epoch, int64_t step, int minutes_ago) {
+    ddp::CheckpointMeta meta;
+    meta.state.epoch = epoch;
+    meta.state.step = step;
+    ddp::save_checkpoint(dir + "/" + name, *model, nullptr, meta);
+    fs::last_write_time(dir + "/" + name, fs::file_time_type::clock::now() - std::chrono::minutes(minutes_ago));
+  };
+  auto damage = [&](const std::string& name, int minutes_ago) {
+    std::ofstream(dir + "/" + name, std::ios::binary) << "PK\x03\x04 half a file";
+    fs::last_write_time(dir + "/" + name, fs::file_time_type::clock::now() - std::chrono::minutes(minutes_ago));
+  };
+  save("epoch_2.pt", 2, 20, 30);
+  damage("epoch_1.pt", 60);  // older and behind
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), dir + "/epoch_2.pt");
+  damage("epoch_3.pt", 90);  // a later epoch, though an older file
+  auto msg = ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); });
+  EXPECT_NE(msg.find(dir + "/epoch_3.pt"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir + "/epoch_2.pt"), std::string::npos) << msg;
+  fs::remove(dir + "/epoch_3.pt");
+  damage("preempt.pt", 90);
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/preempt.pt"), std::string::npos);
+  fs::remove(dir + "/preempt.pt");
+  damage("epoch_1.pt", 1);  // behind by its number, but written after epoch_2.pt
+  EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/epoch_1.pt"), std::string::npos);
+}
+
+// B3: two jobs resuming one run directory at once once both trained, each
+// row of metrics.csv twice and both writing epoch_3.pt. Rank 0 of a job holds
+// a lock on its run directory: a second job stops at its start in one line
+// naming the directory and the holder (pid, host). The lock is the
+// kernel's: after the holder is killed (SIGKILL, no clean-up), the next job
+// goes on.
+TEST(RunDir, ASecondJobInTheSameRunDirectoryStopsAndAKilledHoldersLockDoesNotBlock) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("run_lock");
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
+  // A long resume, held at its start of training.
+  auto holder = ddp::testing::start_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "400", "--reschedule",
+                                             "--save_epoch", "1"});
+  ASSERT_TRUE(ddp::testing::wait_for_output(holder, "world:", 120)) << ddp::testing::read_file(holder.log);
+  // (More epochs than the holder reaches: a resume with nothing left to do writes nothing, and goes.)
+  auto second = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "500", "--reschedule"});
+  const std::string line_second = refusal(second);
+  char host[256] = {};
+  ASSERT_EQ(gethostname(host, sizeof host - 1), 0);
+  EXPECT_NE(line_second.find(run), std::string::npos) << line_second;
+  EXPECT_NE(line_second.find("pid " + std::to_string(holder.pid)), std::string::npos) << line_second;
+  EXPECT_NE(line_second.find(host), std::string::npos) << line_second;
+  EXPECT_EQ(second.output.find("world:"), std::string::npos) << "the second job went on:\n" << second.output;
+  EXPECT_EQ(second.output.find("saved "), std::string::npos) << "the second job wrote:\n" << second.output;
+
+  ASSERT_EQ(::kill(holder.pid, SIGKILL), 0);
+  ddp::testing::finish_process(holder, 60);
+  // The run.lock it leaves (with its pid) does not stop the next job: one more epoch.
+  ASSERT_NE(ddp::testing::read_file(run + "/run.lock").find(std::to_string(holder.pid)), std::string::npos);
+  const int64_t reached = ddp::read_checkpoint_meta(ddp::find_latest_checkpoint(run)).state.epoch;
+  const std::string next = std::to_string(reached + 1);
+  auto after_kill = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", next, "--reschedule"});
+  ASSERT_EQ(after_kill.exit_code, 0) << after_kill.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_" + next + ".pt")) << after_kill.output;
+}
+
+// B4: --save_path with --resume RUN_DIR was accepted and ignored (the run
+// went on in RUN_DIR; the new path was never made). A resumed run continues
+// in its own directory, so a --save_path elsewhere is refused in one line,
+// before anything is written; the run's own parent is accepted.
+TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("resume_save_path");
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
+  const auto before = contents(save_path);
+  const std::string other = ddp::testing::temp_dir("resume_save_path_other") + "/runs";
+  for (const std::string& from : {run, run + "/epoch_1.pt"}) {
+    auto refused = run_process({DDPTRAIN_EXE, "--resume", from, "--epochs", "2", "--reschedule", "--save_path", other});
+    const std::string line = refusal(refused);
+    EXPECT_NE(line.find("--save_path " + other), std::string::npos) << line;
+    EXPECT_NE(line.find(run), std::string::npos) << line;
+    EXPECT_FALSE(fs::exists(other)) << from;
+    EXPECT_EQ(contents(save_path), before) << from;
+  }
+  auto same = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "2", "--reschedule", "--save_path", save_path});
+  ASSERT_EQ(same.exit_code, 0) << same.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_2.pt")) << same.output;
+}
+
+// B5: a resume with nothing left to do (a finished 2-rank run, copied, and
+// resumed from another directory on one process) exits 0 saying so, and
+// once rewrote config.toml (size 0, batch 64, the working directory's
+// save_path), the metrics, the curves and the TensorBoard file. Now every
+// file of the run stays byte-identical, and nothing is written elsewhere.
+TEST(RunDir, ResumeWithNothingToDoLeavesEveryFileOfTheRunByteIdentical) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("nothing_to_do");
+  auto first = run_process({DDPTRAIN_EXE, "--model", "cnn", "--size", "2", "--backend", "gloo", "--save_path", save_path,
+                            "--dataset", "synthetic", "--train-samples", "128", "--test-samples", "64", "--batch", "32",
+                            "--epochs", "1", "--sanity-val-steps", "0", "--progress", "none", "--timeout", "60"});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string copy = ddp::testing::temp_dir("nothing_to_do_copy") + "/run";
+  fs::copy(only_run_dir(save_path), copy, fs::copy_options::recursive);
+  const auto before = contents(copy);
+  const auto cwd = ddp::testing::temp_dir("nothing_to_do_cwd");
+  auto again = run_process({"/bin/sh", "-c", "cd \"$0\" && exec \"$1\" --resume \"$2\" --progress none", cwd, DDPTRAIN_EXE, copy});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(ddp::testing::count(again.output, "nothing to do"), 1u) << again.output;
+  EXPECT_EQ(contents(copy), before) << again.output;
+  EXPECT_TRUE(fs::is_empty(cwd)) << again.output;
+}
+
+// C1: a run of ddptrain resumed by a program of the user's once stopped at
+// whatever came first: examples/regression (which makes its own data) at
+// "--dataset does not apply to this program", examples/tabular at reading
+// the CSV files of ddptrain's --data_root; the template at "trained on other
+// data ... pass the --data_root the run trained on". None can help. Now the
+// one line says that the run is ddptrain's, and its model.
+TEST(RunDir, ResumingAnotherProgramsRunNamesTheModelAndProgramFirst) {
+  DDP_SKIP_UNLESS_GLOO();
+  using namespace resume_guard;
+  const auto save_path = ddp::testing::temp_dir("other_program");
+  const auto run = one_epoch_run(save_path);
+  ASSERT_FALSE(run.empty());
+  const auto before = contents(save_path);
+  auto other = run_process({EXAMPLE_regression, "--resume", run, "--epochs", "2", "--reschedule"});
+  const std::string line_other = refusal(other);
+  EXPECT_NE(line_other.find("model 'cnn/"), std::string::npos) << line_other;
+  EXPECT_NE(line_other.find("trained by ddptrain"), std::string::npos) << line_other;
+  EXPECT_EQ(line_other.find("--data_root"), std::string::npos) << line_other;
+  EXPECT_EQ(line_other.find("--dataset"), std::string::npos) << line_other;
+  // A program that reads its data from --data_root (examples/tabular) once
+  // stopped at reading the CSV files there: ddptrain's run is said first.
+  const auto cwd = ddp::testing::temp_dir("other_program_cwd");
+  auto reads_data = run_process({"/bin/sh", "-c", "cd \"$0\" && exec \"$@\"", cwd, EXAMPLE_tabular, "--resume", run});
+  const std::string line_reads_data = refusal(reads_data);
+  EXPECT_NE(line_reads_data.find("trained by ddptrain"), std::string::npos) << line_reads_data;
+  EXPECT_EQ(line_reads_data.find("CSV"), std::string::npos) << line_reads_data;
+  EXPECT_EQ(contents(save_path), before);
+  EXPECT_TRUE(fs::is_empty(cwd));
+  // Two programs of the user's: the model differs, said once it is built.
+  ddp::testing::write_sales_csvs(cwd + "/sales", 200, 50);
+  auto tabular = run_process({EXAMPLE_tabular, "--data_root", cwd + "/sales", "--save_path", cwd + "/runs", "--size", "1",
+                              "--backend", "gloo", "--epochs", "1", "--workers", "0", "--progress", "none"});
+  ASSERT_EQ(tabular.exit_code, 0) << tabular.output;
+  auto regression = run_process({EXAMPLE_regression, "--resume", only_run_dir(cwd + "/runs")});
+  const std::string line_regression = refusal(regression);
+  EXPECT_NE(line_regression.find("is for model 'sales-mlp/"), std::string::npos) << line_regression;
+  EXPECT_NE(line_regression.find("but this program builds 'area-net'; the run was trained by tabular"), std::string::npos)
+      << line_regression;
 }

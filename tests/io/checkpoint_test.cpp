@@ -433,7 +433,12 @@ TEST(Resume, RestartOfAMovedRunGoesOnFromItsNewestCheckpoint) {
   // after this attempt saved epoch_2.pt in the moved directory.
   args = small;
   args.insert(args.end(), {"--epochs", "3", "--reschedule", "--resume", to + "/epoch_1.pt", "--max-restarts", "1"});
-  auto b = run_process(with_fault(run_args(first, args), "0:20"));
+  // No --save_path: the resumed run writes in its own directory, and a
+  // --save_path elsewhere is refused (RunDir.SavePathElsewhereWith...).
+  auto resumed = run_args(first, args);
+  const auto flag = std::find(resumed.begin(), resumed.end(), "--save_path");
+  resumed.erase(flag, flag + 2);
+  auto b = run_process(with_fault(resumed, "0:20"));
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_NE(b.output.find("restart 1 of 1"), std::string::npos) << b.output;
   EXPECT_NE(b.output.find("resume: " + to + "/epoch_2.pt"), std::string::npos) << b.output;

@@ -142,6 +142,12 @@ bool is_checkpoint(const std::string& path);
 /// The newest complete checkpoint (epoch_*.pt, preempt.pt) under `dir` and
 /// its run subdirectories, or "" when there is none. Folders of abandoned
 /// branches (abandoned-*, see set_aside_later_checkpoints) are not searched.
+/// The run written to last is the one (by file times), and in it the
+/// checkpoint furthest along (by the step in its header). Throws UserError,
+/// naming the file and why, when a file of that run that cannot be read may
+/// be further along than the one chosen (a later epoch, a preempt.pt, a
+/// newer file), or when that run has no readable one: never a silent step
+/// back, nor into another run.
 std::string find_latest_checkpoint(const std::string& dir);
 
 /// The prefix of the folder in a run directory that holds an abandoned
@@ -153,9 +159,13 @@ constexpr const char* kAbandonedPrefix = "abandoned-";
 /// `dir` that are further along than `step` belong to the branch it leaves:
 /// they move into a new folder `dir`/abandoned-`stamp`, with a copy of the
 /// metrics logs as they were, so that nothing of that branch is lost and
-/// neither --keep-last nor --resume confuses it with the live one. Returns
-/// the folder, or "" when nothing was further along (the usual resume).
-std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, const std::string& stamp);
+/// neither --keep-last nor --resume confuses it with the live one. A file
+/// that cannot be read goes too when the run would write its name again (an
+/// epoch_N.pt past `epoch`, preempt.pt, best.pt): its name is added to
+/// `unreadable`. Returns the folder, or "" when nothing was further along
+/// (the usual resume).
+std::string set_aside_later_checkpoints(const std::string& dir, int64_t step, int64_t epoch, const std::string& stamp,
+                                        std::vector<std::string>* unreadable = nullptr);
 
 /// Creates a new run directory `save_path`/`stem` (`stem`_1, `stem`_2...
 /// when that exists, e.g. another job started in the same second) and
@@ -186,6 +196,29 @@ void remove_superseded_preempt(const std::string& dir, int64_t step);
 /// whose process is dead on this host. A live process's, or one of another
 /// host (whose pid says nothing here), stays.
 void remove_stale_temp_files(const std::string& dir);
+
+/// The file in a run directory that its job locks (RunDirLock).
+constexpr const char* kRunLockFile = "run.lock";
+
+/// Rank 0's hold on its run directory, from when the job owns it until the
+/// job ends: an exclusive flock on `dir`/run.lock, whose text names the
+/// holder ("pid host"). The kernel releases it when the process ends in any
+/// way (a crash, SIGKILL), so no lock is ever left stale. Throws UserError
+/// naming the directory and the holder when another process holds it. On a
+/// file system without locks it says so on stderr and holds nothing.
+class RunDirLock {
+ public:
+  RunDirLock() = default;
+  explicit RunDirLock(const std::string& dir);
+  ~RunDirLock();
+  RunDirLock(RunDirLock&& other) noexcept;
+  RunDirLock& operator=(RunDirLock&& other) noexcept;
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 /// Writes `text` to `path` atomically (temp file, fsync, rename).
 void write_file_atomic(const std::string& path, const std::string& text);

@@ -43,4 +43,10 @@ std::string job_run_dir(const std::string& save_path, const std::string& resume,
 /// started from. `speak` prints the notes (rank 0, or a launcher).
 std::string choose_resume_checkpoint(const Config& config, bool speak);
 
+/// A run resumed from a run directory or a file (not auto) goes on writing
+/// in that run's directory: a --save_path given beside it that is not that
+/// directory's parent would do nothing, so it is a UserError, before
+/// anything is written. `checkpoint`: choose_resume_checkpoint's file.
+void check_save_path_fits_resume(const Config& config, const std::string& checkpoint);
+
 }  // namespace ddp

@@ -105,6 +105,7 @@ class Trainer {
   std::unique_ptr<LrSchedule> schedule_;
   TrainState state_;
   std::string run_dir_;
+  RunDirLock run_dir_lock_;  // rank 0: held while this job owns run_dir_
   std::string restart_dir_;  // on a restart: the run directory this job made, if any
   std::unique_ptr<MetricsLog> metrics_;
   int64_t steps_per_epoch_ = 0;
