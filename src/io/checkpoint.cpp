@@ -474,8 +474,12 @@ RunDirLock::RunDirLock(const std::string& dir) {
   if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) {
     // Who holds it, for the job that finds it taken: "pid host".
     const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
-    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size()))
-      write_failed(path, "", errno);
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) != static_cast<ssize_t>(me.size())) {
+      const int err = errno;
+      ::close(fd_);  // the destructor will not run: let the lock go here
+      fd_ = -1;
+      write_failed(path, "", err);
+    }
     return;
   }
   const int err = errno;
@@ -490,7 +494,11 @@ RunDirLock::RunDirLock(const std::string& dir) {
   }
   throw UserError("the run directory " + dir + " is in use by another job (pid " + (pid.empty() ? "?" : pid) +
                       " on host " + (host.empty() ? "?" : host) + "); two jobs writing one run would mix its files.",
-                  "wait for that job to end (or stop it), then resume; to train beside it, start a new run.");
+                  "wait for that job to end (or stop it), then resume; to train beside it, start a new run" +
+                      (host.empty() || host == host_name()
+                           ? std::string(".")
+                           : "; if host " + host + " is down (a network file system may keep its lock), remove " +
+                                 path + "."));
 }
 
 RunDirLock::~RunDirLock() {
@@ -629,13 +637,19 @@ std::string find_latest_checkpoint(const std::string& dir) {
     const std::string fname = e.path().filename().string();
     const auto epoch = epoch_of(fname);
     if (!epoch && fname != "preempt.pt") continue;
+    // A file another job's pruning removed since the listing is no longer
+    // there to count (its time is read without throwing).
+    std::error_code time_error;
+    const auto time = e.last_write_time(time_error);
+    if (time_error) continue;
     try {
       const auto meta = read_checkpoint_meta(e.path().string());
-      found.push_back({e.path(), e.last_write_time(), meta.state.step, meta.state.epoch, ""});
+      found.push_back({e.path(), time, meta.state.step, meta.state.epoch, ""});
     } catch (const std::exception& err) {
+      if (!fs::exists(e.path(), time_error)) continue;
       // By its name only: a preempt.pt stopped somewhere in an epoch, so it
       // is never known to be behind.
-      found.push_back({e.path(), e.last_write_time(), -1, epoch.value_or(std::numeric_limits<int64_t>::max()),
+      found.push_back({e.path(), time, -1, epoch.value_or(std::numeric_limits<int64_t>::max()),
                        unreadable_reason(err, e.path().string())});
     }
   }
@@ -653,13 +667,15 @@ std::string find_latest_checkpoint(const std::string& dir) {
     if (f.path.parent_path() != last || !f.unreadable.empty()) continue;
     if (!best || std::tie(f.step, f.epoch, f.time) > std::tie(best->step, best->epoch, best->time)) best = &f;
   }
-  // A damaged file that may be further along than `best` (a later epoch,
-  // a preempt.pt, a newer file) is where the run got to, for all anyone
-  // knows: resuming `best` would skip its work without a word, and then
-  // write over it. One older and behind `best` does not matter.
+  // A damaged file that may be further along than `best` (an epoch_N.pt
+  // of a later epoch, a preempt.pt newer than it) is where the run got to,
+  // for all anyone knows: resuming `best` would skip its work without a
+  // word, and then write over it. An epoch_N.pt goes by its N only (a copy
+  // without -t reorders file times); one behind `best` does not matter.
   for (const auto& f : found) {
     if (f.path.parent_path() != last || f.unreadable.empty()) continue;
-    const bool may_be_ahead = !best || f.epoch > best->epoch || f.time > best->time;
+    const bool is_preempt = f.path.filename() == "preempt.pt";
+    const bool may_be_ahead = !best || f.epoch > best->epoch || (is_preempt && f.time > best->time);
     if (may_be_ahead && (!damaged || std::tie(f.epoch, f.time) > std::tie(damaged->epoch, damaged->time))) damaged = &f;
   }
   if (damaged) {

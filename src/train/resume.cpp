@@ -75,10 +75,18 @@ std::string choose_resume_checkpoint(const Config& c, bool speak) {
 
 void check_save_path_fits_resume(const Config& c, const std::string& checkpoint) {
   if (checkpoint.empty() || c.resume.empty() || c.resume == "auto" || !c.was_given("save_path")) return;
+  // The run's own --save_path, or one above it (what a job script repeats),
+  // compared as written and with links followed.
+  const auto under = [](const fs::path& run, const fs::path& given) {
+    const auto r = run.lexically_normal(), g = given.lexically_normal();
+    const auto rel = r.lexically_relative(g);
+    return !rel.empty() && *rel.begin() != ".." && rel != ".";
+  };
   std::error_code ec;
-  const fs::path run = fs::weakly_canonical(fs::absolute(run_dir_of(checkpoint)), ec);
-  const fs::path given = fs::weakly_canonical(fs::absolute(c.save_path), ec);
-  if (run.parent_path() == given) return;  // the run's own --save_path: what a job script repeats
+  const fs::path run_as_written = fs::absolute(run_dir_of(checkpoint));
+  const fs::path run = fs::weakly_canonical(run_as_written, ec);
+  if (under(run_as_written, fs::absolute(c.save_path)) || under(run, fs::weakly_canonical(fs::absolute(c.save_path), ec)))
+    return;
   throw UserError("--save_path " + c.save_path + " does not apply to --resume " + c.resume +
                       ": a resumed run goes on in its own run directory, " + run.string() + ".",
                   "drop --save_path; to go on elsewhere, copy the run directory there and resume the copy "

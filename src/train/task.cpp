@@ -71,18 +71,32 @@ TensorMap Task::predict_step(const data::Batch& batch) {
   return {{"output", net->forward(batch.input())}};
 }
 
-data::DatasetPtr Task::make_predict_data(const Config& config, World& world, const std::string& path) {
+data::DatasetPtr Task::test_split_at(const Config& config, World& world, const std::string& path) {
   Config c = config;
   c.data_root = path;
   if (std::find(c.given.begin(), c.given.end(), "data_root") == c.given.end()) c.given.push_back("data_root");
-  auto data = make_data(c, world).test;
+  return make_data(c, world).test;
+}
+
+data::DatasetPtr Task::make_predict_data(const Config& config, World& world, const std::string& path) {
   // A task's own make_data() makes its data, or reads it from wherever it
   // likes: nothing says it read PATH, and its own test split in PATH's place
-  // would be predicted without a word.
-  check_user(builtin_data_, "predict --split " + path + ": this task makes its data in its own make_data(), which " +
-                                "ddptrain cannot point at " + path + ".",
-             "override make_predict_data(config, world, path) in your task to return the samples in " + path +
-                 " (examples/tabular does), or predict --split test, val or train.");
+  // would be predicted without a word. Said too where its make_data()
+  // fails on PATH (e.g. PATH/train.csv missing): the fix is the same.
+  const auto refusal = [&] {
+    return UserError("predict --split " + path + ": this task makes its data in its own make_data(), which " +
+                         "ddptrain cannot point at " + path + ".",
+                     "override make_predict_data(config, world, path) in your task to return the samples in " + path +
+                         " (examples/tabular does), or predict --split test, val or train.");
+  };
+  data::DatasetPtr data;
+  try {
+    data = test_split_at(config, world, path);
+  } catch (const UserError&) {
+    if (!builtin_data_) throw refusal();
+    throw;
+  }
+  if (!builtin_data_) throw refusal();
   return data;
 }
 

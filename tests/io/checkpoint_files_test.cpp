@@ -556,8 +556,10 @@ TEST(RunDir, OnlyADamagedCheckpointThatMayBeFurtherAlongBlocksResume) {
   damage("preempt.pt", 90);
   EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/preempt.pt"), std::string::npos);
   fs::remove(dir + "/preempt.pt");
-  damage("epoch_1.pt", 1);  // behind by its number, but written after epoch_2.pt
-  EXPECT_NE(ddp::testing::user_error([&] { ddp::find_latest_checkpoint(dir); }).find(dir + "/epoch_1.pt"), std::string::npos);
+  // Behind by its number, but written after epoch_2.pt (as a copy without
+  // -t may leave it): an epoch_N.pt goes by its N, so it does not block.
+  damage("epoch_1.pt", 1);
+  EXPECT_EQ(ddp::find_latest_checkpoint(dir), dir + "/epoch_2.pt");
 }
 
 // B3: two jobs resuming one run directory at once once both trained, each
@@ -621,6 +623,12 @@ TEST(RunDir, SavePathElsewhereWithResumeOfARunIsRefusedInOneLine) {
   auto same = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "2", "--reschedule", "--save_path", save_path});
   ASSERT_EQ(same.exit_code, 0) << same.output;
   EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_2.pt")) << same.output;
+  // A --save_path above the run's own (as --resume auto finds runs under
+  // it, at any depth), written with a "..": accepted too.
+  const std::string above = save_path + "/../" + fs::path(save_path).filename().string() + "/..";
+  auto higher = run_process({DDPTRAIN_EXE, "--resume", run, "--epochs", "3", "--reschedule", "--save_path", above});
+  ASSERT_EQ(higher.exit_code, 0) << higher.output;
+  EXPECT_TRUE(ddp::is_checkpoint(run + "/epoch_3.pt")) << higher.output;
 }
 
 // B5: a resume with nothing left to do (a finished 2-rank run, copied, and

@@ -44,6 +44,28 @@ std::vector<torch::Tensor> weights(const std::string& checkpoint, const std::str
   return out;
 }
 
+// `predict --split DIR` with --task lm reads DIR as --data_root DIR would
+// be read: ddptrain's own data, so not refused as a task that makes its own.
+TEST(LmTask, PredictReadsAnotherTextFolder) {
+  DDP_SKIP_UNLESS_GLOO();
+  const auto dir = ddp::testing::temp_dir("lm_predict");
+  fs::create_directories(dir + "/text");
+  {
+    std::ofstream f(dir + "/text/a.txt");
+    for (int i = 0; i < 200; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog\n";
+  }
+  auto r = run_process(lm_args(dir + "/runs", {"--size", "1", "--epochs", "1", "--batch", "8", "--train-samples", "64",
+                                               "--test-samples", "16", "--data_root", dir + "/text"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto best = find_file(dir + "/runs", "best.pt");
+  auto p = run_process({DDPTRAIN_EXE, "predict", "--checkpoint", best, "--split", dir + "/text", "--out",
+                        dir + "/p.csv"});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_NE(p.output.find("predict: wrote " + dir + "/p.csv: "), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find(" rows of " + dir + "/text"), std::string::npos)
+      << p.output;
+}
+
 // The acceptance run: a few hundred steps on the corpus bring the
 // validation loss (nats per byte) from ln 256 = 5.55 below the stated
 // value, and generate prints the prompt and as many bytes as asked.

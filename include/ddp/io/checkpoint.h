@@ -203,7 +203,9 @@ constexpr const char* kRunLockFile = "run.lock";
 /// Rank 0's hold on its run directory, from when the job owns it until the
 /// job ends: an exclusive flock on `dir`/run.lock, whose text names the
 /// holder ("pid host"). The kernel releases it when the process ends in any
-/// way (a crash, SIGKILL), so no lock is ever left stale. Throws UserError
+/// way (a crash, SIGKILL), so no lock outlives its job on a local disk (a
+/// network file system may keep a dead host's lock until its lease ends;
+/// the refusal then says to remove the file). Throws UserError
 /// naming the directory and the holder when another process holds it. On a
 /// file system without locks it says so on stderr and holds nothing.
 class RunDirLock {

@@ -28,6 +28,11 @@ class LmTask : public Task {
   /// augmentation, cosine schedule, gradient clipping at 1.
   void add_flags(Config& config) override;
   data::Splits make_data(const Config& config, World& world) override;
+  /// `predict --split PATH`: the test split of the text or tokens in PATH,
+  /// read as --data_root PATH is.
+  data::DatasetPtr make_predict_data(const Config& config, World& world, const std::string& path) override {
+    return test_split_at(config, world, path);
+  }
   ModulePtr make_model(const Config& config, const data::Splits& data) override;
   /// Adam and AdamW with betas (0.9, 0.95), as GPT-2 and nanoGPT train;
   /// --lr and --weight-decay as given (or their defaults).

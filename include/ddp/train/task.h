@@ -159,6 +159,9 @@ class Task {
   std::string arch_ = "custom";
   ModulePtr model_;
   bool builtin_data_ = false, builtin_model_ = false;  // set by the defaults above
+  /// The test split of make_data() with --data_root PATH (the default
+  /// make_predict_data, for data ddptrain reads).
+  data::DatasetPtr test_split_at(const Config& config, World& world, const std::string& path);
 };
 
 /// Classification: cross-entropy (with --label-smoothing) on "input" ->
